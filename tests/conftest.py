@@ -20,3 +20,30 @@ if not _HAS_CUDA:
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct (loaded once per test session)."""
+    from kvedit import load_model
+
+    return load_model("smollm2-135m-instruct", device="cpu")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gemma3"])
+def tiny(request):
+    """Each tiny random architecture: ``(arch, model, tokenizer)``."""
+    from kvedit.testing import tiny_model
+
+    model, tok = tiny_model(request.param)
+    return request.param, model, tok
+
+
+RECORDS = (
+    "Alice's secret number is 4821. Bob's secret number is 7310. "
+    "Carol's secret number is 5902. Dave's secret number is 1234. "
+    "Eve's secret number is 8080. Frank's secret number is 6611. "
+)

@@ -1,0 +1,50 @@
+"""The few places where transformers 5.x releases differ for what kvedit uses.
+
+transformers 5.24 renamed the ``past_key_values`` argument of ``forward`` to ``cache`` and
+announced the removal of the old name for 5.40 (kvedit pins ``<5.40``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from transformers import PreTrainedModel
+
+
+@functools.cache
+def _cache_kwarg_for(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name under which ``model.forward`` takes a KV cache in this transformers version."""
+    return _cache_kwarg_for(type(model))
+
+
+def text_config(model: PreTrainedModel):
+    """The decoder config (the text config of multimodal wrappers)."""
+    return model.config.get_text_config()
+
+
+def layer_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per decoder layer: its sliding window size, or None for global attention."""
+    cfg = text_config(model)
+    n = cfg.num_hidden_layers
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
+    window = getattr(cfg, "sliding_window", None)
+    out: list[int | None] = []
+    for kind in layer_types:
+        if kind == "sliding_attention":
+            out.append(int(window))
+        elif kind in ("full_attention", "attention"):
+            out.append(None)
+        else:
+            from .errors import UnsupportedModelError
+
+            raise UnsupportedModelError(
+                f"{cfg.model_type}: layer type {kind!r} has no KV cache kvedit can edit "
+                "(supported: full_attention, sliding_attention)"
+            )
+    return out

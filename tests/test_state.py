@@ -1,0 +1,164 @@
+"""Capture and continue: the identity every later feature relies on."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import RECORDS
+from helpers import reference_generate, same, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvedit
+from kvedit.errors import SpanNotFoundError
+from kvedit.testing import TINY_SLIDING_WINDOW
+
+QUESTION = " What is Carol's secret number?"
+
+
+def test_capture_then_generate_matches_model_generate(tiny):
+    arch, model, tok = tiny
+    text = RECORDS * 2
+    state = kvedit.capture(model, tok, text)
+    if arch == "gemma3":  # the prefix must be longer than the sliding window
+        assert len(state) > TINY_SLIDING_WINDOW
+        assert {len(layer) for layer in state.layers} == {TINY_SLIDING_WINDOW - 1, len(state)}
+    ours = state.generate(QUESTION, max_new_tokens=24)
+    ref = reference_generate(model, tok, state.token_ids.tolist(), QUESTION, 24)
+    assert ours == ref
+    assert len(tok(ours, add_special_tokens=False)["input_ids"]) >= 10  # not trivially short
+
+
+def test_generate_with_empty_continuation_uses_stored_logits(tiny):
+    _, model, tok = tiny
+    state = kvedit.capture(model, tok, RECORDS)
+    assert state.generate("", max_new_tokens=12) == reference_generate(
+        model, tok, state.token_ids.tolist(), "", 12
+    )
+
+
+def test_smollm2_identity(smollm2):
+    model, tok = smollm2
+    prefix, cont = kvedit.chat_prefix(
+        tok, "Records:\n" + RECORDS + "\n\nQuestion: What is Dave's secret number?", "\n\nQuestion:"
+    )
+    state = kvedit.capture(model, tok, prefix)
+    ours = state.generate(cont, max_new_tokens=16)
+    assert ours == reference_generate(model, tok, state.token_ids.tolist(), cont, 16)
+    assert "secret number" in ours  # sensible text, not noise
+
+
+def test_logits_rows_match_a_full_forward(tiny):
+    _, model, tok = tiny
+    state = kvedit.capture(model, tok, RECORDS)
+    rows = state.logits(QUESTION)
+    cont = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    assert rows.shape == (len(cont), model.config.vocab_size)
+    ids = torch.tensor([state.token_ids.tolist() + cont])
+    with torch.no_grad():
+        full = model(ids).logits[0, len(state) - 1 : -1]
+    torch.testing.assert_close(rows, full.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_extend_equals_capturing_the_concatenated_tokens(tiny):
+    arch, model, tok = tiny
+    state = kvedit.capture(model, tok, RECORDS)
+    extended = state.extend(" Grace's secret number is 4444.")
+    assert extended.text == RECORDS + " Grace's secret number is 4444."
+    assert len(extended) == len(state) + len(
+        tok(" Grace's secret number is 4444.", add_special_tokens=False)["input_ids"]
+    )
+    assert extended.next_position == len(extended)
+    assert extended.generate(QUESTION, 16) == reference_generate(
+        model, tok, extended.token_ids.tolist(), QUESTION, 16
+    )
+    # the new tokens' offsets point at their text
+    idx = extended.token_indices("4444")
+    assert idx.numel() >= 1 and idx.min() >= len(state)
+    if arch == "gemma3":
+        assert all(
+            len(layer) == TINY_SLIDING_WINDOW - 1 for layer in extended.layers if layer.window
+        )
+
+
+def test_continuing_never_mutates_the_state(tiny):
+    _, model, tok = tiny
+    state = kvedit.capture(model, tok, RECORDS)
+    before = snapshot(state)
+    state.generate(QUESTION, 8)
+    state.logits(QUESTION)
+    state.extend(" more text")
+    assert same(before, snapshot(state))
+
+
+def test_copy_to_len_nbytes(tiny):
+    _, model, tok = tiny
+    state = kvedit.capture(model, tok, RECORDS)
+    clone = state.copy()
+    assert clone.layers[0].keys.data_ptr() != state.layers[0].keys.data_ptr()
+    assert same(snapshot(clone), snapshot(state))
+    assert len(state) == len(tok(RECORDS)["input_ids"])
+    expected = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in state.layers)
+    assert state.nbytes == expected
+    moved = state.to("cpu")
+    assert moved.generate(QUESTION, 6) == state.generate(QUESTION, 6)
+
+
+def test_token_indices_substring_regex_and_range(tiny):
+    _, model, tok = tiny
+    state = kvedit.capture(model, tok, RECORDS + RECORDS)
+    both = state.token_indices("4821")
+    assert both.numel() >= 2  # every occurrence
+    first_end = RECORDS.index("4821") + 4
+    only_first = state.token_indices((RECORDS.index("4821"), first_end))
+    assert set(only_first.tolist()) < set(both.tolist())
+    by_regex = state.token_indices(re.compile(r"\d{4}"))
+    assert set(both.tolist()) <= set(by_regex.tolist())
+    for i in both.tolist():  # each selected token overlaps an occurrence of the span
+        a, b = state.offsets[i].tolist()
+        assert "4821" in state.text[max(0, a - 4) : b + 4] or b - a > 0
+    with pytest.raises(SpanNotFoundError, match="Zed"):
+        state.token_indices("Zed's")
+    with pytest.raises(ValueError, match="empty"):
+        state.token_indices("")
+    with pytest.raises(SpanNotFoundError):
+        state.token_indices((0, len(state.text) + 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_random_ranges_map_to_overlapping_tokens(data):
+    from kvedit.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    text = RECORDS
+    enc = tok(text, return_offsets_mapping=True)
+    offsets = torch.tensor(enc["offset_mapping"])
+    start = data.draw(st.integers(0, len(text) - 1))
+    end = data.draw(st.integers(start + 1, len(text)))
+    from kvedit.spans import char_ranges, tokens_in_ranges
+
+    idx = set(tokens_in_ranges(offsets, char_ranges(text, (start, end))).tolist())
+    for i, (a, b) in enumerate(offsets.tolist()):
+        overlaps = a < end and b > start and b > a
+        assert (i in idx) == overlaps
+    # and back: the selected tokens' characters cover the range
+    covered = set()
+    for i in idx:
+        a, b = offsets[i].tolist()
+        covered.update(range(a, b))
+    assert set(range(start, end)) <= covered | {
+        c for c in range(start, end) if not any(a <= c < b for a, b in offsets.tolist())
+    }
+
+
+def test_chat_prefix_splits_the_templated_prompt(smollm2):
+    _, tok = smollm2
+    prefix, cont = kvedit.chat_prefix(tok, "Docs here.\n\nQuestion: Why?", "\n\nQuestion:")
+    assert prefix.endswith("Docs here.")
+    assert cont.startswith("\n\nQuestion: Why?")
+    assert "assistant" in cont
+    with pytest.raises(SpanNotFoundError):
+        kvedit.chat_prefix(tok, "no split here", "Question:")
