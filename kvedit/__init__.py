@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from . import errors
+from . import errors, ops
 from .attention import register as _register_attention
 from .models import load_model
+from .readout import AttentionShare, attention_share
 from .state import KVState, LayerKV, capture, chat_prefix
+from .steer import Steering, steer, strength_for_share
 from .storage import load_state
 
 __version__ = "0.1.0"
@@ -13,6 +15,12 @@ __version__ = "0.1.0"
 _register_attention()
 
 __all__ = [
+    "AttentionShare",
+    "Steering",
+    "attention_share",
+    "ops",
+    "steer",
+    "strength_for_share",
     "KVState",
     "LayerKV",
     "__version__",

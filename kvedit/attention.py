@@ -181,6 +181,21 @@ def kvedit_attention_forward(
     if plan is not None:
         bias = plan.key_bias(module.layer_idx, k_len, total_len)
         unbiased = plan.unbiased_queries(q_len, total_len) if bias is not None else q_len
+    observe = getattr(plan, "observe", None)
+    if observe is not None:
+        observe(
+            module.layer_idx,
+            attention_probs(
+                query,
+                key,
+                scale=scaling,
+                bias=bias,
+                unbiased_queries=unbiased,
+                padding=padding,
+                window=sliding_window,
+                softcap=softcap,
+            ),
+        )
     out = attend(
         query,
         key,
@@ -261,6 +276,44 @@ def attend(
     return _attend_torch(
         q, k, v, scale, bias, unbiased_queries, padding, window, softcap, custom_mask
     )
+
+
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+    unbiased_queries: int = 0,
+    padding: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention probabilities ``[B, H, Sq, Sk]`` (fp32), same masking as :func:`attend`.
+
+    Materialises the full matrix: meant for short queries (a question over a cached context).
+    """
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    scale = D**-0.5 if scale is None else scale
+    scores = torch.einsum("bkgqd,bksd->bkgqs", q.float().view(B, Hkv, G, Sq, D), k.float()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    neg = torch.finfo(torch.float32).min
+    qi = torch.arange(Sk - Sq, Sk, device=q.device)[:, None]
+    kj = torch.arange(Sk, device=q.device)[None, :]
+    allowed = kj <= qi
+    if window is not None:
+        allowed = allowed & (qi - kj < window)
+    scores = scores.masked_fill(~allowed, neg)
+    if bias is not None and unbiased_queries < Sq:
+        kb = _bias_to_groups(bias.float(), Hkv, G)  # [B, Hkv|1, G|1, 1, Sk]
+        rows = (torch.arange(Sq, device=q.device) >= unbiased_queries).float()[:, None]
+        scores = scores + kb * rows
+    if padding is not None:
+        scores = scores.masked_fill(~padding[:, None, None, None, :], neg)
+    return scores.softmax(-1).view(B, H, Sq, Sk)
 
 
 def _use_triton(q: torch.Tensor) -> bool:

@@ -135,7 +135,7 @@ class LayerKV:
         )
 
 
-class _StateBias:
+class StateBias:
     """BiasPlan for continuing from a state: stored bias on cached entries, zeros on new ones."""
 
     def __init__(self, layers: Sequence[LayerKV]):
@@ -318,7 +318,7 @@ class KVState:
         else:
             next_logits = self.last_logits
         cache = _dynamic_cache(layers)
-        plan = _StateBias(layers)
+        plan = StateBias(layers)
         with activate(model, plan):
             for step in range(max_new_tokens):
                 token = _sample(next_logits, do_sample, temperature, top_k, top_p, generator)
@@ -429,14 +429,17 @@ def run_model(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     logits_to_keep: int = 0,
+    plan=None,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``input_ids [1, n]`` at ``position_ids [1, n]`` on top of ``layers``.
 
     Returns ``(logits [1, n|keep, vocab], [(keys, values) of the n new entries per layer])``.
-    The stored bias applies to every new query; ``layers`` is left untouched.
+    The stored bias applies to every new query (or ``plan``, a BiasPlan, decides); ``layers``
+    is left untouched.
     """
     cache = _dynamic_cache(layers)
-    with torch.no_grad(), activate(model, _StateBias(layers)):
+    plan = StateBias(layers) if plan is None else plan
+    with torch.no_grad(), activate(model, plan):
         out = model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -1,0 +1,1 @@
+"""Evaluation suites: lost-in-the-middle tasks, metrics, reports, and the methods registry."""

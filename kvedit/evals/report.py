@@ -1,0 +1,232 @@
+"""Summaries, result files, tables and plots of lost-in-the-middle evaluations.
+
+The input is one result record per (example, method)::
+
+    {"id": str, "method": str, "gold_index": int, "prediction": str, "correct": bool | float}
+
+:func:`summarize` turns them into per-method accuracies by gold position, :func:`write_results`
+stores both in ``results.json``, :func:`format_table` prints the summary and
+:func:`plot_curves` draws accuracy against gold position.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+from kvedit.evals.metrics import bootstrap_ci
+from kvedit.evals.tasks import atomic_write
+
+__all__ = ["REQUIRED_KEYS", "format_table", "plot_curves", "summarize", "write_results"]
+
+REQUIRED_KEYS = ("id", "method", "gold_index", "prediction", "correct")
+"""Keys every result record must have (others are kept in ``results.json`` but ignored)."""
+
+N_RESAMPLES = 1000
+"""Bootstrap resamples of the 95% confidence interval (seed 0)."""
+
+
+def _correctness(record: Mapping[str, Any], number: int) -> float:
+    value = record["correct"]
+    if hasattr(value, "item") and not isinstance(value, Real | str):
+        value = value.item()  # a NumPy or torch scalar, e.g. numpy.bool_
+    if not isinstance(value, Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(
+            f"record {number}: 'correct' must be a bool or a number in [0, 1], got {value!r}"
+        )
+    return float(value)
+
+
+def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-method accuracy: overall, by gold position, worst position, and its 95% CI.
+
+    Returns ``{method: {"mean", "worst", "by_position", "n", "ci95"}}`` with methods in the
+    order they first appear, where
+
+    - ``by_position`` maps the gold position, as a string (``"0"``, ``"5"``, ...; sorted
+      numerically), to the mean ``correct`` of that method's examples at that position;
+    - ``mean`` is the mean ``correct`` over all of the method's examples, and ``n`` their
+      number;
+    - ``worst`` is the lowest accuracy in ``by_position``;
+    - ``ci95`` is ``[low, high]``, the percentile bootstrap of ``mean`` over examples
+      (1,000 resamples, seed 0).
+
+    For a baseline whose prompt does not depend on the position (closed-book, gold-only),
+    record the ``gold_index`` of the positioned example it stands for, so that it gets a value
+    at every position like the other methods.
+
+    Raises:
+        ValueError: a record lacks a required key, has a ``correct`` that is not a bool or a
+            number in [0, 1], or repeats the ``(method, id)`` of an earlier record.
+    """
+    by_method: dict[str, list[tuple[int, float]]] = {}
+    seen: set[tuple[str, str]] = set()
+    for number, record in enumerate(records):
+        missing = [key for key in REQUIRED_KEYS if key not in record]
+        if missing:
+            raise ValueError(f"record {number}: missing key(s) {', '.join(missing)}")
+        key = (str(record["method"]), str(record["id"]))
+        if key in seen:
+            raise ValueError(
+                f"record {number}: duplicate result for method {key[0]!r}, id {key[1]!r}"
+            )
+        seen.add(key)
+        by_method.setdefault(key[0], []).append(
+            (int(record["gold_index"]), _correctness(record, number))
+        )
+
+    summary: dict[str, dict[str, Any]] = {}
+    for method, results in by_method.items():
+        positions: dict[int, list[float]] = {}
+        for position, value in results:
+            positions.setdefault(position, []).append(value)
+        by_position = {
+            str(position): math.fsum(values) / len(values)
+            for position, values in sorted(positions.items())
+        }
+        values = [value for _, value in results]
+        low, high = bootstrap_ci(values, n_resamples=N_RESAMPLES, seed=0)
+        summary[method] = {
+            "mean": math.fsum(values) / len(values),
+            "worst": min(by_position.values()),
+            "by_position": by_position,
+            "n": len(values),
+            "ci95": [low, high],
+        }
+    return summary
+
+
+def _json_default(value: Any) -> Any:
+    """JSON for NumPy/torch scalars (via ``.item()``) and paths; anything else is an error."""
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def write_results(
+    out_dir: str | os.PathLike[str],
+    model: str,
+    task: str,
+    records: Iterable[Mapping[str, Any]],
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``out_dir/results.json`` atomically and return its path.
+
+    The file holds ``{"model", "task", "methods": summarize(records), "examples": records}``,
+    plus ``"extra": extra`` when ``extra`` is given (settings, timings, ...). ``out_dir`` is
+    created if needed.
+    """
+    records = [dict(record) for record in records]
+    payload: dict[str, Any] = {
+        "model": model,
+        "task": task,
+        "methods": summarize(records),
+        "examples": records,
+    }
+    if extra is not None:
+        payload["extra"] = dict(extra)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(payload, indent=2, ensure_ascii=False, default=_json_default) + "\n"
+    return atomic_write(out / "results.json", text)
+
+
+def _positions(summary: Mapping[str, Mapping[str, Any]]) -> list[int]:
+    return sorted({int(p) for stats in summary.values() for p in stats["by_position"]})
+
+
+def format_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """The summary as a plain-text table, one row per method.
+
+    Columns: the method, its accuracy at each gold position (``p<position>``; ``-`` where it
+    was not measured), the mean, the worst position's accuracy, the 95% CI and ``n``.
+    Accuracies are fractions with three decimals.
+    """
+    positions = _positions(summary)
+    header = ["method", *(f"p{p}" for p in positions), "mean", "worst", "95% CI", "n"]
+    rows = [header]
+    for method, stats in summary.items():
+        by_position = stats["by_position"]
+        low, high = stats["ci95"]
+        rows.append(
+            [
+                method,
+                *(
+                    f"{by_position[str(p)]:.3f}" if str(p) in by_position else "-"
+                    for p in positions
+                ),
+                f"{stats['mean']:.3f}",
+                f"{stats['worst']:.3f}",
+                f"[{low:.3f}, {high:.3f}]",
+                str(stats["n"]),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:]))
+        return "  ".join([first, *rest]).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([line(header), rule, *(line(row) for row in rows[1:])])
+
+
+def plot_curves(
+    summary: Mapping[str, Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    title: str | None = None,
+) -> Path:
+    """Plot accuracy against gold position, one line per method, and save it as a PNG.
+
+    A method whose name starts with ``"oracle"`` is drawn dashed and labelled as the upper
+    bound. A method measured at a single position (a position-independent baseline) is drawn
+    as a flat dotted line across all positions. Rendering uses Matplotlib's Agg canvas directly, so
+    the global backend (pyplot) is left alone. The file is written atomically; returns its
+    path.
+
+    Raises:
+        ValueError: ``summary`` is empty.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not summary:
+        raise ValueError("nothing to plot: the summary has no methods")
+    positions = _positions(summary)
+    fig = Figure(figsize=(6.4, 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for method, stats in summary.items():
+        points = sorted((int(p), acc) for p, acc in stats["by_position"].items())
+        if len(points) == 1:
+            xs, ys = positions, [points[0][1]] * len(positions)
+        else:
+            xs, ys = [p for p, _ in points], [acc for _, acc in points]
+        if method.lower().startswith("oracle"):
+            ax.plot(xs, ys, linestyle="--", color="gray", label=f"{method} (upper bound)")
+        elif len(points) == 1:
+            ax.plot(xs, ys, linestyle=":", label=method)
+        else:
+            ax.plot(xs, ys, marker="o", label=method)
+    ax.set_xticks(positions)
+    ax.set_xlabel("Position of the gold document (0 = first)")
+    ax.set_ylabel("Accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, buffer.getvalue())

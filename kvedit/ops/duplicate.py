@@ -1,0 +1,41 @@
+"""``duplicate``: append copies of a span's K/V entries at the same positions.
+
+``copies`` extra copies of a key multiply its unnormalised attention weight by
+``copies + 1``: an exact ``log(copies + 1)`` bias that a stock attention kernel computes, as long
+as later tokens get their true ``position_ids`` (which ``KVState`` always passes).
+
+Sliding-window layers are skipped: appending entries there would push real tokens out of the
+window. On Gemma-3 only the global layers get the boost.
+"""
+
+from __future__ import annotations
+
+from ..spans import Spans
+from ..state import KVState
+from ._select import span_tokens
+
+
+def duplicate(state: KVState, spans: Spans, copies: int = 1) -> KVState:
+    """A new state with ``copies`` extra copies of ``spans``' entries on every global layer."""
+    if not isinstance(copies, int) or isinstance(copies, bool) or copies < 0:
+        raise ValueError(f"copies must be a non-negative int, not {copies!r}")
+    tokens = span_tokens(state, spans)
+    if copies == 0:
+        return state
+    new_layers = []
+    for layer in state.layers:
+        entries = layer.entries_for(tokens)
+        if layer.window is not None or entries.numel() == 0:
+            new_layers.append(layer)
+            continue
+        e = entries.to(layer.keys.device)
+        new_layers.append(
+            layer.append(
+                layer.keys[:, :, e].repeat(1, 1, copies, 1),
+                layer.values[:, :, e].repeat(1, 1, copies, 1),
+                layer.token_index[entries].repeat(copies),
+                layer.positions[entries].repeat(copies),
+                None if layer.bias is None else layer.bias[..., e].repeat(1, 1, copies),
+            )
+        )
+    return state.replace(layers=new_layers)

@@ -1,0 +1,49 @@
+"""``reread``: encode chosen passages again after the end of the cache.
+
+The passages' tokens are run through the model once more, at new positions after the cache, with
+the whole context in view, and their entries are appended. Later queries then find the important
+part near the end, where models attend best: the "read it again" edit that counters
+lost-in-the-middle without touching the rest of the cache. The new entries keep the original
+token indices, so span lookups find both readings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spans import Spans
+from ..state import KVState, run_model
+from ._select import span_tokens
+
+
+def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
+    """A new state with the tokens of ``spans`` (in text order) encoded again at the end.
+
+    ``separator`` (e.g. ``"\\n"``) is encoded before the re-read tokens, if given. Positions
+    advance by the number of tokens encoded; ``len(state)`` and ``state.text`` are unchanged.
+    """
+    tokens = span_tokens(state, spans)
+    if state.tokenizer is None or state.model is None:
+        raise ValueError(
+            "reread needs the state's model; load it with load_state(path, model, tok)"
+        )
+    sep_ids = state.tokenizer(separator, add_special_tokens=False)["input_ids"] if separator else []
+    ids = list(sep_ids) + state.token_ids[tokens].tolist()
+    index = torch.cat([torch.full((len(sep_ids),), -1, dtype=torch.long), tokens])
+    n = len(ids)
+    device = state.device
+    positions = torch.arange(state.next_position, state.next_position + n)
+    logits, new_kv = run_model(
+        state.model,
+        state.layers,
+        torch.tensor([ids], device=device),
+        positions[None].to(device),
+        logits_to_keep=1,
+    )
+    layers = [
+        layer.append(k, v, index, positions)
+        for layer, (k, v) in zip(state.layers, new_kv, strict=True)
+    ]
+    return state.replace(
+        layers=layers, next_position=state.next_position + n, last_logits=logits[0, -1].float()
+    )

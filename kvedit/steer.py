@@ -1,0 +1,320 @@
+"""``kvedit.steer``: move a model's attention onto (or off) chosen spans of its prompt.
+
+Strength is in nats, added to the attention logits of every emphasized key (subtracted for
+suppressed keys). A bias of ``s`` multiplies a key's unnormalised attention weight by ``e**s``:
+
+* **PASTA's α.** PASTA scales the attention to the *other* tokens by ``α`` and renormalises;
+  that is the same distribution as adding ``ln(1/α)`` to the emphasized ones, so
+  ``strength = -ln(α)`` (α = 0.01 is 4.6 nats).
+* **A target share.** A span holding a share ``p`` of a query's attention gets
+  ``p' = p·e^s / (p·e^s + 1 − p)``; :func:`strength_for_share` inverts this.
+
+Usage::
+
+    with kvedit.steer(model, tok, emphasize="Alice's secret number is 4821.") as s:
+        out = model.generate(**inputs)            # spans found in the decoded input ids
+
+    s = kvedit.steer(model, tok, emphasize=["Alice"], strength=2.0)
+    s.generate(prompt)                            # spans refer to ``prompt``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import _model_key, activate, active_plan
+from .spans import Spans, as_span_list, char_ranges, token_offsets, tokens_in_ranges
+
+SCOPES = ("all", "decode")
+
+
+def strength_for_share(current: float, target: float) -> float:
+    """The strength (nats) that moves a span's attention share from ``current`` to ``target``."""
+    if not (0 < current < 1 and 0 < target < 1):
+        raise ValueError("shares must be strictly between 0 and 1")
+    return math.log(target * (1 - current) / (current * (1 - target)))
+
+
+def strength_from_pasta_alpha(alpha: float) -> float:
+    """PASTA's scaling coefficient α for non-emphasized tokens, as a strength in nats."""
+    if not 0 < alpha <= 1:
+        raise ValueError("alpha must be in (0, 1]")
+    return -math.log(alpha)
+
+
+@dataclass(frozen=True)
+class SteerConfig:
+    """What to steer and how. See :func:`steer`."""
+
+    emphasize: tuple
+    suppress: tuple
+    strength: float
+    layers: tuple[int, ...] | None
+    heads: Mapping[int, tuple[int, ...]] | None
+    scope: str
+    protect_special: bool
+
+
+class SpanPlan:
+    """A :class:`~kvedit.attention.BiasPlan` that biases the keys of span tokens of the prompt.
+
+    ``token_bias`` ``[batch, prompt_len]`` holds the bias per absolute token index; keys past
+    the prompt (generated tokens) get none.
+    """
+
+    def __init__(self, config: SteerConfig, tokenizer, n_layers: int, n_heads: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.n_layers = n_layers
+        self.n_heads = n_heads
+        self.token_bias: torch.Tensor | None = None
+        self.fixed = False  # True when bound from a prompt text (wrapper mode)
+        self.matched: list[list[int]] = []  # per batch row: the biased token indices
+
+    # -- binding spans to tokens -----------------------------------------------------------
+
+    def bind_text(self, text: str, offsets: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+        """Bias per token ``[n_tokens]`` for one sequence, from its text and token offsets."""
+        cfg = self.config
+        bias = torch.zeros(len(ids), dtype=torch.float32)
+        emph = (
+            tokens_in_ranges(offsets, char_ranges(text, cfg.emphasize)) if cfg.emphasize else None
+        )
+        supp = tokens_in_ranges(offsets, char_ranges(text, cfg.suppress)) if cfg.suppress else None
+        if emph is not None and supp is not None:
+            both = set(emph.tolist()) & set(supp.tolist())
+            if both:
+                shown = self.tokenizer.convert_ids_to_tokens([int(ids[i]) for i in sorted(both)])
+                raise ValueError(
+                    f"emphasize and suppress spans overlap on tokens {shown[:10]}; a token "
+                    "cannot be both"
+                )
+        if emph is not None:
+            bias[emph] = cfg.strength
+        if supp is not None:
+            bias[supp] = -cfg.strength
+        if cfg.protect_special:
+            special = set(self.tokenizer.all_special_ids)
+            for i, tid in enumerate(ids):
+                if int(tid) in special:
+                    bias[i] = 0.0
+            bias[0] = 0.0  # the attention sink
+        return bias
+
+    def bind_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Find the spans in the decoded ``input_ids [batch, seq]`` (left padding skipped)."""
+        B, T = input_ids.shape
+        token_bias = torch.zeros(B, T, dtype=torch.float32)
+        for b in range(B):
+            keep = (
+                attention_mask[b].bool().cpu()
+                if attention_mask is not None
+                else torch.ones(T, dtype=torch.bool)
+            )
+            where = keep.nonzero().flatten()
+            ids = input_ids[b, where].tolist()
+            text, offsets = token_offsets(self.tokenizer, ids)
+            token_bias[b, where] = self.bind_text(text, offsets, ids)
+        self.token_bias = token_bias.to(input_ids.device)
+
+    # -- the BiasPlan protocol -------------------------------------------------------------
+
+    def _layer_heads(self, layer_idx: int) -> tuple[int, ...] | None | bool:
+        cfg = self.config
+        if cfg.heads is not None:
+            return cfg.heads.get(layer_idx, False) or False
+        if cfg.layers is not None and layer_idx not in cfg.layers:
+            return False
+        return None  # every head
+
+    def key_bias(self, layer_idx: int, k_len: int, total_len: int) -> torch.Tensor | None:
+        if self.token_bias is None:
+            return None
+        heads = self._layer_heads(layer_idx)
+        if heads is False:
+            return None
+        tb = self.token_bias
+        B, T = tb.shape
+        first = total_len - k_len  # absolute index of key entry 0
+        bias = tb.new_zeros(B, k_len)
+        lo, hi = max(first, 0), min(T, total_len)
+        if hi > lo:
+            bias[:, lo - first : hi - first] = tb[:, lo:hi]
+        if heads is None:
+            return bias[:, None, :]
+        per_head = bias.new_zeros(B, self.n_heads, k_len)
+        per_head[:, list(heads)] = bias[:, None, :]
+        return per_head
+
+    def unbiased_queries(self, q_len: int, total_len: int) -> int:
+        if self.config.scope == "all" or self.token_bias is None:
+            return 0
+        prompt_len = self.token_bias.shape[1]
+        return max(0, min(q_len, prompt_len - (total_len - q_len)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward pre-hook that binds spans to each new prompt (context-manager mode)
+# ---------------------------------------------------------------------------------------------
+
+_HOOK_LOCK = threading.Lock()
+_HOOKS: dict[int, tuple[int, object]] = {}  # model key -> (users, hook handle)
+
+
+def _bind_hook(model, args, kwargs):
+    plan = active_plan(model)
+    if not isinstance(plan, SpanPlan) or plan.fixed:
+        return None
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None:
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    fresh = cache is None or cache.get_seq_length() == 0
+    if fresh or plan.token_bias is None:
+        plan.bind_ids(input_ids, kwargs.get("attention_mask"))
+    return None
+
+
+@contextlib.contextmanager
+def _bind_hook_installed(model: PreTrainedModel):
+    key = _model_key(model)
+    with _HOOK_LOCK:
+        users, handle = _HOOKS.get(key, (0, None))
+        if handle is None:
+            handle = model.register_forward_pre_hook(_bind_hook, with_kwargs=True)
+        _HOOKS[key] = (users + 1, handle)
+    try:
+        yield
+    finally:
+        with _HOOK_LOCK:
+            users, handle = _HOOKS[key]
+            if users == 1:
+                handle.remove()
+                del _HOOKS[key]
+            else:
+                _HOOKS[key] = (users - 1, handle)
+
+
+class Steering:
+    """A steering handle: a context manager around ``model.generate``, or a wrapper.
+
+    Create it with :func:`steer`. Re-entrant across threads (each thread's spans stay its own),
+    not within one thread for the same model.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer, config: SteerConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        text_cfg = model.config.get_text_config()
+        self._n_layers = text_cfg.num_hidden_layers
+        self._n_heads = text_cfg.num_attention_heads
+        self._stack: contextlib.ExitStack | None = None
+        self.plan: SpanPlan | None = None
+
+    def _new_plan(self) -> SpanPlan:
+        return SpanPlan(self.config, self.tokenizer, self._n_layers, self._n_heads)
+
+    def __enter__(self) -> Steering:
+        stack = contextlib.ExitStack()
+        try:
+            self.plan = stack.enter_context(activate(self.model, self._new_plan()))
+            stack.enter_context(_bind_hook_installed(self.model))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    @torch.no_grad()
+    def generate(self, prompt: str, **gen_kwargs) -> str:
+        """Tokenize ``prompt``, generate with steering, return only the new text.
+
+        Spans refer to ``prompt``. Greedy and ``max_new_tokens=32`` by default; other keyword
+        arguments go to ``model.generate``. Special tokens are skipped in the output.
+        """
+        tok = self.tokenizer
+        enc = tok(prompt, return_offsets_mapping=True, return_tensors="pt")
+        ids = enc["input_ids"]
+        plan = self._new_plan()
+        bias = plan.bind_text(prompt, enc["offset_mapping"][0], ids[0].tolist())
+        plan.token_bias = bias[None].to(self.model.device)
+        plan.fixed = True
+        gen_kwargs.setdefault("max_new_tokens", 32)
+        gen_kwargs.setdefault("do_sample", False)
+        if tok.pad_token_id is None:
+            gen_kwargs.setdefault("pad_token_id", tok.eos_token_id)
+        device = next(self.model.parameters()).device
+        with activate(self.model, plan):
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=enc["attention_mask"].to(device),
+                **gen_kwargs,
+            )
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def steer(
+    model: PreTrainedModel,
+    tokenizer,
+    emphasize: Spans = (),
+    suppress: Spans = (),
+    strength: float = 2.0,
+    layers: Sequence[int] | None = None,
+    heads: Mapping[int, Sequence[int]] | None = None,
+    scope: str = "all",
+    protect_special: bool = True,
+) -> Steering:
+    """Steer ``model``'s attention toward ``emphasize`` and away from ``suppress``.
+
+    Args:
+        model, tokenizer: a Hugging Face causal LM and its tokenizer.
+        emphasize, suppress: spans (substring, compiled regex or ``(start, end)``; one or a list).
+            In wrapper mode they refer to the prompt text; as a context manager they are found
+            in the decoded input ids of each ``generate`` call.
+        strength: nats added to emphasized keys' logits and subtracted from suppressed ones.
+        layers: layer indices to steer (default all).
+        heads: ``{layer: [query head, ...]}``; when given only those heads are steered.
+        scope: ``"all"`` also steers the prompt's own pass (as PASTA does); ``"decode"`` only
+            the generated tokens.
+        protect_special: never bias special tokens (BOS, chat-template markers) or token 0,
+            the attention sink.
+
+    Returns:
+        A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
+    """
+    if not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise ValueError(f"strength must be a finite number of nats, not {strength!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
+    emph = tuple(as_span_list(emphasize)) if emphasize not in ((), [], None) else ()
+    supp = tuple(as_span_list(suppress)) if suppress not in ((), [], None) else ()
+    if not emph and not supp:
+        raise ValueError("nothing to steer: give emphasize and/or suppress spans")
+    text_cfg = model.config.get_text_config()
+    n_layers, n_heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
+    if layers is not None:
+        layers = tuple(int(i) for i in layers)
+        bad = [i for i in layers if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range for a {n_layers}-layer model")
+    head_map = None
+    if heads is not None:
+        head_map = {int(layer): tuple(int(h) for h in hs) for layer, hs in heads.items()}
+        for layer, hs in head_map.items():
+            if not 0 <= layer < n_layers or any(not 0 <= h < n_heads for h in hs):
+                raise ValueError(f"heads {{{layer}: {list(hs)}}} out of range ({n_heads} heads)")
+    config = SteerConfig(emph, supp, float(strength), layers, head_map, scope, protect_special)
+    return Steering(model, tokenizer, config)

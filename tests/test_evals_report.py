@@ -1,0 +1,129 @@
+"""Tests of kvedit.evals.report: summaries, results.json, the table and the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvedit.evals.metrics import bootstrap_ci
+from kvedit.evals.report import format_table, plot_curves, summarize, write_results
+
+
+def record(method: str, position: int, correct: bool | float, i: int) -> dict:
+    return {
+        "id": f"ex-{position}-{i}",
+        "method": method,
+        "gold_index": position,
+        "prediction": "4821" if correct else "1234",
+        "correct": correct,
+    }
+
+
+@pytest.fixture
+def records() -> list[dict]:
+    # "edited" is seen first; positions are given out of numeric order on purpose.
+    outcomes = {
+        "edited": {10: [1, 1, 1, 0], 2: [1, 1, 1, 1], 0: [1, 1, 0, 0]},
+        "baseline": {0: [1, 1, 1, 1], 10: [1, 0, 0, 0], 2: [1, 0, 1, 0]},
+        "oracle": {0: [1, 1, 1, 0], 2: [1, 1, 1, 0], 10: [1, 1, 1, 0]},
+    }
+    return [
+        record(method, position, bool(value), i)
+        for method, by_position in outcomes.items()
+        for position, values in by_position.items()
+        for i, value in enumerate(values)
+    ]
+
+
+def test_summarize_keys_and_values(records: list[dict]) -> None:
+    summary = summarize(records)
+    assert list(summary) == ["edited", "baseline", "oracle"]
+    for stats in summary.values():
+        assert set(stats) == {"mean", "worst", "by_position", "n", "ci95"}
+        assert list(stats["by_position"]) == ["0", "2", "10"]
+        assert stats["n"] == 12
+    edited = summary["edited"]
+    assert edited["by_position"] == {"0": 0.5, "2": 1.0, "10": 0.75}
+    assert edited["mean"] == pytest.approx(9 / 12)
+    assert edited["worst"] == 0.5
+    assert summary["baseline"]["worst"] == 0.25
+    values = [float(r["correct"]) for r in records if r["method"] == "edited"]
+    assert edited["ci95"] == list(bootstrap_ci(values, n_resamples=1000, seed=0))
+    assert edited["ci95"][0] <= edited["mean"] <= edited["ci95"][1]
+    assert summarize(records) == summary  # deterministic
+
+
+def test_summarize_accepts_fractional_scores_and_numpy_values() -> None:
+    rows = [record("m", 0, 0.5, 0), record("m", 0, np.float64(1.0), 1)]
+    rows += [record("m", 1, np.bool_(True), 2), record("m", 1, np.bool_(False), 3)]
+    assert summarize(rows)["m"]["by_position"] == {"0": 0.75, "1": 0.5}
+    assert summarize([]) == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"correct": KeyError}, "missing key"),
+        ({"correct": "yes"}, "'correct'"),
+        ({"correct": 2}, "'correct'"),
+        ({"id": "ex-0-0"}, "duplicate"),
+    ],
+)
+def test_summarize_rejects_bad_records(change: dict, problem: str) -> None:
+    rows = [record("m", 0, True, 0), record("m", 0, True, 1)]
+    for key, value in change.items():
+        if value is KeyError:
+            del rows[1][key]
+        else:
+            rows[1][key] = value
+    with pytest.raises(ValueError, match=rf"record 1: .*{problem}"):
+        summarize(rows)
+
+
+def test_write_results(tmp_path: Path, records: list[dict]) -> None:
+    path = write_results(tmp_path / "run" / "a", "SmolLM2-135M", "records", records)
+    assert path == tmp_path / "run" / "a" / "results.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert list(data) == ["model", "task", "methods", "examples"]
+    assert data["model"] == "SmolLM2-135M" and data["task"] == "records"
+    assert data["methods"] == summarize(records)
+    assert data["examples"] == records
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]
+
+    extra = {"seed": 0, "path": tmp_path, "n": np.int64(3)}
+    again = write_results(path.parent, "m", "t", iter(records[:2]), extra=extra)
+    data = json.loads(again.read_text(encoding="utf-8"))
+    assert list(data) == ["model", "task", "methods", "examples", "extra"]
+    assert data["extra"] == {"seed": 0, "path": str(tmp_path), "n": 3}
+    assert len(data["examples"]) == 2
+
+
+def test_format_table(records: list[dict]) -> None:
+    summary = summarize(records)
+    summary["closed_book"] = summarize([record("closed_book", 0, False, 0)])["closed_book"]
+    table = format_table(summary)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 4
+    assert lines[0].split() == ["method", "p0", "p2", "p10", "mean", "worst", "95%", "CI", "n"]
+    assert set(lines[1]) <= {"-", " "}
+    edited = lines[2].split()
+    assert edited[:6] == ["edited", "0.500", "1.000", "0.750", "0.750", "0.500"]
+    assert edited[-1] == "12"
+    low, high = summary["edited"]["ci95"]
+    assert f"[{low:.3f}, {high:.3f}]" in lines[2]
+    assert lines[5].split()[:4] == ["closed_book", "0.000", "-", "-"]
+    assert len({len(line) for line in lines}) == 1  # columns line up
+
+
+def test_plot_curves_writes_a_png(tmp_path: Path, records: list[dict]) -> None:
+    summary = summarize(records + [record("closed_book", 0, False, 0)])
+    path = plot_curves(summary, tmp_path / "plots" / "curves.png", title="records")
+    assert path == tmp_path / "plots" / "curves.png"
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+    assert [p.name for p in path.parent.iterdir()] == ["curves.png"]
+    with pytest.raises(ValueError):
+        plot_curves({}, tmp_path / "empty.png")
