@@ -518,15 +518,12 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     )
 
 
-def chat_prefix(tokenizer, user_message: str, split_at: str) -> tuple[str, str]:
-    """Cut the chat-templated prompt of ``user_message`` where ``split_at`` first occurs.
+def templated_prompt(tokenizer, user_message: str) -> str:
+    """``user_message`` in the tokenizer's chat template (as is when it has none).
 
-    Returns ``(prefix, continuation)`` texts, e.g. to capture a document and ask about it
-    afterwards: ``capture(model, tok, prefix).generate(continuation)``. The prefix excludes the
-    tokenizer's BOS text when the tokenizer adds BOS itself, so ``capture`` does not double it.
+    The tokenizer's BOS text is left out when the tokenizer adds BOS itself, so capturing the
+    result does not double it.
     """
-    if not split_at:
-        raise ValueError("split_at must be a non-empty string")
     if getattr(tokenizer, "chat_template", None):
         full = tokenizer.apply_chat_template(
             [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True
@@ -538,6 +535,18 @@ def chat_prefix(tokenizer, user_message: str, split_at: str) -> tuple[str, str]:
         probe = tokenizer("x")["input_ids"]
         if probe and probe[0] == tokenizer.bos_token_id:
             full = full[len(bos) :]
+    return full
+
+
+def chat_prefix(tokenizer, user_message: str, split_at: str) -> tuple[str, str]:
+    """Cut the chat-templated prompt of ``user_message`` where ``split_at`` first occurs.
+
+    Returns ``(prefix, continuation)`` texts, e.g. to capture a document and ask about it
+    afterwards: ``capture(model, tok, prefix).generate(continuation)``.
+    """
+    if not split_at:
+        raise ValueError("split_at must be a non-empty string")
+    full = templated_prompt(tokenizer, user_message)
     cut = full.find(split_at)
     if cut < 0:
         from .errors import SpanNotFoundError
