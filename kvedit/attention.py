@@ -271,6 +271,18 @@ def attend(
             )
         if Sq == 1:  # exactly stock sdpa's decode call
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if (
+        Sq == 1
+        and plain
+        and unbiased_queries == 0
+        and (window is None or Sk <= window)
+        and not _use_triton(q)
+    ):  # biased decode: pack the query group into the query axis, the bias is the whole mask
+        G = H // Hkv
+        kb = _bias_to_groups(bias.to(q.dtype), Hkv, G)[:, :, :, 0]  # [B, Hkv|1, G|1, Sk]
+        kb = kb.clamp_min(torch.finfo(q.dtype).min)
+        out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v, attn_mask=kb, scale=scale)
+        return out.view(B, H, 1, -1)
     if _use_triton(q) and softcap is None and custom_mask is None:
         return _attend_triton(q, k, v, scale, bias, unbiased_queries, padding, window)
     return _attend_torch(

@@ -120,6 +120,28 @@ class LayerKV:
         )
         return out.trimmed()
 
+    def extended(
+        self,
+        full_keys: torch.Tensor,
+        full_values: torch.Tensor,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> LayerKV:
+        """A new layer whose K/V are ``full_keys/values`` ``[batch, kv_heads, len + n, dim]``:
+        this layer's entries followed by ``n`` new ones (zero bias), trimmed to the window."""
+        n_new = full_keys.shape[-2] - len(self)
+        bias = self.bias
+        if bias is not None:
+            bias = torch.nn.functional.pad(bias, (0, n_new))
+        return LayerKV(
+            keys=full_keys,
+            values=full_values,
+            token_index=torch.cat([self.token_index, token_index.to(self.token_index.device)]),
+            positions=torch.cat([self.positions, positions.to(self.positions.device)]),
+            bias=bias,
+            window=self.window,
+        ).trimmed()
+
     def trimmed(self) -> LayerKV:
         """Keep only the last ``window - 1`` entries on a sliding-window layer."""
         if self.window is None or len(self) <= self.window - 1:
@@ -268,8 +290,8 @@ class KVState:
         device = self.device
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
         positions = torch.arange(self.next_position, self.next_position + n, device=device)[None]
-        logits, new_kv = run_model(model, self.layers, input_ids, positions, logits_to_keep)
-        return logits[0], new_kv
+        logits, full_kv = run_model(model, self.layers, input_ids, positions, logits_to_keep)
+        return logits[0], full_kv
 
     def logits(self, continuation: str) -> torch.Tensor:
         """``[n_tokens, vocab]``: row i is the distribution over continuation token i.
@@ -311,8 +333,8 @@ class KVState:
         layers = self.layers
         pos = self.next_position
         if ids:
-            logits, new_kv = self._run(ids, logits_to_keep=1)
-            layers = _appended(layers, new_kv, ids, pos)
+            logits, full_kv = self._run(ids, logits_to_keep=1)
+            layers = _appended(layers, full_kv, ids, pos)
             pos += len(ids)
             next_logits = logits[-1]
         else:
@@ -344,14 +366,14 @@ class KVState:
         if not ids:
             return self.replace(text=self.text + text)
         _, tok = self._require_model()
-        logits, new_kv = self._run(ids, logits_to_keep=1)
+        logits, full_kv = self._run(ids, logits_to_keep=1)
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2) + len(
             self.text
         )
         positions = torch.arange(self.next_position, self.next_position + len(ids))
         return self.replace(
-            layers=_appended(self.layers, new_kv, ids, self.next_position, first_index=len(self)),
+            layers=_appended(self.layers, full_kv, ids, self.next_position, first_index=len(self)),
             token_ids=torch.cat([self.token_ids, torch.tensor(ids, dtype=torch.long)]),
             offsets=torch.cat([self.offsets, offsets]),
             text=self.text + text,
@@ -416,10 +438,17 @@ def _sample(logits, do_sample, temperature, top_k, top_p, generator) -> int:
 
 
 def _dynamic_cache(layers: Sequence[LayerKV]) -> DynamicCache:
-    """A plain (all-global) ``DynamicCache`` holding the entries; stored tensors are not mutated."""
+    """A plain (all-global) ``DynamicCache`` holding the entries, without copying them.
+
+    Each layer is initialised through ``update`` with zero entries, then given the stored
+    tensors through the ``layers[i].keys/.values`` seam. The model's own ``update`` concatenates
+    into new tensors, so stored tensors are never mutated.
+    """
     cache = DynamicCache()
     for i, layer in enumerate(layers):
-        cache.update(layer.keys, layer.values, i)
+        cache.update(layer.keys[:, :, :0], layer.values[:, :, :0], i)
+        cache.layers[i].keys = layer.keys
+        cache.layers[i].values = layer.values
     return cache
 
 
@@ -433,7 +462,8 @@ def run_model(
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``input_ids [1, n]`` at ``position_ids [1, n]`` on top of ``layers``.
 
-    Returns ``(logits [1, n|keep, vocab], [(keys, values) of the n new entries per layer])``.
+    Returns ``(logits [1, n|keep, vocab], [(keys, values) per layer])``, where keys and values
+    hold the stored entries followed by the ``n`` new ones (``[batch, kv_heads, len + n, dim]``).
     The stored bias applies to every new query (or ``plan``, a BiasPlan, decides); ``layers``
     is left untouched.
     """
@@ -447,20 +477,21 @@ def run_model(
             logits_to_keep=logits_to_keep,
             **{cache_kwarg(model): cache},
         )
-    new_kv = []
-    for i, layer in enumerate(layers):
-        cl = cache.layers[i]
-        new_kv.append((cl.keys[:, :, len(layer) :], cl.values[:, :, len(layer) :]))
-    return out.logits, new_kv
+    full_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(len(layers))]
+    return out.logits, full_kv
 
 
-def _appended(layers, new_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
-    """Layers with the new entries appended; ``first_index < 0`` marks them as not text tokens."""
+def _appended(layers, full_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
+    """Layers extended to ``full_kv`` (stored + new entries, from :func:`run_model`).
+
+    ``first_index < 0`` marks the new entries as not being tokens of the state's text.
+    """
     n = len(ids)
     positions = torch.arange(first_position, first_position + n)
     index = torch.arange(first_index, first_index + n) if first_index >= 0 else torch.full((n,), -1)
     return [
-        layer.append(k, v, index, positions) for layer, (k, v) in zip(layers, new_kv, strict=True)
+        layer.extended(k, v, index, positions)
+        for layer, (k, v) in zip(layers, full_kv, strict=True)
     ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .methods import ExampleContext, Method, parse_spec
+from .methods import ExampleContext, Method, parse_spec, split_specs
 from .metrics import score
 from .report import format_table, plot_curves, summarize, write_results
 from .tasks import Example, load_jsonl, nq_examples, records_examples
@@ -127,7 +127,7 @@ def evaluate(
 def main(args) -> int:
     summary = evaluate(
         model_name=args.model,
-        methods=[m for m in args.methods.split(",") if m],
+        methods=split_specs(args.methods),
         out=args.out,
         task=args.task,
         data=args.data,

@@ -149,6 +149,21 @@ def _value(text: str):
         return text
 
 
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated list of specs, keeping commas inside brackets (``layers=(0,1)``)."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [s.strip() for s in out if s.strip()]
+
+
 def parse_spec(spec: str) -> Method:
     """``"name:key=value:key=value"`` -> a method instance (values parsed as Python literals)."""
     name, *parts = spec.strip().split(":")
@@ -366,6 +381,7 @@ __all__ = [
     "auto_hit_rate",
     "document_scores",
     "parse_spec",
+    "split_specs",
     "register_method",
     "split_prompt",
 ]

@@ -33,7 +33,7 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
     n = len(ids)
     device = state.device
     positions = torch.arange(state.next_position, state.next_position + n)
-    logits, new_kv = run_model(
+    logits, full_kv = run_model(
         state.model,
         state.layers,
         torch.tensor([ids], device=device),
@@ -41,8 +41,8 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
         logits_to_keep=1,
     )
     layers = [
-        layer.append(k, v, index, positions)
-        for layer, (k, v) in zip(state.layers, new_kv, strict=True)
+        layer.extended(k, v, index, positions)
+        for layer, (k, v) in zip(state.layers, full_kv, strict=True)
     ]
     return state.replace(
         layers=layers, next_position=state.next_position + n, last_logits=logits[0, -1].float()

@@ -1,0 +1,209 @@
+"""Cost of steering: decode throughput on a 2K context, and peak memory of a 7K prefill.
+
+Decode (one process, interleaved repeats, median):
+  * ``generate``: ``model.generate`` on a 2K-token prompt vs ``kvedit.steer(...).generate`` with
+    the same prompt (scope ``"all"``); decode time = time(N new tokens) - time(1 new token).
+  * ``state``: ``state.generate`` on a captured 2K context vs the ``emphasize``-edited state.
+  Target: steered throughput >= 0.95x unsteered.
+
+Memory (one fresh process per variant; the process's max RSS during the call, after the peak
+was reset past model loading through /proc/self/clear_refs where Linux allows it):
+  ``generate`` with one new token on a 7K-token prompt, unsteered vs steered (scope ``"all"``).
+  Target: steered peak <= 1.2x unsteered.
+
+Usage: ``python benchmarks/steer_speed.py [--decode-tokens 48] [--repeats 3] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvedit
+from kvedit.evals.tasks import load_nq
+
+
+def context(tok, n_tokens: int) -> tuple[str, str]:
+    """A prompt of about ``n_tokens`` tokens (NQ passages) and a span inside it to emphasize."""
+    parts, total = [], 0
+    for item in load_nq():
+        parts.append(f"{item.title}: {item.text}")
+        total += len(tok(item.text, add_special_tokens=False)["input_ids"]) + 8
+        if total >= n_tokens:
+            break
+    text = "\n".join(parts)
+    enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+    end = enc["offset_mapping"][min(n_tokens, len(enc["input_ids"])) - 1][1]
+    text = text[:end]
+    span = parts[len(parts) // 2][:200]
+    return text, span
+
+
+def _gen_time(fn, n_new: int) -> float:
+    t0 = time.perf_counter()
+    fn(n_new)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def decode_bench(model, tok, n_ctx: int, n_new: int, repeats: int) -> dict:
+    text, span = context(tok, n_ctx)
+    prompt = text + "\n\nQuestion: What is this about?\nAnswer:"
+    ids = tok(prompt, return_tensors="pt")
+    steering = kvedit.steer(model, tok, emphasize=span, strength=2.0)
+
+    def plain(n):
+        model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    def steered(n):
+        steering.generate(prompt, max_new_tokens=n, min_new_tokens=n)
+
+    state = kvedit.capture(model, tok, text)
+    edited = kvedit.ops.emphasize(state, span, 2.0)
+    eos = set()  # no EOS: every run decodes exactly n tokens
+
+    def state_plain(n):
+        state.generate("\n\nAnswer:", n, eos_token_id=list(eos))
+
+    def state_steered(n):
+        edited.generate("\n\nAnswer:", n, eos_token_id=list(eos))
+
+    out = {"context_tokens": int(ids["input_ids"].shape[1]), "new_tokens": n_new}
+    for name, a, b in (("generate", plain, steered), ("state", state_plain, state_steered)):
+        da, db = [], []
+        for _ in range(repeats):  # interleaved, so drift hits both alike
+            da.append(_gen_time(a, n_new) - _gen_time(a, 1))
+            db.append(_gen_time(b, n_new) - _gen_time(b, 1))
+        tps_a = (n_new - 1) / statistics.median(da)
+        tps_b = (n_new - 1) / statistics.median(db)
+        out[name] = {
+            "unsteered_tok_s": tps_a,
+            "steered_tok_s": tps_b,
+            "ratio": tps_b / tps_a,
+        }
+    return out
+
+
+@torch.no_grad()
+def memory_child(variant: str, model_name: str, n_ctx: int) -> None:
+    model, tok = kvedit.load_model(model_name, device="cpu")
+    text, span = context(tok, n_ctx)
+    ids = tok(text, return_tensors="pt")
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Reset the peak (VmHWM) so the model's load does not hide the prefill's peak.
+    reset = _reset_peak_rss()
+    t0 = time.perf_counter()
+    if variant == "steered":
+        with kvedit.steer(model, tok, emphasize=span, strength=2.0):
+            model.generate(**ids, max_new_tokens=1, do_sample=False)
+    else:
+        model.generate(**ids, max_new_tokens=1, do_sample=False)
+    peak_kb = _peak_rss_kb() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(
+        json.dumps(
+            {
+                "variant": variant,
+                "tokens": int(ids["input_ids"].shape[1]),
+                "maxrss_mb": peak_kb / 1024,
+                "load_peak_mb": base / 1024,
+                "peak_reset": reset,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    )
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def memory_bench(model_name: str, n_ctx: int) -> dict:
+    rows = {}
+    for variant in ("plain", "steered"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--model",
+                model_name,
+                "--memory-tokens",
+                str(n_ctx),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    rows["ratio"] = rows["steered"]["maxrss_mb"] / rows["plain"]["maxrss_mb"]
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--context-tokens", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--memory-tokens", type=int, default=7168)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--child", choices=["plain", "steered"], default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.child:
+        memory_child(args.child, args.model, args.memory_tokens)
+        return
+    model, tok = kvedit.load_model(args.model, device="cpu")
+    result = {"threads": torch.get_num_threads()}
+    result["decode"] = decode_bench(
+        model, tok, args.context_tokens, args.decode_tokens, args.repeats
+    )
+    d = result["decode"]
+    print(
+        f"decode on a {d['context_tokens']}-token context, {d['new_tokens']} new tokens, "
+        f"{result['threads']} threads (median of {args.repeats})"
+    )
+    for name in ("generate", "state"):
+        r = d[name]
+        verdict = "PASS" if r["ratio"] >= 0.95 else "MISS"
+        print(
+            f"  {name:9s} unsteered {r['unsteered_tok_s']:6.1f} tok/s  steered "
+            f"{r['steered_tok_s']:6.1f} tok/s  ratio {r['ratio']:.3f}  (target >= 0.95: {verdict})"
+        )
+    if not args.skip_memory:
+        m = memory_bench(args.model, args.memory_tokens)
+        result["memory"] = m
+        verdict = "PASS" if m["ratio"] <= 1.2 else "MISS"
+        print(
+            f"prefill of {m['plain']['tokens']} tokens, generate(max_new_tokens=1), max RSS: "
+            f"unsteered {m['plain']['maxrss_mb']:.0f} MB ({m['plain']['seconds']:.1f} s), "
+            f"steered {m['steered']['maxrss_mb']:.0f} MB ({m['steered']['seconds']:.1f} s), "
+            f"ratio {m['ratio']:.3f} (target <= 1.2: {verdict})"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
