@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,11 +58,13 @@ def run(
     methods: Sequence[str | Method],
     max_new_tokens: int = 32,
     progress: bool = True,
+    on_record=None,
 ) -> list[dict]:
     """Answer every example with every method. Returns one result record per pair.
 
     Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``. Methods that
-    need documents are skipped on examples without any.
+    need documents are skipped on examples without any. ``on_record(record)`` is called as each
+    one is made (the CLI appends them to ``DIR/partial.jsonl``).
     """
     methods = [parse_spec(m) if isinstance(m, str) else m for m in methods]
     records = []
@@ -83,6 +86,8 @@ def run(
                     "seconds": round(time.perf_counter() - t0, 3),
                 }
             )
+            if on_record is not None:
+                on_record(records[-1])
     return records
 
 
@@ -107,11 +112,18 @@ def evaluate(
         parse_spec(spec)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     model, tokenizer = load_model(model_name)
-    t0 = time.perf_counter()
-    records = run(model, tokenizer, examples, methods, max_new_tokens, progress)
-    summary = summarize(records)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    partial = out / "partial.jsonl"
+    partial.write_text("")
+
+    def keep(record: dict) -> None:
+        with open(partial, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    t0 = time.perf_counter()
+    records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep)
+    summary = summarize(records)
     task_name = f"data:{Path(data).name}" if data else task
     extra = {
         "seed": seed,
@@ -121,6 +133,7 @@ def evaluate(
     }
     write_results(out, model_name, task_name, records, extra=extra)
     plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
+    partial.unlink()
     return summary
 
 

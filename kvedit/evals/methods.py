@@ -335,7 +335,9 @@ def choose_documents(ctx: ExampleContext, params: dict) -> list[int]:
     return scores.topk(k).indices.tolist()
 
 
-_AUTO_DEFAULTS = {**_EDIT_DEFAULTS, "top_k": 1, "layers": (0.0, 1.0)}
+# Chosen on seed 1 of `records` (benchmarks/auto_retrieval.py and a strength sweep); reported on
+# seed 0. Emphasizing two documents (top_k=2) hurt badly there (0.40 vs 0.90).
+_AUTO_DEFAULTS = {**_EDIT_DEFAULTS, "strength": 3.0, "top_k": 1, "layers": (0.0, 1.0)}
 
 
 @register_method("auto")
