@@ -251,7 +251,7 @@ class KVState:
         return self.replace(
             layers=[
                 dataclasses.replace(
-                    layer.map(lambda t: t),
+                    layer,
                     keys=layer.keys.to(device),
                     values=layer.values.to(device),
                     bias=None if layer.bias is None else layer.bias.to(device),
