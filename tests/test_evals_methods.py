@@ -194,3 +194,10 @@ def test_cli_rejects_bad_method_before_loading(tmp_path):
                 str(tmp_path),
             ]
         )
+
+
+def test_examples_interleave_positions_so_a_limit_covers_all():
+    examples = build_examples("records", n_docs=6, positions=[0, 2, 5], trials=4, limit=6)
+    assert [e.gold_index for e in examples] == [0, 2, 5, 0, 2, 5]
+    full = build_examples("records", n_docs=6, positions=[0, 2, 5], trials=4)
+    assert sorted(e.id for e in full) == sorted(e.id for e in records_examples(6, (0, 2, 5), 4))

@@ -48,7 +48,21 @@ def build_examples(
         examples = nq_examples(**kwargs)
     else:
         raise ValueError(f"unknown task {task!r}; choose records or nq, or give --data FILE")
+    examples = interleave_positions(examples)
     return examples[:limit] if limit is not None else examples
+
+
+def interleave_positions(examples: Sequence[Example]) -> list[Example]:
+    """Order examples round-robin over gold positions (same set, stable within a position), so
+    a run that is stopped early, or capped with ``--limit``, still covers every position."""
+    by_pos: dict[int, list[Example]] = {}
+    for ex in examples:
+        by_pos.setdefault(ex.gold_index, []).append(ex)
+    queues = [by_pos[p] for p in sorted(by_pos)]
+    out: list[Example] = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
 
 
 def run(
