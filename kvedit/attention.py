@@ -264,6 +264,8 @@ def attend(
         unbiased_queries = Sq
     unbiased_queries = max(0, min(Sq, unbiased_queries))
     plain = padding is None and softcap is None and custom_mask is None
+    if _backend() == "triton" and softcap is None and custom_mask is None:  # forced
+        return _attend_triton(q, k, v, scale, bias, unbiased_queries, padding, window)
     if plain and unbiased_queries == Sq and (window is None or Sk <= window):
         if Sq == Sk:  # exactly stock sdpa's prefill call
             return F.scaled_dot_product_attention(
@@ -328,14 +330,19 @@ def attention_probs(
     return scores.softmax(-1).view(B, H, Sq, Sk)
 
 
-def _use_triton(q: torch.Tensor) -> bool:
-    choice = os.environ.get("KVEDIT_ATTENTION", "auto").lower()
+def _backend() -> str:
+    """``KVEDIT_ATTENTION``: ``"triton"`` or ``"torch"`` forces a path; unset is ``"auto"``."""
+    choice = os.environ.get("KVEDIT_ATTENTION", "auto").lower() or "auto"
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"KVEDIT_ATTENTION must be 'triton', 'torch' or unset, not {choice!r}")
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        return True
+    return choice
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    """Triton on CUDA tensors (auto) or when forced; the torch path otherwise."""
+    choice = _backend()
+    if choice != "auto":
+        return choice == "triton"
     if not q.is_cuda:
         return False
     from . import triton as kt
