@@ -76,7 +76,11 @@ class SpanPlan:
         self.n_heads = n_heads
         self.token_bias: torch.Tensor | None = None
         self.fixed = False  # True when bound from a prompt text (wrapper mode)
-        self.matched: list[list[int]] = []  # per batch row: the biased token indices
+        self.bound_ids: torch.Tensor | None = None  # the input ids the spans were bound to
+        # Absolute length of the sequence in the current forward (cached + new tokens), set by
+        # the forward pre-hook. Sliding-window layers hold only their last tokens, so the
+        # attention's own key count cannot tell which tokens its keys are.
+        self.seq_len: int | None = None
 
     # -- binding spans to tokens -----------------------------------------------------------
 
@@ -123,6 +127,17 @@ class SpanPlan:
             text, offsets = token_offsets(self.tokenizer, ids)
             token_bias[b, where] = self.bind_text(text, offsets, ids)
         self.token_bias = token_bias.to(input_ids.device)
+        self.bound_ids = input_ids.detach().clone()
+
+    def continues(self, input_ids: torch.Tensor) -> bool:
+        """Whether ``input_ids`` is the bound prompt followed by more tokens."""
+        bound = self.bound_ids
+        return (
+            bound is not None
+            and input_ids.shape[0] == bound.shape[0]
+            and input_ids.shape[1] > bound.shape[1]
+            and torch.equal(input_ids[:, : bound.shape[1]].to(bound.device), bound)
+        )
 
     # -- the BiasPlan protocol -------------------------------------------------------------
 
@@ -137,6 +152,7 @@ class SpanPlan:
     def key_bias(self, layer_idx: int, k_len: int, total_len: int) -> torch.Tensor | None:
         if self.token_bias is None:
             return None
+        total_len = self.seq_len if self.seq_len is not None else total_len
         heads = self._layer_heads(layer_idx)
         if heads is False:
             return None
@@ -156,6 +172,7 @@ class SpanPlan:
     def unbiased_queries(self, q_len: int, total_len: int) -> int:
         if self.config.scope == "all" or self.token_bias is None:
             return 0
+        total_len = self.seq_len if self.seq_len is not None else total_len
         prompt_len = self.token_bias.shape[1]
         return max(0, min(q_len, prompt_len - (total_len - q_len)))
 
@@ -169,15 +186,22 @@ _HOOKS: dict[int, tuple[int, object]] = {}  # model key -> (users, hook handle)
 
 
 def _bind_hook(model, args, kwargs):
+    """Before each forward: record the sequence length; bind spans to a new prompt."""
     plan = active_plan(model)
-    if not isinstance(plan, SpanPlan) or plan.fixed:
+    if not isinstance(plan, SpanPlan):
         return None
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if input_ids is None:
+        plan.seq_len = None
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    fresh = cache is None or cache.get_seq_length() == 0
-    if fresh or plan.token_bias is None:
+    past = cache.get_seq_length() if cache is not None else 0
+    plan.seq_len = int(past) + input_ids.shape[1]
+    if plan.fixed:
+        return None
+    # generate(use_cache=False) re-runs the bound prompt plus the tokens generated so far
+    rerun = kwargs.get("use_cache") is False and plan.continues(input_ids)
+    if (past == 0 and not rerun) or plan.token_bias is None:
         plan.bind_ids(input_ids, kwargs.get("attention_mask"))
     return None
 
@@ -216,8 +240,12 @@ class Steering:
         text_cfg = model.config.get_text_config()
         self._n_layers = text_cfg.num_hidden_layers
         self._n_heads = text_cfg.num_attention_heads
-        self._stack: contextlib.ExitStack | None = None
-        self.plan: SpanPlan | None = None
+        self._local = threading.local()  # per thread: the ExitStack and plan of ``with``
+
+    @property
+    def plan(self) -> SpanPlan | None:
+        """The plan of this thread's latest ``with`` block (its bound spans), if any."""
+        return getattr(self._local, "plan", None)
 
     def _new_plan(self) -> SpanPlan:
         return SpanPlan(self.config, self.tokenizer, self._n_layers, self._n_heads)
@@ -225,16 +253,17 @@ class Steering:
     def __enter__(self) -> Steering:
         stack = contextlib.ExitStack()
         try:
-            self.plan = stack.enter_context(activate(self.model, self._new_plan()))
+            plan = stack.enter_context(activate(self.model, self._new_plan()))
             stack.enter_context(_bind_hook_installed(self.model))
         except BaseException:
             stack.close()
             raise
-        self._stack = stack
+        self._local.stack, self._local.plan = stack, plan
         return self
 
     def __exit__(self, *exc) -> None:
-        stack, self._stack = self._stack, None
+        stack = getattr(self._local, "stack", None)
+        self._local.stack = None  # the plan stays readable: what the block's spans bound to
         if stack is not None:
             stack.close()
 
@@ -257,7 +286,7 @@ class Steering:
         if tok.pad_token_id is None:
             gen_kwargs.setdefault("pad_token_id", tok.eos_token_id)
         device = next(self.model.parameters()).device
-        with activate(self.model, plan):
+        with activate(self.model, plan), _bind_hook_installed(self.model):
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=enc["attention_mask"].to(device),
@@ -286,7 +315,8 @@ def steer(
             in the decoded input ids of each ``generate`` call.
         strength: nats added to emphasized keys' logits and subtracted from suppressed ones.
         layers: layer indices to steer (default all).
-        heads: ``{layer: [query head, ...]}``; when given only those heads are steered.
+        heads: ``{layer: [query head, ...]}``; when given only those heads are steered (on the
+            layers of ``layers`` too, when both are given).
         scope: ``"all"`` also steers the prompt's own pass (as PASTA does); ``"decode"`` only
             the generated tokens.
         protect_special: never bias special tokens (BOS, chat-template markers) or token 0,
@@ -295,7 +325,11 @@ def steer(
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
     """
-    if not isinstance(strength, (int, float)) or not math.isfinite(strength):
+    if (
+        isinstance(strength, bool)
+        or not isinstance(strength, (int, float))
+        or not math.isfinite(strength)
+    ):
         raise ValueError(f"strength must be a finite number of nats, not {strength!r}")
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
@@ -307,12 +341,18 @@ def steer(
     n_layers, n_heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
     if layers is not None:
         layers = tuple(int(i) for i in layers)
+        if not layers:
+            raise ValueError("layers is empty: nothing would be steered (None means all layers)")
         bad = [i for i in layers if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"layers {bad} out of range for a {n_layers}-layer model")
     head_map = None
     if heads is not None:
         head_map = {int(layer): tuple(int(h) for h in hs) for layer, hs in heads.items()}
+        if not head_map or not all(head_map.values()):
+            raise ValueError("heads is empty for some layer: nothing would be steered there")
+        if layers is not None:  # both given: the listed heads, on the listed layers only
+            head_map = {layer: hs for layer, hs in head_map.items() if layer in layers}
         for layer, hs in head_map.items():
             if not 0 <= layer < n_layers or any(not 0 <= h < n_heads for h in hs):
                 raise ValueError(f"heads {{{layer}: {list(hs)}}} out of range ({n_heads} heads)")

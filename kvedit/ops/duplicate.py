@@ -21,7 +21,7 @@ def duplicate(state: KVState, spans: Spans, copies: int = 1) -> KVState:
         raise ValueError(f"copies must be a non-negative int, not {copies!r}")
     tokens = span_tokens(state, spans)
     if copies == 0:
-        return state
+        return state.replace()
     new_layers = []
     for layer in state.layers:
         entries = layer.entries_for(tokens)
