@@ -201,3 +201,38 @@ def test_examples_interleave_positions_so_a_limit_covers_all():
     assert [e.gold_index for e in examples] == [0, 2, 5, 0, 2, 5]
     full = build_examples("records", n_docs=6, positions=[0, 2, 5], trials=4)
     assert sorted(e.id for e in full) == sorted(e.id for e in records_examples(6, (0, 2, 5), 4))
+
+
+def test_resume_keeps_finished_pairs(tmp_path, monkeypatch):
+    from kvedit.evals import litm
+
+    out = tmp_path / "run"
+    kwargs = dict(
+        model_name="tiny-llama",
+        methods=["none", "oracle"],
+        out=out,
+        n_docs=4,
+        positions=[0, 3],
+        trials=1,
+        max_new_tokens=3,
+        progress=False,
+    )
+    litm.evaluate(**kwargs)
+    first = json.loads((out / "results.json").read_text())["examples"]
+    # an interrupted run left half of the pairs, one of them marked so we can see it is reused
+    kept = [dict(r, prediction="KEPT") for r in first[:2]]
+    (out / "partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    computed = []
+    real_run = litm.run
+
+    def counting_run(*a, **k):
+        recs = real_run(*a, **k)
+        computed.extend(r for r in recs if r["prediction"] != "KEPT")
+        return recs
+
+    monkeypatch.setattr(litm, "run", counting_run)
+    litm.evaluate(**kwargs, resume=True)
+    again = json.loads((out / "results.json").read_text())["examples"]
+    assert [r["prediction"] for r in again[:2]] == ["KEPT", "KEPT"]
+    assert len(again) == len(first) and len(computed) == len(first) - 2
+    assert not (out / "partial.jsonl").exists()

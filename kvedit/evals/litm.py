@@ -73,13 +73,16 @@ def run(
     max_new_tokens: int = 32,
     progress: bool = True,
     on_record=None,
+    done: dict[tuple[str, str], dict] | None = None,
 ) -> list[dict]:
     """Answer every example with every method. Returns one result record per pair.
 
     Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``. Methods that
     need documents are skipped on examples without any. ``on_record(record)`` is called as each
-    one is made (the CLI appends them to ``DIR/partial.jsonl``).
+    one is made (the CLI appends them to ``DIR/partial.jsonl``). Pairs found in ``done``
+    (keyed by ``(id, method spec)``) are taken from there instead of recomputed.
     """
+    done = done or {}
     methods = [parse_spec(m) if isinstance(m, str) else m for m in methods]
     records = []
     bar = tqdm(examples, desc="litm", disable=not progress, unit="ex")
@@ -88,12 +91,16 @@ def run(
         for method in methods:
             if method.needs_documents and not example.documents:
                 continue
+            spec = getattr(method, "spec", method.name)
+            if (example.id, spec) in done:
+                records.append(done[(example.id, spec)])
+                continue
             t0 = time.perf_counter()
             prediction = method.predict(ctx)
             records.append(
                 {
                     "id": example.id,
-                    "method": getattr(method, "spec", method.name),
+                    "method": spec,
                     "gold_index": example.gold_index,
                     "prediction": prediction,
                     "correct": bool(score(example, prediction)),
@@ -118,8 +125,13 @@ def evaluate(
     limit: int | None = None,
     max_new_tokens: int = 32,
     progress: bool = True,
+    resume: bool = False,
 ) -> dict:
-    """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary."""
+    """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
+
+    With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the
+    same settings) are kept and only the missing (example, method) pairs are computed.
+    """
     from ..models import load_model
 
     for spec in methods:  # fail on a bad spec before loading anything
@@ -129,14 +141,20 @@ def evaluate(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "partial.jsonl"
-    partial.write_text("")
+    done = {}
+    if resume and partial.exists():
+        for line in partial.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[(rec["id"], rec["method"])] = rec
+    partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
 
     def keep(record: dict) -> None:
         with open(partial, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     t0 = time.perf_counter()
-    records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep)
+    records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep, done)
     summary = summarize(records)
     task_name = f"data:{Path(data).name}" if data else task
     extra = {
@@ -165,6 +183,7 @@ def main(args) -> int:
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,
+        resume=getattr(args, "resume", False),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")
