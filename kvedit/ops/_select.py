@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..spans import Spans
-from ..state import KVState
+from ..state import KVState, LayerKV
 
 
 def span_tokens(state: KVState, spans: Spans) -> torch.Tensor:
@@ -35,3 +35,25 @@ def finite(name: str, value: float) -> float:
     if not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, not {value!r}")
     return float(value)
+
+
+def edit_entries(
+    state: KVState,
+    spans: Spans,
+    layers: Sequence[int] | None,
+    edit: Callable[[LayerKV, torch.Tensor], LayerKV],
+) -> KVState:
+    """A new state with ``edit(layer, entries)`` applied to every chosen layer holding a token of
+    ``spans`` (``entries``: the layer's entry indices of those tokens, on the layer's device).
+    Layers holding none of them (e.g. sliding-window layers past the span) are kept as they are.
+    """
+    tokens = span_tokens(state, spans)
+    chosen = layer_set(state, layers)
+    new_layers = []
+    for i, layer in enumerate(state.layers):
+        entries = layer.entries_for(tokens)
+        if i not in chosen or entries.numel() == 0:
+            new_layers.append(layer)
+        else:
+            new_layers.append(edit(layer, entries.to(layer.keys.device)))
+    return state.replace(layers=new_layers)

@@ -7,13 +7,14 @@ changed. This is the cache-level form of ``kvedit.steer(..., scope="decode")``. 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from ..spans import Spans
-from ..state import KVState
-from ._select import finite, layer_set, span_tokens
+from ..state import KVState, LayerKV
+from ._select import edit_entries, finite
 
 
 def emphasize(
@@ -28,18 +29,15 @@ def emphasize(
     layers hold their last ``window - 1`` tokens). The input state is not modified.
     """
     strength = finite("strength", strength)
-    tokens = span_tokens(state, spans)
-    chosen = layer_set(state, layers)
-    new_layers = []
-    for i, layer in enumerate(state.layers):
-        entries = layer.entries_for(tokens)
-        if i not in chosen or entries.numel() == 0 or strength == 0.0:
-            new_layers.append(layer)
-            continue
+
+    def add_bias(layer: LayerKV, entries: torch.Tensor) -> LayerKV:
+        if strength == 0.0:
+            return layer
         bias = layer.dense_bias().clone()
-        bias[:, :, entries.to(bias.device)] += strength
-        new_layers.append(layer.__class__(**{**layer.__dict__, "bias": bias}))
-    return state.replace(layers=new_layers)
+        bias[:, :, entries] += strength
+        return dataclasses.replace(layer, bias=bias)
+
+    return edit_entries(state, spans, layers, add_bias)
 
 
 def bias_entries(state: KVState, per_layer: Sequence[torch.Tensor | None]) -> KVState:
@@ -50,5 +48,5 @@ def bias_entries(state: KVState, per_layer: Sequence[torch.Tensor | None]) -> KV
             new_layers.append(layer)
             continue
         bias = layer.dense_bias(add.shape[1] if add.shape[1] > 1 else None) + add.to(torch.float32)
-        new_layers.append(layer.__class__(**{**layer.__dict__, "bias": bias}))
+        new_layers.append(dataclasses.replace(layer, bias=bias))
     return state.replace(layers=new_layers)

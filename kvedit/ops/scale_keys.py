@@ -7,11 +7,14 @@ inference engine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import torch
+
 from ..spans import Spans
-from ..state import KVState
-from ._select import finite, layer_set, span_tokens
+from ..state import KVState, LayerKV
+from ._select import edit_entries, finite
 
 
 def scale_keys(
@@ -22,15 +25,12 @@ def scale_keys(
 ) -> KVState:
     """A new state with the keys ``[batch, kv_heads, entries, dim]`` of ``spans`` times ``factor``."""
     factor = finite("factor", factor)
-    tokens = span_tokens(state, spans)
-    chosen = layer_set(state, layers)
-    new_layers = []
-    for i, layer in enumerate(state.layers):
-        entries = layer.entries_for(tokens)
-        if i not in chosen or entries.numel() == 0 or factor == 1.0:
-            new_layers.append(layer)
-            continue
+
+    def scale(layer: LayerKV, entries: torch.Tensor) -> LayerKV:
+        if factor == 1.0:
+            return layer
         keys = layer.keys.clone()
-        keys[:, :, entries.to(keys.device)] *= factor
-        new_layers.append(layer.__class__(**{**layer.__dict__, "keys": keys}))
-    return state.replace(layers=new_layers)
+        keys[:, :, entries] *= factor
+        return dataclasses.replace(layer, keys=keys)
+
+    return edit_entries(state, spans, layers, scale)
