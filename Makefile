@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvedit-installed
 
-.PHONY: setup demo test lint format bench clean
+# Root installs system packages directly; anyone else goes through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup demo test test-browser browser-deps app lint format bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +35,23 @@ format: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+# The highlight app in headless Chromium (Debian's chromium + chromium-driver, via Selenium).
+# `make test` skips that test where Chromium is absent; this target installs it and requires it.
+test-browser: browser-deps
+	KVEDIT_REQUIRE_BROWSER=1 $(PY) -m pytest -q tests/test_app_browser.py
+	@echo "screenshots: runs/screenshots/"
+
+browser-deps: $(VENV)/.kvedit-browser
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }
+
+$(VENV)/.kvedit-browser: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,browser]"
+	touch $@
+
+app: setup
+	$(VENV)/bin/kvedit app
 
 bench: setup
 	$(PY) benchmarks/reuse.py

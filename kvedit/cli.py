@@ -1,9 +1,14 @@
-"""The ``kvedit`` command line: ``kvedit demo``, ``kvedit eval litm``."""
+"""The ``kvedit`` command line: ``kvedit demo``, ``kvedit eval litm``, ``kvedit app``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
+
+# The highlight app lives in the repository (apps/highlight.py), next to the package.
+_APP_FILE = Path(__file__).resolve().parent.parent / "apps" / "highlight.py"
 
 
 def _litm_parser(sub) -> None:
@@ -20,6 +25,9 @@ def _litm_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="cap on the number of examples")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"
+    )
     p.set_defaults(run=_run_litm)
 
 
@@ -53,6 +61,35 @@ def _run_demo(args) -> int:
     return main(ns)
 
 
+def _load_app():
+    """The ``apps.highlight`` module (imported normally, else from the repository checkout)."""
+    try:
+        import apps.highlight as app
+
+        return app
+    except ModuleNotFoundError as e:
+        if e.name not in ("apps", "apps.highlight"):
+            raise  # a dependency of the app is missing
+    if not _APP_FILE.is_file():
+        raise SystemExit(f"kvedit app: {_APP_FILE} not found; run it from a kvedit checkout")
+    spec = importlib.util.spec_from_file_location("apps.highlight", _APP_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_app(args) -> int:
+    try:
+        import gradio  # noqa: F401
+    except ModuleNotFoundError:
+        raise SystemExit(
+            "kvedit app needs Gradio: pip install -e '.[app]' (make setup installs it)"
+        ) from None
+    _load_app().serve(args.model, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvedit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluations")
     ev_sub = ev.add_subparsers(dest="suite", required=True)
     _litm_parser(ev_sub)
+    app = sub.add_parser("app", help="the highlight app (Gradio) on http://HOST:PORT")
+    app.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    app.add_argument("--port", type=int, default=7860)
+    app.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default: this machine only)"
+    )
+    app.set_defaults(run=_run_app)
     return parser
 
 

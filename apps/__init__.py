@@ -1,0 +1,1 @@
+"""Apps built on kvedit. ``apps.highlight`` is the Gradio highlight app (``kvedit app``)."""
