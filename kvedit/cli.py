@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluations")
     ev_sub = ev.add_subparsers(dest="suite", required=True)
     _litm_parser(ev_sub)
+    from .evals.project import add_parser as _project_parser
+
+    _project_parser(ev_sub)
     app = sub.add_parser("app", help="the highlight app (Gradio) on http://HOST:PORT")
     app.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     app.add_argument("--port", type=int, default=7860)

@@ -1,0 +1,342 @@
+"""``kvedit eval project``: does a projected cache give model B the content of a prefix?
+
+Fit (or load) a :class:`~kvedit.ops.project.Projector` from model A to model B on NQ passages
+``[0, n_fit)`` (all within the first :data:`FIT_POOL` = 2000 items), then evaluate on held-out
+NQ passages: items from 2000 on, in file order, whose passage is not among the first 2000
+(NQ repeats gold passages), each passage once, with at least ``2 * min_words`` words. Each passage ``"{title}\\n{text}"`` is cut at a word boundary (before word
+``round(prefix_fraction * n_words)`` of the text), into a prefix and a continuation that starts
+with the whitespace before that word. B's loss is the mean NLL per continuation token (the
+continuation tokenized by B without special tokens; row i of ``state.logits(continuation)``
+predicts token i), averaged over passages, under four contexts:
+
+``own``    B's own cache of the prefix (with B's BOS): the ceiling.
+``none``   no prefix: B's cache of the empty text, i.e. just B's BOS, then the continuation.
+``proj``   A's cache of the prefix, projected to B (B computes its BOS and the prefix's last
+           token itself on top of the projection).
+``wrong``  the projected cache of the next evaluation passage's prefix (cyclically): the same
+           form without this passage's content.
+
+Reported: ``gap_closed = (loss_none - loss_proj) / (loss_none - loss_own)`` with a paired
+percentile-bootstrap 95% interval over passages (ratio of means per resample), and
+``wrong_doc_delta = loss_wrong - loss_proj`` (positive: the projected cache carries this
+passage's content) with its bootstrap interval. Times, summed over the evaluation passages:
+``project_seconds`` (projector calls: B tokenizing, aligning, the maps, and B running its BOS
+and the last prefix token), ``prefill_seconds`` (B reading the prefix: tokenizing and one
+forward pass building the cache) and ``a_prefill_seconds`` (the same for A); plus
+``fit_seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..evals.metrics import bootstrap_ci
+from ..evals.tasks import load_nq
+from ..models import load_model
+from ..ops.project import Projector, _read
+from ..state import KVState, capture
+from ..storage import atomic_write
+
+FIT_POOL = 2000
+
+RESULT_KEYS = (
+    "gap_closed",
+    "gap_closed_ci95",
+    "wrong_doc_delta",
+    "wrong_doc_delta_ci95",
+    "loss_own",
+    "loss_none",
+    "loss_proj",
+    "loss_wrong",
+    "n_passages",
+    "fit_seconds",
+    "project_seconds",
+    "prefill_seconds",
+)
+
+
+def passage_text(item) -> str:
+    """The text of an NQ passage as read by both models: ``"{title}\\n{text}"``."""
+    return f"{item.title}\n{item.text}"
+
+
+def split_passage(
+    item, prefix_fraction: float = 0.5, min_words: int = 16
+) -> tuple[str, str] | None:
+    """``(prefix, continuation)`` of :func:`passage_text`, cut at a word boundary.
+
+    The cut is before word ``round(prefix_fraction * n)`` of the passage's ``n``-word text
+    (clamped so each side has ``min_words`` words); the continuation starts with the
+    whitespace before that word. None when the text has fewer than ``2 * min_words`` words.
+    """
+    words = list(re.finditer(r"\S+", item.text))
+    if len(words) < 2 * min_words:
+        return None
+    k = min(max(round(prefix_fraction * len(words)), min_words), len(words) - min_words)
+    cut = words[k - 1].end()
+    head = f"{item.title}\n"
+    return head + item.text[:cut], item.text[cut:]
+
+
+def fit_texts(n_fit: int, fit_pool: int = FIT_POOL) -> list[str]:
+    """The calibration texts: passages ``[0, min(n_fit, fit_pool))`` of the bundled NQ."""
+    items = load_nq()[: min(n_fit, fit_pool)]
+    return [passage_text(item) for item in items]
+
+
+def eval_splits(
+    n_passages: int, prefix_fraction: float, min_words: int, fit_pool: int = FIT_POOL
+) -> list[tuple[str, str]]:
+    """The first ``n_passages`` held-out passages that can be split.
+
+    Held out: items from ``fit_pool`` on whose passage is not also among the first
+    ``fit_pool`` items (NQ repeats gold passages across questions), each passage once.
+    """
+    items = load_nq()
+    seen = {passage_text(item) for item in items[:fit_pool]}
+    out = []
+    for item in items[fit_pool:]:
+        text = passage_text(item)
+        if text in seen:
+            continue
+        seen.add(text)
+        split = split_passage(item, prefix_fraction, min_words)
+        if split is not None:
+            out.append(split)
+        if len(out) == n_passages:
+            break
+    return out
+
+
+def continuation_nll(state, continuation: str) -> float:
+    """Mean NLL (nats/token) of ``continuation`` (B's tokens, no specials) after ``state``."""
+    ids = state.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    logits = state.logits(continuation)
+    target = torch.tensor(ids, device=logits.device)
+    return float(F.cross_entropy(logits.float(), target))
+
+
+def ratio_ci(
+    num: np.ndarray, den: np.ndarray, n_resamples: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    """Paired percentile-bootstrap 95% interval of ``mean(num) / mean(den)``."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(num), size=(n_resamples, len(num)))
+    ratios = num[idx].mean(1) / den[idx].mean(1)
+    low, high = np.quantile(ratios, [0.025, 0.975])
+    return float(low), float(high)
+
+
+def summarize(losses: dict[str, np.ndarray]) -> dict:
+    """The headline numbers from per-passage losses ``own``, ``none``, ``proj``, ``wrong``."""
+    own, none, proj, wrong = (losses[k] for k in ("own", "none", "proj", "wrong"))
+    gap = float((none.mean() - proj.mean()) / (none.mean() - own.mean()))
+    delta = wrong - proj
+    return {
+        "gap_closed": gap,
+        "gap_closed_ci95": list(ratio_ci(none - proj, none - own)),
+        "wrong_doc_delta": float(delta.mean()),
+        "wrong_doc_delta_ci95": list(bootstrap_ci(delta)),
+        "loss_own": float(own.mean()),
+        "loss_none": float(none.mean()),
+        "loss_proj": float(proj.mean()),
+        "loss_wrong": float(wrong.mean()),
+        "n_passages": len(own),
+    }
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``project`` to the ``kvedit eval`` subcommands."""
+    p = subparsers.add_parser(
+        "project", help="cross-model KV projection: B's loss with a projected cache of A"
+    )
+    p.add_argument("--a", default="smollm2-135m-instruct", help="source model A")
+    p.add_argument("--b", default="gemma3-270m", help="target model B")
+    p.add_argument("--out", default="runs/project", help="output directory")
+    p.add_argument("--projector", default=None, help="load this projector instead of fitting")
+    p.add_argument("--n-passages", type=int, default=100, help="held-out evaluation passages")
+    p.add_argument("--n-fit", type=int, default=600, help="calibration passages (<= 2000)")
+    p.add_argument("--depth-window", type=int, default=3, help="A layers per B layer")
+    p.add_argument("--own-last", type=int, default=1, help="prefix tokens B computes itself")
+    p.add_argument("--prefix-fraction", type=float, default=0.5)
+    p.add_argument("--min-words", type=int, default=16)
+    p.add_argument("--device", default=None, help="default: CUDA when available, else CPU")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=main)
+    return p
+
+
+def _prefill_seconds(model, tokenizer, text: str) -> float:
+    """Seconds for ``model`` to read ``text``: tokenizing and one forward pass building its cache
+    (what :func:`~kvedit.capture` does, without hashing fingerprints)."""
+    _sync(model)
+    t0 = time.perf_counter()
+    _read(model, tokenizer, text)
+    _sync(model)
+    return time.perf_counter() - t0
+
+
+def _capture(model, tokenizer, text: str, model_fp: str, tokenizer_fp: str) -> KVState:
+    """:func:`~kvedit.capture` with the fingerprints given (checked once in :func:`main`):
+    hashing Gemma-3's 262k-token vocabulary takes about a second per call."""
+    layers, ids, offsets, last_logits = _read(model, tokenizer, text)
+    n = len(ids)
+    return KVState(
+        layers=layers,
+        token_ids=torch.tensor(ids, dtype=torch.long),
+        offsets=offsets,
+        text=text,
+        position_ids=torch.arange(n),
+        next_position=n,
+        last_logits=last_logits,
+        model_fingerprint=model_fp,
+        tokenizer_fingerprint=tokenizer_fp,
+        model=model,
+        tokenizer=tokenizer,
+    )
+
+
+def _sync(model) -> None:
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
+def _log(args, msg: str) -> None:
+    if not getattr(args, "no_progress", False):
+        print(msg, file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def main(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_a, tok_a = load_model(args.a, device=args.device)
+    model_b, tok_b = load_model(args.b, device=args.device)
+    splits = eval_splits(args.n_passages, args.prefix_fraction, args.min_words)
+    if len(splits) < 2:
+        raise SystemExit("kvedit eval project: need at least 2 evaluation passages")
+    if len(splits) < 100:
+        _log(args, f"warning: {len(splits)} passages; intervals need >= 100 to mean much")
+
+    if args.projector:
+        projector = Projector.load(args.projector)
+        fit_seconds = float(projector.info.get("fit_seconds", float("nan")))
+        projector_path = Path(args.projector)
+    else:
+        texts = fit_texts(args.n_fit)
+        _log(args, f"fitting {args.a} -> {args.b} on {len(texts)} NQ passages")
+        t0 = time.perf_counter()
+        projector = Projector.fit(
+            model_a,
+            tok_a,
+            model_b,
+            tok_b,
+            texts,
+            depth_window=args.depth_window,
+            progress=not args.no_progress,
+        )
+        fit_seconds = time.perf_counter() - t0
+        projector_path = projector.save(out / "projector.safetensors")
+        _log(args, f"fitted in {fit_seconds:.0f} s -> {projector_path}")
+
+    empty = "" if tok_b("")["input_ids"] else "\n"
+    none_state = capture(model_b, tok_b, empty)
+    # The fingerprints of the pair, checked once here (passages reuse them, see _capture).
+    projector.check(capture(model_a, tok_a, "check"), model_b, tok_b)
+    times = {"project": 0.0, "a_prefill": 0.0, "prefill": 0.0}
+    losses: dict[str, list[float]] = {"own": [], "none": [], "proj": [], "wrong": []}
+    first_proj = prev_proj = None
+    rows = []
+    for i, (prefix, continuation) in enumerate(splits):
+        own = _capture(model_b, tok_b, prefix, projector.b_model, projector.b_tokenizer)
+        state_a = _capture(model_a, tok_a, prefix, projector.a_model, projector.a_tokenizer)
+        _sync(model_b)
+        t0 = time.perf_counter()
+        proj = projector(state_a, model_b, tok_b, own_last=args.own_last)
+        _sync(model_b)
+        times["project"] += time.perf_counter() - t0
+        times["prefill"] += _prefill_seconds(model_b, tok_b, prefix)
+        times["a_prefill"] += _prefill_seconds(model_a, tok_a, prefix)
+        losses["own"].append(continuation_nll(own, continuation))
+        losses["none"].append(continuation_nll(none_state, continuation))
+        losses["proj"].append(continuation_nll(proj, continuation))
+        if prev_proj is not None:  # passage i-1 scored with passage i's projected prefix
+            losses["wrong"].append(continuation_nll(proj, splits[i - 1][1]))
+        first_proj = proj if first_proj is None else first_proj
+        prev_proj = proj
+        rows.append({"index": i, "prefix_chars": len(prefix), "b_prefix_tokens": len(own)})
+        if (i + 1) % 10 == 0:
+            _log(
+                args,
+                f"  {i + 1}/{len(splits)}: own {np.mean(losses['own']):.3f} "
+                f"none {np.mean(losses['none']):.3f} proj {np.mean(losses['proj']):.3f}",
+            )
+    losses["wrong"].append(continuation_nll(first_proj, splits[-1][1]))
+    arrays = {k: np.asarray(v, dtype=np.float64) for k, v in losses.items()}
+    results = summarize(arrays)
+    n = results["n_passages"]
+    results.update(
+        {
+            "fit_seconds": fit_seconds,
+            "project_seconds": times["project"],
+            "prefill_seconds": times["prefill"],
+            "a_prefill_seconds": times["a_prefill"],
+            "project_seconds_per_passage": times["project"] / n,
+            "prefill_seconds_per_passage": times["prefill"] / n,
+            "a": args.a,
+            "b": args.b,
+            "projector": str(projector_path),
+            "n_fit_texts": projector.info.get("texts"),
+            "depth_window": projector.info.get("depth_window"),
+            "own_last": args.own_last,
+            "prefix_fraction": args.prefix_fraction,
+            "none_context": "B's tokenization of " + repr(empty) + " (its BOS)",
+            "device": str(next(model_b.parameters()).device),
+            "heldout_r2": [
+                {k: layer[k] for k in ("heldout_r2_keys", "heldout_r2_values")}
+                for layer in projector.info.get("layers", [])
+            ],
+        }
+    )
+    for k in ("own", "none", "proj", "wrong"):
+        for row, value in zip(rows, arrays[k], strict=True):
+            row[f"loss_{k}"] = float(value)
+    atomic_write(
+        out / "passages.jsonl",
+        lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in rows)),
+    )
+    atomic_write(
+        out / "results.json",
+        lambda tmp: Path(tmp).write_text(json.dumps(results, indent=2) + "\n"),
+    )
+    print(
+        f"gap_closed {results['gap_closed']:.3f} "
+        f"[{results['gap_closed_ci95'][0]:.3f}, {results['gap_closed_ci95'][1]:.3f}]  "
+        f"wrong_doc_delta {results['wrong_doc_delta']:.3f} "
+        f"[{results['wrong_doc_delta_ci95'][0]:.3f}, {results['wrong_doc_delta_ci95'][1]:.3f}]  "
+        f"losses own {results['loss_own']:.3f} none {results['loss_none']:.3f} "
+        f"proj {results['loss_proj']:.3f} wrong {results['loss_wrong']:.3f}  "
+        f"(n={n}) -> {out / 'results.json'}"
+    )
+    return 0
+
+
+def _standalone(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvedit.evals.project")
+    sub = parser.add_subparsers(dest="suite", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["project", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())
