@@ -51,6 +51,12 @@ class LayerKV:
     def __len__(self) -> int:
         return self.keys.shape[-2]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds: keys, values and bias (compressed layers report their own)."""
+        tensors = (self.keys, self.values, self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def entries_for(self, token_indices: torch.Tensor) -> torch.Tensor:
         """Entry indices of this layer that encode any of ``token_indices`` (``LongTensor[k]``)."""
         return (
@@ -216,13 +222,8 @@ class KVState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by keys, values and biases."""
-        total = 0
-        for layer in self.layers:
-            for t in (layer.keys, layer.values, layer.bias):
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        """Bytes held by keys, values and biases (the sum of every layer's ``nbytes``)."""
+        return sum(layer.nbytes for layer in self.layers)
 
     @property
     def device(self) -> torch.device:

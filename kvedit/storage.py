@@ -100,24 +100,31 @@ def save_state(state: KVState, path: str | os.PathLike, dtype: torch.dtype | Non
 
 
 def _check_header(path: Path) -> None:
-    """Reject what is not a plausible safetensors file before parsing it."""
+    """Reject what is not a plausible safetensors file before parsing it.
+
+    A safetensors file is an 8-byte little-endian header length, then a JSON header starting
+    with ``{``. Only when that shape is absent is the file sniffed for a pickle or a zip
+    (``torch.save``), to name what it is; the first byte alone proves nothing (a header length
+    can end in 0x80).
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
+            head = f.read(9)
     except FileNotFoundError:
         raise
     except OSError as e:
         raise CorruptCacheError(f"{path}: cannot read: {e}") from e
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else 0
+    if len(head) == 9 and head[8:9] == b"{" and 0 < n <= _MAX_HEADER and 8 + n <= size:
+        return
     if head[:1] == b"\x80" or head[:2] == b"PK":
         raise CorruptCacheError(
             f"{path}: looks like a pickle or torch.save archive; kvedit never unpickles files"
         )
-    if len(head) < 8:
+    if len(head) < 9:
         raise CorruptCacheError(f"{path}: truncated ({size} bytes), not a safetensors file")
-    (n,) = struct.unpack("<Q", head)
-    if n <= 0 or n > _MAX_HEADER or 8 + n > size:
-        raise CorruptCacheError(f"{path}: bad or truncated safetensors header (length {n})")
+    raise CorruptCacheError(f"{path}: bad or truncated safetensors header (length {n})")
 
 
 def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -124,3 +124,17 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
         state.extend(" more").save(path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["s.kv"]
+
+
+def test_header_length_ending_in_0x80_is_not_mistaken_for_a_pickle(tmp_path):
+    """The first byte of a safetensors file is the low byte of its header length."""
+    model, tok = tiny_model("llama")
+    state = kvedit.capture(model, tok, RECORDS)
+    for extra in range(0, 320, 4):  # vary the (8-byte aligned) header length via the text
+        s = state.replace(text=state.text + " " * extra)
+        path = tmp_path / f"s{extra}.kv"
+        s.save(path)
+        if path.read_bytes()[0] == 0x80:
+            assert kvedit.load_state(path, model, tok).text == s.text
+            return
+    pytest.fail("no header length ending in 0x80 was produced")

@@ -387,3 +387,6 @@ __all__ = [
     "register_method",
     "split_prompt",
 ]
+
+# Methods from the reuse layer (blend, snapkv, quantize) register themselves on import.
+from . import methods_reuse  # noqa: E402,F401

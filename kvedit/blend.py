@@ -1,0 +1,377 @@
+"""Non-prefix reuse: blend separately cached parts into one cache (CacheBlend-style).
+
+``blend(model, tokenizer, parts, store, recompute=0.15)`` builds the cache of the parts' texts in
+order, from caches of each part computed on its own:
+
+1. **Parts.** Part 0 is tokenized with the tokenizer's default special tokens (it starts the
+   prompt, BOS included), every later part without them (the passage convention of
+   :func:`~kvedit.reuse.capture_passage`). Each part's state is looked up in the store by its
+   ids; a missing part is prefilled alone and stored. The blended token ids are the parts' ids
+   concatenated, which can differ from tokenizing the joined text at part boundaries.
+2. **Placing.** Every part was cached at positions ``0..n_i-1``; its keys are re-rotated to
+   their positions in the blend (``delta`` = the part's offset), with each layer's own rotary
+   frequencies (:mod:`kvedit.rope`). Values carry no position and are reused as they are.
+3. **Selecting.** Each part's cache misses the other parts: tokens after part 0 never attended
+   to what precedes them. As in CacheBlend (Yao et al., 2024), the tokens whose cache deviates
+   most from a real prefill are found at one early layer and recomputed. kvedit runs the real
+   forward over the whole blend up to the *deviation layer*, the first global layer after layer
+   0 (layer 1 on Llama/Qwen2/SmolLM2; on Gemma-3 the first full-attention layer, because a
+   sliding layer of a stored part holds only its last ``window - 1`` tokens). Layer 0 cannot
+   be used: its keys and values depend only on the token and its position, so after
+   re-rotation they match exactly. The deviation of token ``t`` is
+   ``|dK_t|^2 / mean |K|^2 + |dV_t|^2 / mean |V|^2`` over heads and dimensions at that layer.
+   The ``ceil(recompute * n)`` tokens of largest deviation are selected; the last token always
+   is (its logits start the continuation).
+4. **Recomputing.** The selected tokens run through every layer on top of the blended cache,
+   at their own positions. A selected token sees the reused entries of unselected earlier
+   tokens and the fresh entries of selected earlier ones (never a stale entry of a selected
+   token): a 4D mask per layer type, with the sliding window on sliding layers. The fresh
+   entries then replace the reused ones.
+
+``recompute=1.0`` selects every token, which is a full prefill of the blended ids (the mask
+hides every reused entry). ``recompute=0`` is naive concatenation: nothing is recomputed and the
+last logits are those of the last part on its own.
+
+Sliding-window layers (Gemma-3): each stored part keeps the last ``window - 1`` tokens of its
+sliding layers, so the blend's sliding layers hold, for every part, its last tokens, which
+always include the blend's last ``window - 1`` tokens (all that the final state keeps there).
+A recomputed token deep inside a part longer than the window sees, on sliding layers, only the
+reused entries that part still holds plus the recomputed ones, a further approximation that
+``recompute=1.0`` removes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .attention import activate
+from .compat import cache_kwarg, text_config
+from .errors import UnsupportedModelError
+from .fingerprint import model_fingerprint
+from .reuse import capture_passage, encode
+from .rope import layer_inv_freq, move_keys
+from .state import KVState, LayerKV, StateBias, _dynamic_cache, capture
+from .store import KVStore, _tokenizer_fp
+
+
+@dataclass
+class PartReport:
+    """One part of a blend: its store key, token count and where its cache came from
+    (``"memory"``, ``"disk"``, or ``"computed"`` when it was prefilled and stored)."""
+
+    key: str
+    n_tokens: int
+    source: str
+
+
+@dataclass
+class BlendReport:
+    """What :func:`blend` reused and recomputed.
+
+    Attributes:
+        parts: one :class:`PartReport` per part, in order.
+        tokens: tokens of the blend.
+        tokens_reused: tokens whose cache came from the store and was kept as is.
+        tokens_recomputed: tokens recomputed on top of the blend (the selected ones).
+        tokens_computed: tokens of parts that were not stored and were prefilled alone.
+        recompute: the requested fraction.
+        deviation_layer: the layer the selection was made at (None if nothing was selected
+            by deviation: ``recompute`` 0 or 1).
+        recomputed_tokens: ``LongTensor[tokens_recomputed]`` their indices, ascending.
+        seconds: wall time.
+    """
+
+    parts: list[PartReport]
+    tokens: int
+    tokens_reused: int
+    tokens_recomputed: int
+    tokens_computed: int
+    recompute: float
+    deviation_layer: int | None
+    seconds: float
+    recomputed_tokens: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0))
+
+
+@torch.no_grad()
+def blend(
+    model: PreTrainedModel,
+    tokenizer,
+    parts: Sequence[str],
+    store: KVStore,
+    recompute: float = 0.15,
+) -> tuple[KVState, BlendReport]:
+    """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
+
+    Args:
+        model, tokenizer: the model; its fingerprints select the stored parts.
+        parts: texts, in prompt order (part 0 with the tokenizer's special tokens).
+        store: where parts are looked up, and where missing parts are stored.
+        recompute: fraction of the blend's tokens to recompute, in ``[0, 1]``.
+
+    Returns:
+        ``(state, report)``: a plain state of ``"".join(parts)`` whose token ids are the parts'
+        ids concatenated, ready for ``generate``/``extend``.
+    """
+    t0 = time.perf_counter()
+    if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
+        raise ValueError("blend: parts must be a non-empty list of strings")
+    if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise ValueError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
+    inv_freq = layer_inv_freq(model)
+
+    states, reports = [], []
+    for i, text in enumerate(parts):
+        ids, _ = encode(tokenizer, text, special_tokens=i == 0)
+        if not ids:
+            raise ValueError(f"blend: part {i} tokenizes to nothing")
+        key = store.key_for(model, tokenizer, ids)
+        state, source = store.fetch(key, model, tokenizer)
+        if state is None:
+            state = (
+                capture(model, tokenizer, text)
+                if i == 0
+                else capture_passage(model, tokenizer, text)
+            )
+            store.put(state)
+            source = "computed"
+        states.append(state)
+        reports.append(PartReport(key, len(ids), source))
+
+    starts = [0]
+    for s in states:
+        starts.append(starts[-1] + len(s))
+    n = starts[-1]
+    layers = _placed_layers(states, starts[:-1], inv_freq)
+    ids = torch.cat([s.token_ids for s in states])
+
+    n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
+    deviation_layer = None
+    if n_select == n:
+        selected = torch.arange(n)
+    elif n_select == 0:
+        selected = torch.empty(0, dtype=torch.long)
+    else:
+        deviation_layer = _deviation_layer(layers)
+        deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
+        deviation[-1] = float("inf")  # the last token's logits start the continuation
+        selected = deviation.topk(n_select).indices.sort().values
+
+    if n_select:
+        layers, last_logits = _recompute(model, layers, ids, selected)
+    else:
+        last_logits = states[-1].last_logits
+    char_starts = [0]
+    for text in parts:
+        char_starts.append(char_starts[-1] + len(text))
+    state = KVState(
+        layers=[layer.trimmed() for layer in layers],
+        token_ids=ids,
+        offsets=torch.cat([s.offsets + c for s, c in zip(states, char_starts, strict=False)]),
+        text="".join(parts),
+        position_ids=torch.arange(n),
+        next_position=n,
+        last_logits=last_logits,
+        model_fingerprint=model_fingerprint(model),
+        tokenizer_fingerprint=_tokenizer_fp(tokenizer),
+        model=model,
+        tokenizer=tokenizer,
+    )
+    stored_tokens = sum(r.n_tokens for r in reports if r.source != "computed")
+    is_stored = torch.cat(
+        [torch.full((len(s),), r.source != "computed") for s, r in zip(states, reports)]
+    )
+    report = BlendReport(
+        parts=reports,
+        tokens=n,
+        tokens_reused=stored_tokens - int(is_stored[selected].sum()),
+        tokens_recomputed=int(selected.numel()),
+        tokens_computed=n - stored_tokens,
+        recompute=float(recompute),
+        deviation_layer=deviation_layer,
+        seconds=time.perf_counter() - t0,
+        recomputed_tokens=selected,
+    )
+    return state, report
+
+
+# -------------------------------------------------------------------- placing
+
+
+def _placed_layers(
+    states: Sequence[KVState], starts: Sequence[int], inv_freq: Sequence[torch.Tensor]
+) -> list[LayerKV]:
+    """Every part's entries at their blend positions, layer by layer (not yet trimmed)."""
+    out = []
+    for i, freq in enumerate(inv_freq):
+        keys, values, index, positions = [], [], [], []
+        for state, start in zip(states, starts, strict=True):
+            layer = state.layers[i]
+            new_positions = layer.token_index + start
+            keys.append(move_keys(layer.keys, new_positions - layer.positions, freq))
+            values.append(layer.values)
+            index.append(new_positions)
+            positions.append(new_positions)
+        out.append(
+            LayerKV(
+                keys=torch.cat(keys, dim=-2),
+                values=torch.cat(values, dim=-2),
+                token_index=torch.cat(index),
+                positions=torch.cat(positions),
+                window=states[0].layers[i].window,
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------- selecting
+
+
+def _deviation_layer(layers: Sequence[LayerKV]) -> int:
+    """The first global layer after layer 0 (layer 0's K/V cannot deviate), else layer 1."""
+    for i, layer in enumerate(layers):
+        if i >= 1 and layer.window is None:
+            return i
+    return min(1, len(layers) - 1)
+
+
+class _Stop(Exception):
+    """Raised by :class:`_CacheUpTo` to end a forward pass once it has what it needs."""
+
+
+class _CacheUpTo(DynamicCache):
+    """A cache that ends the forward pass (:class:`_Stop`) once layer ``last`` is cached: its
+    keys and values are then known, and nothing after them (its attention, MLP, later layers)
+    needs to run."""
+
+    def __init__(self, last: int):
+        super().__init__()
+        self.last = last
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.last:
+            raise _Stop
+        return out
+
+
+def _true_kv(model: PreTrainedModel, ids: torch.Tensor, layer: int):
+    """Keys and values ``[1, kv_heads, n, head_dim]`` of ``layer`` in a real forward over ``ids``.
+
+    Runs the decoder only until ``layer`` has cached its keys and values.
+    """
+    decoder = model.get_decoder()
+    cache = _CacheUpTo(layer)
+    device = next(model.parameters()).device
+    try:
+        decoder(
+            input_ids=ids[None].to(device),
+            position_ids=torch.arange(len(ids), device=device)[None],
+            use_cache=True,
+            **{cache_kwarg(decoder): cache},
+        )
+    except _Stop:
+        return cache.layers[layer].keys, cache.layers[layer].values
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: the forward pass never cached layer {layer}"
+    )  # pragma: no cover
+
+
+def _deviation(
+    model: PreTrainedModel, ids: torch.Tensor, blended: LayerKV, layer: int
+) -> torch.Tensor:
+    """``[n]`` normalised K+V deviation of the blended cache from a real forward at ``layer``."""
+    true_k, true_v = _true_kv(model, ids, layer)
+    entries = blended.token_index.to(true_k.device)
+    true_k, true_v = true_k[:, :, entries].float(), true_v[:, :, entries].float()
+    dk = (blended.keys.float() - true_k).pow(2).sum(dim=(0, 1, 3))
+    dv = (blended.values.float() - true_v).pow(2).sum(dim=(0, 1, 3))
+    k_norm = true_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    v_norm = true_v.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    out = torch.zeros(len(ids), dtype=torch.float32)
+    out[blended.token_index] = (dk / k_norm + dv / v_norm).cpu()
+    return out
+
+
+# -------------------------------------------------------------------- recomputing
+
+
+def _mask(layer: LayerKV, selected: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, 1, s, len(layer) + s]`` additive mask (0 or the dtype's lowest value): what
+    selected token ``q`` may attend to.
+
+    Reused entries of unselected tokens at positions ``<= q``, and recomputed entries of
+    selected tokens ``<= q``; within the window on a sliding layer.
+    """
+    is_selected = torch.zeros(n, dtype=torch.bool)
+    is_selected[selected] = True
+    q = selected[:, None]
+    reused = (~is_selected[layer.positions])[None, :] & (layer.positions[None, :] <= q)
+    fresh = selected[None, :] <= q
+    if layer.window is not None:
+        reused &= q - layer.positions[None, :] < layer.window
+        fresh &= q - selected[None, :] < layer.window
+    allowed = torch.cat([reused, fresh], dim=-1)[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _recompute(
+    model: PreTrainedModel, layers: list[LayerKV], ids: torch.Tensor, selected: torch.Tensor
+) -> tuple[list[LayerKV], torch.Tensor]:
+    """Run the selected tokens through every layer on top of ``layers``; replace their entries.
+
+    Returns the new layers and the logits ``[vocab]`` after the last selected token.
+    """
+    n = len(ids)
+    device = layers[0].keys.device
+    kinds = getattr(text_config(model), "layer_types", None) or ["full_attention"] * len(layers)
+    masks: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}  # the transformers mask is per layer type, not per layer
+    for layer, kind in zip(layers, kinds, strict=True):
+        if kind in held:
+            if not torch.equal(held[kind], layer.positions):
+                raise UnsupportedModelError(f"{kind} layers hold different entries")
+            continue
+        held[kind] = layer.positions
+        masks[kind] = _mask(layer, selected, n, layers[0].keys.dtype).to(device)
+    # one layer type: a plain 4D mask (Llama takes no dict); several: one per type (Gemma-3)
+    attention_mask = masks if len(masks) > 1 else masks[kinds[0]]
+
+    cache = _dynamic_cache(layers)
+    with activate(model, StateBias(layers)):
+        out = model(
+            input_ids=ids[selected][None].to(device),
+            position_ids=selected[None].to(device),
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kwarg(model): cache},
+        )
+    slot = torch.full((n,), -1, dtype=torch.long)  # token -> its fresh entry, or -1
+    slot[selected] = torch.arange(len(selected))
+    new_layers = []
+    for i, layer in enumerate(layers):
+        # the cache's tensors are new (reused entries, then fresh ones): edit them in place
+        keys, values = cache.layers[i].keys, cache.layers[i].values
+        m = len(layer)
+        src = slot[layer.positions]  # entry e holds token layer.positions[e]
+        hit = (src >= 0).nonzero().flatten()
+        dst, fresh = hit.to(device), (src[hit] + m).to(device)
+        keys[:, :, dst] = keys[:, :, fresh]
+        values[:, :, dst] = values[:, :, fresh]
+        new_layers.append(  # a copy: a view would keep the fresh entries' storage alive
+            LayerKV(
+                keys[:, :, :m].clone(),
+                values[:, :, :m].clone(),
+                layer.token_index,
+                layer.positions,
+                None,
+                layer.window,
+            )
+        )
+    return new_layers, out.logits[0, -1].float()

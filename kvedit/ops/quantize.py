@@ -1,0 +1,283 @@
+"""``quantize``: KIVI-style low-bit keys and values, the most recent tokens kept exact.
+
+Following KIVI (Liu et al., 2024), keys are quantized *per channel* (a scale and zero point per
+channel for each group of ``group`` consecutive tokens: key outliers live in fixed channels) and
+values *per token* (a scale and zero point per token for each group of ``group`` channels, or
+the whole head when it is smaller).
+Quantization is asymmetric min-max to ``bits`` bits (2, 4 or 8), codes packed ``8 // bits`` to a
+byte, scales and zero points in float16 (float32 if the tensor exceeds float16's range). The
+last ``residual`` to ``residual + group - 1`` entries of each layer stay in full precision, so
+the quantized part is whole key groups.
+
+The result is a state whose global layers are :class:`QuantizedLayerKV`: they hold the packed
+codes, and ``layer.keys`` / ``layer.values`` dequantize on access, so everything that uses a
+state (``generate``, ``extend``, the other ops) works unchanged and ``state.nbytes`` counts the
+packed bytes. Continuing from a quantized state keeps the packed part and appends new entries
+to the full-precision residual (which is not re-quantized as it grows; quantize again to
+compress it). Saving a quantized state writes dequantized keys and values. Sliding-window
+layers (Gemma-3) are left in full precision: they hold at most ``window - 1`` entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..state import KVState, LayerKV
+
+BITS = (2, 4, 8)
+_F16_MAX = 6.0e4
+
+
+@dataclass(eq=False)
+class PackedKV:
+    """A ``[batch, heads, n, dim]`` tensor: ``n_quant`` leading entries as packed codes, the
+    rest in full precision.
+
+    Attributes:
+        codes: ``uint8 [batch, heads, n_quant, dim * bits // 8]``, ``8 // bits`` codes a byte.
+        scale, zero: float16/32; ``[batch, heads, n_quant // group, 1, dim]`` for
+            ``axis="channel"`` (keys), ``[batch, heads, n_quant, dim // group, 1]`` for
+            ``axis="token"`` (values). ``x ~ code * scale + zero``.
+        residual: ``[batch, heads, n - n_quant, dim]`` entries kept exact.
+        bits, group, axis: how it was quantized.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    residual: torch.Tensor
+    bits: int
+    group: int
+    axis: str
+
+    @property
+    def n_quant(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, h, r, d = self.residual.shape
+        return b, h, self.n_quant + r, d
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.codes, self.scale, self.zero, self.residual)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor, bits: int, group: int, n_quant: int, axis: str) -> PackedKV:
+        """Quantize the first ``n_quant`` entries of ``x [b, h, n, d]`` (a multiple of ``group``
+        for ``axis="channel"``); keep the rest exact."""
+        b, h, _, d = x.shape
+        head = x[:, :, :n_quant].float()
+        grouped = _grouped(head, group, axis)
+        reduce = -2 if axis == "channel" else -1
+        lo = grouped.amin(dim=reduce, keepdim=True)
+        hi = grouped.amax(dim=reduce, keepdim=True)
+        meta_dtype = torch.float16 if x.numel() == 0 or x.abs().max() < _F16_MAX else torch.float32
+        qmax = 2**bits - 1
+        scale = ((hi - lo) / qmax).clamp_min(1e-5).to(meta_dtype)
+        zero = lo.to(meta_dtype)
+        codes = ((grouped - zero.float()) / scale.float()).round().clamp(0, qmax)
+        codes = codes.to(torch.uint8).reshape(b, h, n_quant, d)
+        return cls(_pack(codes, bits), scale, zero, x[:, :, n_quant:].clone(), bits, group, axis)
+
+    def dequantize(self) -> torch.Tensor:
+        """The tensor ``[batch, heads, n, dim]`` in the residual's dtype."""
+        b, h, _, d = self.residual.shape
+        codes = _unpack(self.codes, self.bits, d).float()
+        head = _grouped(codes, self.group, self.axis) * self.scale.float() + self.zero.float()
+        head = head.reshape(b, h, self.n_quant, d).to(self.residual.dtype)
+        return torch.cat([head, self.residual], dim=-2)
+
+    def requantized(self, x: torch.Tensor) -> PackedKV:
+        """``x`` quantized the same way (same bits, group, axis and quantized length).
+
+        When ``x`` is exactly this tensor's dequantization (``dataclasses.replace`` passes the
+        dequantized keys back), the packed data is kept, moved to ``x``'s device if needed.
+        """
+        if tuple(x.shape) == self.shape and x.dtype == self.residual.dtype:
+            current = self.dequantize().to(x.device)
+            if torch.equal(current, x):
+                return self if x.device == self.codes.device else self.map(lambda t: t.to(x.device))
+        n_quant = self.n_quant if x.shape[-2] >= self.n_quant else 0
+        return PackedKV.quantize(x, self.bits, self.group, n_quant, self.axis)
+
+    def appended(self, new: torch.Tensor) -> PackedKV:
+        """Entries ``new [b, h, k, d]`` added to the full-precision residual."""
+        residual = torch.cat([self.residual, new.to(self.residual.dtype)], dim=-2)
+        return dataclasses.replace(self, residual=residual)
+
+    def map(self, fn) -> PackedKV:
+        return dataclasses.replace(
+            self,
+            codes=fn(self.codes),
+            scale=fn(self.scale),
+            zero=fn(self.zero),
+            residual=fn(self.residual),
+        )
+
+
+def _grouped(x: torch.Tensor, group: int, axis: str) -> torch.Tensor:
+    """``[b, h, n, d]`` -> 5D with the quantization group as one axis."""
+    b, h, n, d = x.shape
+    if axis == "channel":
+        return x.reshape(b, h, n // group, group, d)
+    return x.reshape(b, h, n, d // group, group)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return codes
+    shifts = torch.arange(per, device=codes.device, dtype=torch.uint8) * bits
+    lanes = codes.reshape(*codes.shape[:-1], -1, per) << shifts
+    return lanes.sum(dim=-1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    lanes = (packed[..., None] >> shifts) & (2**bits - 1)
+    return lanes.reshape(*packed.shape[:-1], d)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class QuantizedLayerKV(LayerKV):
+    """A global layer whose keys and values are stored packed (:class:`PackedKV`).
+
+    ``keys`` and ``values`` are dequantized on every access. Constructed from packed data, or,
+    as other ops do (``dataclasses.replace(layer, keys=k)``), from dense ``keys``/``values``
+    and the packed data they replace: changed tensors are quantized the way the packed data
+    was, unchanged ones (exactly its dequantization) keep it.
+    """
+
+    packed_keys: PackedKV | None = None
+    packed_values: PackedKV | None = None
+
+    def __init__(
+        self,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        window: int | None = None,
+        packed_keys: PackedKV | None = None,
+        packed_values: PackedKV | None = None,
+    ):
+        if packed_keys is None or packed_values is None:
+            raise ValueError("QuantizedLayerKV needs packed keys and values; use ops.quantize")
+        if window is not None:
+            raise ValueError("sliding-window layers are not quantized")
+        if token_index is None or positions is None:
+            raise ValueError("QuantizedLayerKV needs token_index and positions")
+        self.packed_keys = packed_keys if keys is None else packed_keys.requantized(keys)
+        self.packed_values = packed_values if values is None else packed_values.requantized(values)
+        self.token_index = token_index
+        self.positions = positions
+        self.bias = bias
+        self.window = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.packed_keys.dequantize()
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.packed_values.dequantize()
+
+    def __len__(self) -> int:
+        return self.packed_keys.shape[-2]
+
+    def __repr__(self) -> str:
+        pk = self.packed_keys
+        return f"QuantizedLayerKV(n={len(self)}, bits={pk.bits}, exact={pk.residual.shape[-2]})"
+
+    @property
+    def nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.packed_keys.nbytes + self.packed_values.nbytes + bias
+
+    def _with(self, new_keys, new_values, token_index, positions, bias) -> QuantizedLayerKV:
+        return QuantizedLayerKV(
+            token_index=token_index,
+            positions=positions,
+            bias=bias,
+            packed_keys=self.packed_keys.appended(new_keys),
+            packed_values=self.packed_values.appended(new_values),
+        )
+
+    def map(self, fn) -> QuantizedLayerKV:
+        return QuantizedLayerKV(
+            token_index=fn(self.token_index),
+            positions=fn(self.positions),
+            bias=None if self.bias is None else fn(self.bias),
+            packed_keys=self.packed_keys.map(fn),
+            packed_values=self.packed_values.map(fn),
+        )
+
+    def append(self, keys, values, token_index, positions, bias=None) -> QuantizedLayerKV:
+        """Entries appended to the full-precision residual (bias as :meth:`LayerKV.append`)."""
+        dense = super().append(keys, values, token_index, positions, bias)
+        return self._with(keys, values, dense.token_index, dense.positions, dense.bias)
+
+    def extended(self, full_keys, full_values, token_index, positions) -> QuantizedLayerKV:
+        """The new entries of ``full_keys/values`` (after this layer's) appended exactly."""
+        n = len(self)
+        bias = self.bias
+        if bias is not None:
+            bias = torch.nn.functional.pad(bias, (0, full_keys.shape[-2] - n))
+        return self._with(
+            full_keys[:, :, n:],
+            full_values[:, :, n:],
+            torch.cat([self.token_index, token_index.to(self.token_index.device)]),
+            torch.cat([self.positions, positions.to(self.positions.device)]),
+            bias,
+        )
+
+
+def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32) -> KVState:
+    """A new state with every global layer's K/V quantized to ``bits`` bits, KIVI-style.
+
+    Args:
+        state: the state (not modified); a quantized state is re-quantized from its values.
+        bits: 2, 4 or 8.
+        residual: the most recent entries (at least this many) kept in full precision.
+        group: tokens per key scale group; channels per value scale group (capped at the head
+            dimension, which it must then divide).
+
+    Returns:
+        A state whose ``nbytes`` counts packed codes, scales, zero points and the residual.
+    """
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, not {bits!r}")
+    for name, value, low in (("residual", residual, 0), ("group", group, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, not {value!r}")
+    new_layers = []
+    for layer in state.layers:
+        n, d = len(layer), layer.keys.shape[-1]
+        channels = min(group, d)  # values: one scale per token and group of channels
+        if d % channels or (d * bits) % 8:
+            raise ValueError(f"group {group} must divide the head dimension {d} (or exceed it)")
+        n_quant = (max(0, n - residual) // group) * group
+        if layer.window is not None or n_quant == 0:
+            new_layers.append(layer)
+            continue
+        keys, values = layer.keys, layer.values
+        new_layers.append(
+            QuantizedLayerKV(
+                token_index=layer.token_index,
+                positions=layer.positions,
+                bias=layer.bias,
+                packed_keys=PackedKV.quantize(keys, bits, group, n_quant, "channel"),
+                packed_values=PackedKV.quantize(values, bits, channels, n_quant, "token"),
+            )
+        )
+    return state.replace(layers=new_layers)

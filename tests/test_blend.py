@@ -1,0 +1,289 @@
+"""Blending separately cached parts: RoPE moves, selective recompute, reports, the eval method."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from helpers import reference_generate
+
+import kvedit
+from kvedit.blend import _deviation, _true_kv
+from kvedit.errors import UnsupportedModelError
+from kvedit.reuse import capture_passage, empty_state, extend_ids
+from kvedit.rope import layer_inv_freq, move_keys
+from kvedit.store import KVStore
+from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
+
+PARTS = [
+    "Records follow.\n",
+    "Alice's secret number is 4821. Bob's secret number is 7310. ",
+    "Carol's secret number is 5902. Dave's secret number is 1234. ",
+    "Eve's secret number is 8080. Frank's secret number is 6611. The quick brown fox.",
+]
+QUESTION = " What is Carol's secret number?"
+
+
+def blended_ids(tok, parts=PARTS) -> list[int]:
+    ids = tok(parts[0])["input_ids"]
+    for p in parts[1:]:
+        ids += tok(p, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+# ------------------------------------------------------------------ RoPE
+
+
+def test_inv_freq_per_layer_type(tiny):
+    arch, model, _ = tiny
+    freqs = layer_inv_freq(model)
+    assert len(freqs) == model.config.num_hidden_layers
+    rotary = model.get_decoder().rotary_emb
+    if arch == "gemma3":
+        for f, kind in zip(freqs, model.config.layer_types, strict=True):
+            assert torch.equal(f, getattr(rotary, f"{kind}_inv_freq"))
+        assert not torch.allclose(rotary.sliding_attention_inv_freq, rotary.full_attention_inv_freq)
+    else:
+        assert all(torch.equal(f, rotary.inv_freq) for f in freqs)
+
+
+def test_moved_passage_keys_equal_keys_computed_in_place(tiny):
+    """Layer 0 keys depend on token and position only: a passage moved to offset o must give
+    exactly the keys the whole sequence has there (on Gemma-3: the sliding base)."""
+    _, model, tok = tiny
+    prefix, passage = PARTS[0] + PARTS[1], PARTS[2] + PARTS[3]
+    alone = capture_passage(model, tok, passage)
+    whole = kvedit.capture(model, tok, prefix)
+    offset = len(whole)
+    ids = whole.token_ids.tolist() + alone.token_ids.tolist()
+    full_keys = model(torch.tensor([ids]), use_cache=True).past_key_values.layers[0].keys
+    layer = alone.layers[0]
+    moved = move_keys(layer.keys, torch.full((len(layer),), offset), layer_inv_freq(model)[0])
+    expected = full_keys[:, :, -len(layer) :]  # the passage ends the sequence
+    torch.testing.assert_close(moved, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(layer.keys, expected, atol=1e-3)  # it did need moving
+
+
+def test_global_layer_rope_on_gemma3():
+    """Gemma-3's global base (1M, linear scaling) on a model whose layer 0 is global."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    _, tok = tiny_model("gemma3")
+    config = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    alone = capture_passage(model, tok, PARTS[2])
+    ids = tok(PARTS[1], add_special_tokens=False)["input_ids"] + alone.token_ids.tolist()
+    with torch.no_grad():
+        full = model(torch.tensor([ids]), use_cache=True).past_key_values.layers[0].keys
+    o = len(ids) - len(alone)
+    moved = move_keys(alone.layers[0].keys, torch.full((len(alone),), o), layer_inv_freq(model)[0])
+    torch.testing.assert_close(moved, full[:, :, o:], atol=1e-5, rtol=1e-5)
+
+
+def test_length_dependent_rope_is_refused():
+    model, _ = tiny_model("llama")
+    rotary = model.get_decoder().rotary_emb
+    rotary.rope_type = "dynamic"
+    try:
+        with pytest.raises(UnsupportedModelError, match="dynamic"):
+            layer_inv_freq(model)
+    finally:
+        rotary.rope_type = "default"
+
+
+# ------------------------------------------------------------------ blend
+
+
+def test_full_recompute_equals_full_prefill(tmp_path, tiny):
+    arch, model, tok = tiny
+    store = KVStore(tmp_path)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=1.0)
+    ids = blended_ids(tok)
+    assert state.token_ids.tolist() == ids and state.text == "".join(PARTS)
+    assert report.tokens_recomputed == len(ids) and report.tokens_reused == 0
+    assert report.tokens_computed == len(ids)  # nothing was stored yet
+    logits = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(state.last_logits, logits, atol=1e-4, rtol=1e-4)
+    assert state.generate(QUESTION, 16) == reference_generate(model, tok, ids, QUESTION, 16)
+    # the cache itself is a prefill's, entry for entry (sliding layers: the last window - 1)
+    fresh = extend_ids(empty_state(model, tok), ids, torch.zeros(len(ids), 2), "")
+    for a, b in zip(state.layers, fresh.layers, strict=True):
+        assert torch.equal(a.token_index, b.token_index)
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
+    if arch == "gemma3":
+        assert min(len(layer) for layer in state.layers) == TINY_SLIDING_WINDOW - 1
+    # every part is now stored: a second blend reuses them all
+    _, again = kvedit.blend(model, tok, PARTS, store, recompute=1.0)
+    assert [p.source for p in again.parts] == ["disk"] * 4 and again.tokens_computed == 0
+
+
+def test_zero_recompute_is_naive_concatenation(tmp_path, llama):
+    model, tok = llama
+    store = KVStore(tmp_path, memory_bytes=10**8)
+    parts = [kvedit.capture(model, tok, PARTS[0])] + [
+        capture_passage(model, tok, p) for p in PARTS[1:]
+    ]
+    for p in parts:
+        store.put(p)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    assert [p.source for p in report.parts] == ["memory"] * 4
+    assert (report.tokens_reused, report.tokens_recomputed, report.tokens_computed) == (
+        len(state),
+        0,
+        0,
+    )
+    assert report.deviation_layer is None
+    freqs = layer_inv_freq(model)
+    for i, layer in enumerate(state.layers):
+        start = 0
+        for part in parts:
+            n = len(part)
+            seg = slice(start, start + n)
+            torch.testing.assert_close(layer.values[:, :, seg], part.layers[i].values)
+            moved = move_keys(part.layers[i].keys, torch.full((n,), start), freqs[i])
+            torch.testing.assert_close(layer.keys[:, :, seg], moved)
+            start += n
+    assert torch.equal(state.last_logits, parts[-1].last_logits)
+
+
+def test_partial_recompute_selects_deviating_tokens(tmp_path, llama):
+    model, tok = llama
+    store = KVStore(tmp_path)
+    kvedit.blend(model, tok, PARTS, store, recompute=0.0)  # stores the parts
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
+    ids = torch.tensor(blended_ids(tok))
+    n0 = len(tok(PARTS[0])["input_ids"])
+    assert report.deviation_layer == 1
+    assert report.tokens_recomputed == -(-3 * len(ids) // 10)
+    assert report.tokens_reused == len(ids) - report.tokens_recomputed
+    selected = report.recomputed_tokens
+    assert selected[-1] == len(ids) - 1  # the last token always
+    assert (selected >= n0).all()  # part 0 was cached in its real context: no deviation
+    # the selection is the top of the layer-1 deviation of the naive blend
+    naive, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    deviation = _deviation(model, ids, naive.layers[1], 1)
+    deviation[-1] = float("inf")
+    assert set(selected.tolist()) == set(deviation.topk(len(selected)).indices.tolist())
+    # layer-0 entries are exact after the move, so the recomputed tokens' layer-1 entries
+    # are exactly a real prefill's; the reused ones are not
+    true_k, _ = _true_kv(model, ids, 1)
+    got = state.layers[1].keys
+    torch.testing.assert_close(got[:, :, selected], true_k[:, :, selected], atol=1e-4, rtol=1e-4)
+    others = torch.tensor([i for i in range(n0, len(ids)) if i not in set(selected.tolist())])
+    assert (got[:, :, others] - true_k[:, :, others]).abs().amax() > 1e-3
+    # recomputing brings the answer logits closer to a full prefill than naive concatenation
+    full = model(ids[None]).logits[0, -1]
+    assert (state.last_logits - full).abs().amax() < (naive.last_logits - full).abs().amax()
+
+
+def test_gemma3_partial_recompute_respects_the_window(tmp_path, gemma3, monkeypatch):
+    """Parts shorter than the window keep every token in their sliding layers, so layer 0
+    (sliding, position-only) is exact after the move, and the recomputed tokens' layer-1
+    entries must be a real prefill's: only if their queries see exactly their window."""
+    model, tok = gemma3
+    parts = ["Records:", " Alice is 4821.", " Bob is 7310.", " Carol is 5902.", " Dave is 1."]
+    parts += [" Eve is 8080.", " Frank is 6611."]
+    lengths = [len(tok(p, add_special_tokens=i == 0)["input_ids"]) for i, p in enumerate(parts)]
+    assert max(lengths) < TINY_SLIDING_WINDOW < sum(lengths)
+    state, report = kvedit.blend(model, tok, parts, KVStore(tmp_path), recompute=0.5)
+    ids = state.token_ids
+    true_k, _ = _true_kv(model, ids, 1)  # layer 1: sliding
+    selected = report.recomputed_tokens
+    assert selected.min() < len(ids) - TINY_SLIDING_WINDOW  # some early tokens recomputed
+    torch.testing.assert_close(
+        _blend_layer1(model, tok, parts, tmp_path, monkeypatch)[:, :, selected],
+        true_k[:, :, selected],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def _blend_layer1(model, tok, parts, tmp_path, monkeypatch):
+    """Layer 1 keys of every token of a 0.5 blend (before the final trim to the window)."""
+    module = importlib.import_module("kvedit.blend")  # `kvedit.blend` is the function
+    real, kept = module._recompute, {}
+
+    def spy(model_, layers, ids, selected):
+        new_layers, logits = real(model_, layers, ids, selected)
+        kept["keys"] = new_layers[1].keys
+        return new_layers, logits
+
+    monkeypatch.setattr(module, "_recompute", spy)
+    kvedit.blend(model, tok, parts, KVStore(tmp_path), recompute=0.5)
+    return kept["keys"]
+
+
+def test_gemma3_partial_blend_uses_first_global_layer(tmp_path, gemma3):
+    model, tok = gemma3
+    state, report = kvedit.blend(model, tok, PARTS, KVStore(tmp_path), recompute=0.5)
+    assert report.deviation_layer == model.config.layer_types.index("full_attention")
+    assert {len(layer) for layer in state.layers} == {TINY_SLIDING_WINDOW - 1, len(state)}
+    assert len(state.generate(QUESTION, 8)) > 0
+
+
+def test_blend_rejects_bad_input(tmp_path, llama):
+    model, tok = llama
+    store = KVStore(tmp_path)
+    with pytest.raises(ValueError, match="non-empty list"):
+        kvedit.blend(model, tok, "one string", store)
+    with pytest.raises(ValueError, match="recompute"):
+        kvedit.blend(model, tok, PARTS, store, recompute=1.5)
+    with pytest.raises(ValueError, match="part 1"):
+        kvedit.blend(model, tok, ["a", ""], store)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return tiny_model("gemma3")
+
+
+# ------------------------------------------------------------------ the eval method
+
+
+def test_blend_eval_method(llama):
+    import kvedit.evals.methods_reuse  # noqa: F401 - registers the methods
+    from kvedit.evals.litm import run
+    from kvedit.evals.methods import ExampleContext, parse_spec
+    from kvedit.evals.methods_reuse import document_parts
+    from kvedit.evals.tasks import records_examples
+
+    model, tok = llama
+    examples = records_examples(n_records=4, positions=(0, 3), trials=1, seed=0)
+    ctx = ExampleContext(model, tok, examples[0])
+    parts = document_parts(ctx)
+    assert "".join(parts) == ctx.prefix and len(parts) == 5
+    assert parts[1].startswith(examples[0].documents[0])
+    method = parse_spec("blend:recompute=1.0")
+    answer = method.predict(ctx)
+    report = ctx._cache["blend_report"]
+    ids = blended_ids(tok, parts)
+    assert answer == reference_generate(model, tok, ids, ctx.continuation, ctx.max_new_tokens)
+    assert [p.source for p in report.parts] == ["computed"] * 5
+    other = ExampleContext(model, tok, examples[1])  # the same documents, in another order
+    method.predict(other)
+    sources = [p.source for p in other._cache["blend_report"].parts]
+    assert sources[0] == "memory" and sources.count("memory") >= 3  # the method's store
+    records = run(model, tok, examples, ["blend:recompute=0.15"], progress=False)
+    assert [r["method"] for r in records] == ["blend:recompute=0.15"] * 2
