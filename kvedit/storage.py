@@ -29,7 +29,8 @@ FORMAT_VERSION = 1
 _MAX_HEADER = 100 * 2**20
 
 
-def _crc(tensors: dict[str, torch.Tensor]) -> str:
+def crc32_of(tensors: dict[str, torch.Tensor]) -> str:
+    """CRC-32 over the tensors' names and bytes, in name order (hex)."""
     crc = 0
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -71,7 +72,7 @@ def state_metadata(state: KVState, tensors: dict[str, torch.Tensor]) -> dict:
         "next_position": state.next_position,
         "windows": [layer.window for layer in state.layers],
         "n_layers": len(state.layers),
-        "checksum": _crc(tensors),
+        "checksum": crc32_of(tensors),
     }
 
 
@@ -127,8 +128,14 @@ def _check_header(path: Path) -> None:
     raise CorruptCacheError(f"{path}: bad or truncated safetensors header (length {n})")
 
 
-def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read and verify a state file. Returns ``(metadata, tensors)`` or raises CorruptCacheError."""
+def read_verified(
+    path: str | os.PathLike, fmt: str, version: int, what: str = "format"
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a kvedit safetensors file of format ``fmt``: header sniffed, JSON metadata parsed,
+    format and version checked, CRC verified. Returns ``(metadata, tensors)``.
+
+    Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, a pickle).
+    """
     path = Path(path)
     _check_header(path)
     try:
@@ -141,16 +148,21 @@ def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tens
         meta = json.loads(raw_meta["kvedit"])
     except (KeyError, json.JSONDecodeError) as e:
         raise CorruptCacheError(f"{path}: no kvedit metadata in the header") from e
-    if meta.get("format") != FORMAT:
-        raise CorruptCacheError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format") != fmt:
+        raise CorruptCacheError(f"{path}: format {meta.get('format')!r} is not {fmt!r}")
+    if meta.get("format_version") != version:
         raise CorruptCacheError(
-            f"{path}: format version {meta.get('format_version')} is not supported "
-            f"(this kvedit reads version {FORMAT_VERSION})"
+            f"{path}: {what} version {meta.get('format_version')} is not supported "
+            f"(this kvedit reads version {version})"
         )
-    if _crc(tensors) != meta.get("checksum"):
+    if crc32_of(tensors) != meta.get("checksum"):
         raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
     return meta, tensors
+
+
+def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read and verify a state file. Returns ``(metadata, tensors)`` or raises CorruptCacheError."""
+    return read_verified(path, FORMAT, FORMAT_VERSION)
 
 
 def state_from_parts(meta: dict, tensors: dict[str, torch.Tensor], model, tokenizer) -> KVState:

@@ -61,7 +61,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from .errors import CacheMismatchError, CorruptCacheError, KVEditError
@@ -71,9 +70,8 @@ from .state import KVState, LayerKV
 from .storage import (
     atomic_write,
     read_state_file,
+    save_state,
     state_from_parts,
-    state_metadata,
-    state_tensors,
 )
 
 CHUNK_TOKENS = 256
@@ -587,7 +585,7 @@ class KVStore:
             if size > self.max_bytes - pinned:
                 self._counts["rejected"] += 1
                 return meta
-        _save_entry(state, path)
+        save_state(state, path)
         meta = replace(meta, file_bytes=path.stat().st_size)
         self._write_record(meta)
         self._evict_disk(protect=meta.key)
@@ -864,29 +862,6 @@ def _touch(path: Path) -> None:
     """Mark an entry as just used (its mtime orders LRU eviction)."""
     with contextlib.suppress(OSError):
         os.utime(path)
-
-
-def _save_entry(state: KVState, path: Path) -> None:
-    """``save_state``, padding the header so the file cannot begin like a pickle.
-
-    ``storage._check_header`` refuses files whose first byte is ``0x80`` (or that begin
-    ``PK``); a safetensors file begins with its header length, and a header of ``128 mod 256``
-    bytes (1 in 32, headers are 8-byte aligned) would be refused although valid. A padding
-    field in the header metadata moves the length off those values.
-    """
-    tensors = state_tensors(state)
-    meta = {"kvedit": json.dumps(state_metadata(state, tensors), ensure_ascii=False)}
-
-    def write(tmp: str) -> None:
-        for pad in range(0, 64, 8):
-            save_file(tensors, tmp, metadata={**meta, "pad": " " * pad} if pad else meta)
-            with open(tmp, "rb") as f:
-                head = f.read(2)
-            if head[:1] != b"\x80" and head != b"PK":
-                return
-        raise RuntimeError("could not pad the safetensors header")  # pragma: no cover
-
-    atomic_write(path, write)
 
 
 def _estimated_file_bytes(state: KVState) -> int:

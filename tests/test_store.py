@@ -270,11 +270,12 @@ FORK = multiprocessing.get_context("fork")
 
 def _killed_writer(root: str, state, mode: str, conn) -> None:
     """Put ``state``, stalling (to be SIGKILLed) half-way through the .kv or before the record."""
+    import kvedit.storage as storage
     import kvedit.store as ks
 
     store = ks.KVStore(root)
     if mode == "data":
-        real = ks.save_file
+        real = storage.save_file
 
         def stalled(tensors, filename, metadata=None):
             real(tensors, filename, metadata=metadata)
@@ -283,7 +284,7 @@ def _killed_writer(root: str, state, mode: str, conn) -> None:
             conn.send("writing")
             time.sleep(60)
 
-        ks.save_file = stalled
+        storage.save_file = stalled  # the writer process is forked: this patch stays in it
     else:
 
         def stalled(self, meta):

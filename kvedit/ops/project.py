@@ -36,7 +36,6 @@ import os
 import sys
 import time
 import weakref
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -684,7 +683,7 @@ class Projector:
         from safetensors.torch import save_file
 
         from .. import __version__
-        from ..storage import atomic_write
+        from ..storage import atomic_write, crc32_of
 
         tensors = self._tensors()
         meta = {
@@ -700,7 +699,7 @@ class Projector:
             "b_kv_shape": list(self.b_kv_shape),
             "b_windows": self.b_windows,
             "info": self.info,
-            "checksum": _crc(tensors),
+            "checksum": crc32_of(tensors),
         }
         header = {"kvedit": json.dumps(meta, ensure_ascii=False)}
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
@@ -712,31 +711,9 @@ class Projector:
         Raises:
             CorruptCacheError: truncated, corrupted, not a projector file, or a pickle.
         """
-        from safetensors import safe_open
+        from ..storage import read_verified
 
-        from ..storage import _check_header
-
-        path = Path(path)
-        _check_header(path)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                raw = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        except Exception as e:  # safetensors raises its own error types
-            raise CorruptCacheError(f"{path}: unreadable safetensors file: {e}") from e
-        try:
-            meta = json.loads(raw["kvedit"])
-        except (KeyError, json.JSONDecodeError) as e:
-            raise CorruptCacheError(f"{path}: no kvedit metadata in the header") from e
-        if meta.get("format") != FORMAT:
-            raise CorruptCacheError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise CorruptCacheError(
-                f"{path}: projector format version {meta.get('format_version')} is not "
-                f"supported (this kvedit reads version {FORMAT_VERSION})"
-            )
-        if _crc(tensors) != meta.get("checksum"):
-            raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
+        meta, tensors = read_verified(path, FORMAT, FORMAT_VERSION, what="projector format")
         try:
             n = len(meta["a_layers"])
             return cls(
@@ -756,13 +733,3 @@ class Projector:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCacheError(f"{path}: projector file lacks tensor or field {e}") from e
-
-
-def _crc(tensors: dict[str, torch.Tensor]) -> str:
-    crc = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        crc = zlib.crc32(name.encode(), crc)
-        if t.numel():
-            crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
-    return f"{crc:08x}"
