@@ -202,9 +202,10 @@ def plot_curves(
     if not summary:
         raise ValueError("nothing to plot: the summary has no methods")
     positions = _positions(summary)
-    fig = Figure(figsize=(6.4, 4.0))
+    fig = Figure(figsize=(8.0, 4.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    oracle_markers = iter("sD^vP*Xp<>" * 4)
     for method, stats in summary.items():
         points = sorted((int(p), acc) for p, acc in stats["by_position"].items())
         if len(points) == 1:
@@ -212,7 +213,16 @@ def plot_curves(
         else:
             xs, ys = [p for p, _ in points], [acc for _, acc in points]
         if method.lower().startswith("oracle"):
-            ax.plot(xs, ys, linestyle="--", color="gray", label=f"{method} (upper bound)")
+            ax.plot(
+                xs,
+                ys,
+                linestyle="--",
+                color="gray",
+                marker=next(oracle_markers),
+                markersize=4,
+                alpha=0.8,
+                label=f"{method} (upper bound)",
+            )
         elif len(points) == 1:
             ax.plot(xs, ys, linestyle=":", label=method)
         else:
@@ -222,7 +232,7 @@ def plot_curves(
     ax.set_ylabel("Accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     if title:
         ax.set_title(title)
     buffer = io.BytesIO()
