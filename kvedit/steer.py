@@ -81,6 +81,8 @@ class SpanPlan:
         # the forward pre-hook. Sliding-window layers hold only their last tokens, so the
         # attention's own key count cannot tell which tokens its keys are.
         self.seq_len: int | None = None
+        self._memo_key: tuple[int, int] | None = None  # (k_len, total_len) of the cached bias
+        self._memo: torch.Tensor | None = None
 
     # -- binding spans to tokens -----------------------------------------------------------
 
@@ -128,6 +130,7 @@ class SpanPlan:
             token_bias[b, where] = self.bind_text(text, offsets, ids)
         self.token_bias = token_bias.to(input_ids.device)
         self.bound_ids = input_ids.detach().clone()
+        self._memo_key = None
 
     def continues(self, input_ids: torch.Tensor) -> bool:
         """Whether ``input_ids`` is the bound prompt followed by more tokens."""
@@ -156,13 +159,18 @@ class SpanPlan:
         heads = self._layer_heads(layer_idx)
         if heads is False:
             return None
-        tb = self.token_bias
-        B, T = tb.shape
-        first = total_len - k_len  # absolute index of key entry 0
-        bias = tb.new_zeros(B, k_len)
-        lo, hi = max(first, 0), min(T, total_len)
-        if hi > lo:
-            bias[:, lo - first : hi - first] = tb[:, lo:hi]
+        key = (k_len, total_len)
+        if self._memo_key != key:  # the same for every layer of one forward: build it once
+            tb = self.token_bias
+            B, T = tb.shape
+            first = total_len - k_len  # absolute index of key entry 0
+            bias = tb.new_zeros(B, k_len)
+            lo, hi = max(first, 0), min(T, total_len)
+            if hi > lo:
+                bias[:, lo - first : hi - first] = tb[:, lo:hi]
+            self._memo_key, self._memo = key, bias
+        bias = self._memo
+        B = bias.shape[0]
         if heads is None:
             return bias[:, None, :]
         per_head = bias.new_zeros(B, self.n_heads, k_len)
