@@ -134,17 +134,7 @@ def cut_layers(layers: Sequence[LayerKV], n_tokens: int) -> list[LayerKV]:
                 f"layer {i} does not hold tokens {start}..{n_tokens - 1}: this state cannot be "
                 f"cut to {n_tokens} tokens"
             )
-        e = keep.to(layer.keys.device)
-        out.append(
-            LayerKV(
-                keys=layer.keys[:, :, e],
-                values=layer.values[:, :, e],
-                token_index=layer.token_index[keep],
-                positions=layer.positions[keep],
-                bias=None if layer.bias is None else layer.bias[..., e],
-                window=layer.window,
-            ).trimmed()
-        )
+        out.append(layer.select(keep).trimmed())
     return out
 
 

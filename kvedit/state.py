@@ -148,19 +148,24 @@ class LayerKV:
             window=self.window,
         ).trimmed()
 
+    def select(self, entries: torch.Tensor | slice) -> LayerKV:
+        """A dense layer holding only ``entries`` (indices or a slice of this layer's entries)."""
+        e = entries.to(self.keys.device) if isinstance(entries, torch.Tensor) else entries
+        m = entries.to(self.token_index.device) if isinstance(entries, torch.Tensor) else entries
+        return LayerKV(  # a plain (dense) layer, also when this one is a subclass
+            keys=self.keys[:, :, e],
+            values=self.values[:, :, e],
+            token_index=self.token_index[m],
+            positions=self.positions[m],
+            bias=None if self.bias is None else self.bias[..., e],
+            window=self.window,
+        )
+
     def trimmed(self) -> LayerKV:
         """Keep only the last ``window - 1`` entries on a sliding-window layer."""
         if self.window is None or len(self) <= self.window - 1:
             return self
-        keep = slice(len(self) - (self.window - 1), None)
-        return LayerKV(
-            keys=self.keys[:, :, keep],
-            values=self.values[:, :, keep],
-            token_index=self.token_index[keep],
-            positions=self.positions[keep],
-            bias=None if self.bias is None else self.bias[..., keep],
-            window=self.window,
-        )
+        return self.select(slice(len(self) - (self.window - 1), None))
 
 
 class StateBias:

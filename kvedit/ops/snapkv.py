@@ -20,6 +20,8 @@ layers (Gemma-3) are kept whole: they hold at most ``window - 1`` entries alread
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -63,16 +65,9 @@ def _prior_layers(state: KVState, first: int) -> tuple[list[LayerKV], list[torch
     layers, kept = [], []
     for layer in state.layers:
         keep = (layer.token_index < first).nonzero().flatten()
-        e = keep.to(layer.keys.device)
         layers.append(
-            LayerKV(
-                keys=layer.keys[:, :, e],
-                values=layer.values[:, :, e],
-                token_index=layer.token_index[keep],
-                positions=layer.positions[keep],
-                bias=None if layer.bias is None else layer.bias[..., e],
-                window=None,  # keep every entry for the observation pass
-            )
+            # window=None: keep every entry for the observation pass
+            dataclasses.replace(layer.select(keep), window=None)
         )
         kept.append(keep)
     return layers, kept
