@@ -28,6 +28,13 @@ def _litm_parser(sub) -> None:
     p.add_argument(
         "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"
     )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="take (example, method) results from an earlier run's results.json (same model, "
+        "task and seed) instead of recomputing them: to add methods to a finished run",
+    )
     p.set_defaults(run=_run_litm)
 
 

@@ -6,7 +6,11 @@ import json
 
 import pytest
 
+import torch
+
+from kvedit import ops
 from kvedit.cli import main as cli_main
+from kvedit.readout import attention_share
 from kvedit.evals.litm import build_examples, run
 from kvedit.evals.methods import (
     METHODS,
@@ -18,6 +22,7 @@ from kvedit.evals.methods import (
     register_method,
     split_prompt,
     split_specs,
+    strength_for_share,
 )
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
 from kvedit.testing import tiny_model
@@ -93,7 +98,39 @@ def test_document_scores_prefer_a_document_with_the_question_content(llama):
     ctx = ExampleContext(model, tok, ex)
     scores = document_scores(ctx, {"layers": (0.0, 1.0)})
     assert scores.shape == (len(ex.documents),)
-    assert ctx.memo("scores:(0.0, 1.0)", lambda: None) is scores  # computed once, shared
+    shares = ctx.memo("shares", lambda: None)  # the two attention readouts, computed once
+    assert shares is not None and shares[0].shape == (len(ctx.state.layers), len(ex.documents))
+    assert torch.equal(document_scores(ctx, {"layers": (0.0, 1.0)}), scores)
+
+
+def test_strength_for_share_reaches_the_target_and_clips():
+    share = torch.tensor([0.01, 0.2, 0.5, 0.9])
+    b = strength_for_share(share, target=0.5, max_strength=10.0)
+    moved = share * b.exp() / (share * b.exp() + 1 - share)
+    assert torch.allclose(moved[:3], torch.full((3,), 0.5), atol=1e-5)
+    assert b[2] == 0 and b[3] == 0  # at or above the target: no bias
+    assert strength_for_share(share, 0.5, max_strength=2.0)[0] == 2.0
+    with pytest.raises(ValueError, match="target share"):
+        strength_for_share(share, 1.0, 3.0)
+
+
+def test_auto_with_a_target_biases_each_layer_to_reach_it(llama):
+    model, tok = llama
+    ctx = ExampleContext(model, tok, small_examples()[0], max_new_tokens=2)
+    method = parse_spec("auto:target=0.6:strength=50")
+    method.predict(ctx)
+    (chosen,) = ctx._cache["auto_choice"]
+    strengths = ctx._cache["auto_strengths"]
+    assert strengths.shape == (len(ctx.state.layers),) and (strengths >= 0).all()
+    edited = ctx.state
+    for layer, b in enumerate(strengths.tolist()):
+        edited = ops.emphasize(edited, [ctx.doc_spans[chosen]], b, layers=[layer])
+    after = attention_share(edited, ctx.continuation, ctx.doc_spans).per_layer[:, chosen]
+    before = attention_share(ctx.state, ctx.continuation, ctx.doc_spans).per_layer[:, chosen]
+    lifted = strengths > 0
+    assert lifted.any() and (before[lifted] < 0.6).all()
+    # the share is a mean over heads and question tokens, so the target is approached, not hit
+    assert ((after[lifted] - 0.6).abs() < (before[lifted] - 0.6).abs()).all()
 
 
 def test_custom_method_via_registry(llama):
@@ -236,3 +273,31 @@ def test_resume_keeps_finished_pairs(tmp_path, monkeypatch):
     assert [r["prediction"] for r in again[:2]] == ["KEPT", "KEPT"]
     assert len(again) == len(first) and len(computed) == len(first) - 2
     assert not (out / "partial.jsonl").exists()
+
+
+def test_reuse_takes_an_earlier_runs_results_and_checks_its_origin(tmp_path, monkeypatch):
+    from kvedit.evals import litm
+
+    kwargs = dict(model_name="tiny-llama", n_docs=4, positions=[0, 3], trials=1, max_new_tokens=3)
+    litm.evaluate(methods=["none"], out=tmp_path / "a", progress=False, **kwargs)
+    earlier = tmp_path / "a" / "results.json"
+    res = json.loads(earlier.read_text())
+    for r in res["examples"]:
+        r["prediction"] = "FROM-EARLIER"
+    earlier.write_text(json.dumps(res))
+    litm.evaluate(
+        methods=["none", "oracle"], out=tmp_path / "b", progress=False, reuse=earlier, **kwargs
+    )
+    got = json.loads((tmp_path / "b" / "results.json").read_text())["examples"]
+    by_method = {m: [r["prediction"] for r in got if r["method"] == m] for m in ("none", "oracle")}
+    assert by_method["none"] == ["FROM-EARLIER"] * 2
+    assert all(p != "FROM-EARLIER" for p in by_method["oracle"]) and len(by_method["oracle"]) == 2
+    with pytest.raises(ValueError, match="model/task/seed"):
+        litm.evaluate(
+            methods=["none"],
+            out=tmp_path / "c",
+            progress=False,
+            reuse=earlier,
+            seed=1,
+            **kwargs,
+        )

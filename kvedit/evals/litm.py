@@ -126,17 +126,23 @@ def evaluate(
     max_new_tokens: int = 32,
     progress: bool = True,
     resume: bool = False,
+    reuse: str | Path | None = None,
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
     With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the
-    same settings) are kept and only the missing (example, method) pairs are computed.
+    same settings) are kept and only the missing (example, method) pairs are computed. With
+    ``reuse`` (an earlier run's ``results.json``), that run's results are taken for the pairs
+    it has; it must be of the same model, task and seed (ValueError otherwise). Answers are
+    deterministic, so a run with ``reuse`` writes what a full run would.
     """
     from ..models import load_model
 
     for spec in methods:  # fail on a bad spec before loading anything
         parse_spec(spec)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
+    task_name = f"data:{Path(data).name}" if data else task
+    reused = _reused(reuse, model_name, task_name, seed) if reuse is not None else {}
     model, tokenizer = load_model(model_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +154,7 @@ def evaluate(
                 rec = json.loads(line)
                 done[(rec["id"], rec["method"])] = rec
     partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    done = {**reused, **done}
 
     def keep(record: dict) -> None:
         with open(partial, "a") as f:
@@ -156,7 +163,6 @@ def evaluate(
     t0 = time.perf_counter()
     records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep, done)
     summary = summarize(records)
-    task_name = f"data:{Path(data).name}" if data else task
     extra = {
         "seed": seed,
         "n_examples": len(examples),
@@ -167,6 +173,18 @@ def evaluate(
     plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
     partial.unlink()
     return summary
+
+
+def _reused(path: str | Path, model: str, task: str, seed: int) -> dict[tuple[str, str], dict]:
+    """The ``(id, method) -> record`` pairs of an earlier ``results.json``, after checking that
+    it was made by the same model, task and seed."""
+    res = json.loads(Path(path).read_text())
+    theirs = (res.get("model"), res.get("task"), res.get("extra", {}).get("seed"))
+    if theirs != (model, task, seed):
+        raise ValueError(
+            f"--reuse {path}: made with model/task/seed {theirs}, not {(model, task, seed)}"
+        )
+    return {(r["id"], r["method"]): r for r in res["examples"]}
 
 
 def main(args) -> int:
@@ -184,6 +202,7 @@ def main(args) -> int:
         max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,
         resume=getattr(args, "resume", False),
+        reuse=getattr(args, "reuse", None),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")

@@ -302,15 +302,11 @@ def _content_free(question: str, documents: tuple[str, ...]) -> str:
     return out if out != question.strip() else "?"
 
 
-def document_scores(ctx: ExampleContext, params: dict) -> torch.Tensor:
-    """Per-document relevance ``[n_docs]`` from the question's attention, bias-corrected.
+def question_shares(ctx: ExampleContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, calib)``: ``[layers, n_docs]`` attention shares of each document, from the real
+    question and from its content-free version (see :func:`_content_free`), memoized."""
 
-    ``share(question) / share(content-free question)`` per document and layer, averaged in log
-    space over the chosen layers: positional bias (lost in the middle, recency, the sink)
-    appears in both queries and cancels; the question's content does not.
-    """
-
-    def compute() -> torch.Tensor:
+    def compute() -> tuple[torch.Tensor, torch.Tensor]:
         ex = ctx.example
         spans = ctx.doc_spans
         question_cont = ctx.continuation
@@ -318,15 +314,42 @@ def document_scores(ctx: ExampleContext, params: dict) -> torch.Tensor:
         calib_cont = question_cont.replace(ex.question, calib_question, 1)
         real = attention_share(ctx.state, question_cont, spans).per_layer  # [L, n_docs]
         calib = attention_share(ctx.state, calib_cont, spans).per_layer
-        eps = 1e-6
-        lift = torch.log(real + eps) - torch.log(calib + eps)  # [L, n_docs]
-        lo, hi = params["layers"]
-        n_layers = lift.shape[0]
-        chosen = lift[int(lo * n_layers) : max(int(lo * n_layers) + 1, int(hi * n_layers))]
-        return chosen.mean(0)
+        return real, calib
 
-    key = f"scores:{params['layers']}"
-    return ctx.memo(key, compute)
+    return ctx.memo("shares", compute)
+
+
+def _layer_slice(params: dict, n_layers: int) -> slice:
+    lo, hi = params["layers"]
+    return slice(int(lo * n_layers), max(int(lo * n_layers) + 1, int(hi * n_layers)))
+
+
+def document_scores(ctx: ExampleContext, params: dict) -> torch.Tensor:
+    """Per-document relevance ``[n_docs]`` from the question's attention, bias-corrected.
+
+    ``share(question) / share(content-free question)`` per document and layer, averaged in log
+    space over the chosen layers: positional bias (lost in the middle, recency, the sink)
+    appears in both queries and cancels; the question's content does not.
+    """
+    real, calib = question_shares(ctx)
+    eps = 1e-6
+    lift = torch.log(real + eps) - torch.log(calib + eps)  # [L, n_docs]
+    return lift[_layer_slice(params, lift.shape[0])].mean(0)
+
+
+def strength_for_share(share: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:
+    """The additive logit bias that moves a span's attention share from ``share`` to ``target``.
+
+    A bias ``b`` on a span multiplies its attention mass by ``e^b`` against the rest, so a share
+    ``s`` becomes ``s e^b / (s e^b + 1 - s)``; solving for ``target`` gives
+    ``b = logit(target) - logit(s)``, clipped to ``[0, max_strength]``: a span that already
+    gets ``target`` (often the one next to the question) is left alone.
+    """
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"target share must be in (0, 1), not {target!r}")
+    s = share.double().clamp(1e-6, 1 - 1e-6)
+    b = torch.logit(torch.tensor(target, dtype=torch.float64)) - torch.logit(s)
+    return b.clamp(0.0, max_strength).float()
 
 
 def choose_documents(ctx: ExampleContext, params: dict) -> list[int]:
@@ -337,7 +360,13 @@ def choose_documents(ctx: ExampleContext, params: dict) -> list[int]:
 
 # Chosen on seed 1 of `records` (benchmarks/auto_retrieval.py and a strength sweep); reported on
 # seed 0. Emphasizing two documents (top_k=2) hurt badly there (0.40 vs 0.90).
-_AUTO_DEFAULTS = {**_EDIT_DEFAULTS, "strength": 3.0, "top_k": 1, "layers": (0.0, 1.0)}
+_AUTO_DEFAULTS = {
+    **_EDIT_DEFAULTS,
+    "strength": 3.0,
+    "top_k": 1,
+    "layers": (0.0, 1.0),
+    "target": None,
+}
 
 
 @register_method("auto")
@@ -350,7 +379,19 @@ class Auto(Method):
     def predict(self, ctx: ExampleContext) -> str:
         chosen = choose_documents(ctx, self.params)
         ctx._cache["auto_choice"] = chosen
-        return apply_edit(ctx, [ctx.doc_spans[i] for i in chosen], self.params)
+        spans = [ctx.doc_spans[i] for i in chosen]
+        target = self.params["target"]
+        if target is None or self.params["edit"] != "emphasize":
+            return apply_edit(ctx, spans, self.params)
+        # adaptive: per layer, the bias that lifts the chosen documents' share to `target`
+        real, _ = question_shares(ctx)
+        strengths = strength_for_share(real[:, chosen].sum(-1), target, self.params["strength"])
+        ctx._cache["auto_strengths"] = strengths
+        state = ctx.state
+        for layer, b in enumerate(strengths.tolist()):
+            if b > 0:
+                state = ops.emphasize(state, spans, b, layers=[layer])
+        return state.generate(ctx.continuation, ctx.max_new_tokens)
 
 
 @register_method("reread")
