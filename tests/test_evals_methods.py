@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import torch
 
 from kvedit import ops
 from kvedit.cli import main as cli_main
-from kvedit.readout import attention_share
 from kvedit.evals.litm import build_examples, run
 from kvedit.evals.methods import (
     METHODS,
@@ -25,6 +23,7 @@ from kvedit.evals.methods import (
     strength_for_share,
 )
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
+from kvedit.readout import attention_share
 from kvedit.testing import tiny_model
 
 
