@@ -105,7 +105,6 @@ def blend(
     parts: Sequence[str],
     store: KVStore,
     recompute: float = 0.15,
-    anchors: int = 0,
 ) -> tuple[KVState, BlendReport]:
     """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
 
@@ -114,8 +113,6 @@ def blend(
         parts: texts, in prompt order (part 0 with the tokenizer's special tokens).
         store: where parts are looked up, and where missing parts are stored.
         recompute: fraction of the blend's tokens to recompute, in ``[0, 1]``.
-        anchors: the first ``anchors`` tokens of every part after part 0 are always among the
-            recomputed ones (within the ``recompute`` budget).
 
     Returns:
         ``(state, report)``: a plain state of ``"".join(parts)`` whose token ids are the parts'
@@ -163,8 +160,6 @@ def blend(
         deviation_layer = _deviation_layer(layers)
         deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
         deviation[-1] = float("inf")  # the last token's logits start the continuation
-        for start in starts[1:-1]:
-            deviation[start : start + anchors] = float("inf")
         selected = deviation.topk(n_select).indices.sort().values
 
     if n_select:

@@ -46,7 +46,7 @@ def document_parts(ctx: ExampleContext) -> list[str]:
 class Blend(Method):
     """Documents cached alone, blended after the instruction with selective recompute."""
 
-    defaults = {"recompute": 0.15, "anchors": 0}
+    defaults = {"recompute": 0.15}
     needs_documents = True
 
     def _store(self) -> KVStore:
@@ -66,7 +66,6 @@ class Blend(Method):
             document_parts(ctx),
             self._store(),
             recompute=float(self.params["recompute"]),
-            anchors=int(self.params["anchors"]),
         )
         ctx._cache["blend_report"] = report
         return state.generate(ctx.continuation, ctx.max_new_tokens)
