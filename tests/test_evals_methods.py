@@ -291,6 +291,17 @@ def test_reuse_takes_an_earlier_runs_results_and_checks_its_origin(tmp_path, mon
     by_method = {m: [r["prediction"] for r in got if r["method"] == m] for m in ("none", "oracle")}
     assert by_method["none"] == ["FROM-EARLIER"] * 2
     assert all(p != "FROM-EARLIER" for p in by_method["oracle"]) and len(by_method["oracle"]) == 2
+    # a spec whose parameters differ from the recorded ones is recomputed, not reused
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    res["extra"]["params"]["oracle"]["strength"] = 99.0
+    for r in res["examples"]:
+        r["prediction"] = "STALE"
+    earlier.write_text(json.dumps(res))
+    litm.evaluate(
+        methods=["none", "oracle"], out=tmp_path / "d", progress=False, reuse=earlier, **kwargs
+    )
+    got = json.loads((tmp_path / "d" / "results.json").read_text())["examples"]
+    assert [r["prediction"] == "STALE" for r in got] == [r["method"] == "none" for r in got]
     with pytest.raises(ValueError, match="model/task/seed"):
         litm.evaluate(
             methods=["none"],

@@ -142,7 +142,8 @@ def evaluate(
         parse_spec(spec)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     task_name = f"data:{Path(data).name}" if data else task
-    reused = _reused(reuse, model_name, task_name, seed) if reuse is not None else {}
+    params = {spec: json.loads(json.dumps(parse_spec(spec).params)) for spec in methods}
+    reused = _reused(reuse, model_name, task_name, seed, params) if reuse is not None else {}
     model, tokenizer = load_model(model_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +169,7 @@ def evaluate(
         "n_examples": len(examples),
         "max_new_tokens": max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
+        "params": params,
     }
     write_results(out, model_name, task_name, records, extra=extra)
     plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
@@ -175,16 +177,28 @@ def evaluate(
     return summary
 
 
-def _reused(path: str | Path, model: str, task: str, seed: int) -> dict[tuple[str, str], dict]:
-    """The ``(id, method) -> record`` pairs of an earlier ``results.json``, after checking that
-    it was made by the same model, task and seed."""
+def _reused(
+    path: str | Path, model: str, task: str, seed: int, params: dict[str, dict]
+) -> dict[tuple[str, str], dict]:
+    """The ``(id, method) -> record`` pairs of an earlier ``results.json`` worth reusing.
+
+    The earlier run must be of the same model, task and seed. A method's records are reused
+    only when that run recorded the same resolved parameters for its spec (a spec such as
+    ``auto`` means other parameters once its defaults change), or, for files that recorded
+    none, when the method takes no parameters (``none``, ``repeat``, ...).
+    """
     res = json.loads(Path(path).read_text())
-    theirs = (res.get("model"), res.get("task"), res.get("extra", {}).get("seed"))
+    extra = res.get("extra", {})
+    theirs = (res.get("model"), res.get("task"), extra.get("seed"))
     if theirs != (model, task, seed):
         raise ValueError(
             f"--reuse {path}: made with model/task/seed {theirs}, not {(model, task, seed)}"
         )
-    return {(r["id"], r["method"]): r for r in res["examples"]}
+    recorded = extra.get("params", {})
+    same = {
+        spec for spec, p in params.items() if (recorded[spec] == p if spec in recorded else not p)
+    }
+    return {(r["id"], r["method"]): r for r in res["examples"] if r["method"] in same}
 
 
 def main(args) -> int:
