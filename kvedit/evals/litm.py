@@ -132,9 +132,10 @@ def evaluate(
 
     With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the
     same settings) are kept and only the missing (example, method) pairs are computed. With
-    ``reuse`` (an earlier run's ``results.json``), that run's results are taken for the pairs
-    it has; it must be of the same model, task and seed (ValueError otherwise). Answers are
-    deterministic, so a run with ``reuse`` writes what a full run would.
+    ``reuse`` (an earlier run's ``results.json`` of the same model, task and seed; ValueError
+    otherwise), that run's answers are taken for the methods it ran with the same parameters
+    (see :func:`_reused`). Answers are deterministic, so such a run writes what a full run
+    would.
     """
     from ..models import load_model
 
