@@ -33,6 +33,22 @@ def smollm2():
     return load_model("smollm2-135m-instruct", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny random Llama ``(model, tokenizer)``, built once per test module."""
+    from kvedit.testing import tiny_model
+
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """A tiny random Gemma-3 (sliding-window and global layers), built once per test module."""
+    from kvedit.testing import tiny_model
+
+    return tiny_model("gemma3")
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gemma3"])
 def tiny(request):
     """Each tiny random architecture: ``(arch, model, tokenizer)``."""

@@ -22,7 +22,6 @@ from gradio_client import Client
 import kvedit
 from apps import highlight
 from apps.highlight import Highlighter, InputError, Limits, span_lines, split_prompt, strip_markers
-from kvedit.testing import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,11 +30,6 @@ CONTEXT = (
     "Carol's secret number is 5902. Dave's secret number is 1234."
 )
 QUESTION = "What is Carol's secret number?"
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

@@ -249,16 +249,6 @@ def test_blend_rejects_bad_input(tmp_path, llama):
         kvedit.blend(model, tok, ["a", ""], store)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def gemma3():
-    return tiny_model("gemma3")
-
-
 # ------------------------------------------------------------------ the eval method
 
 

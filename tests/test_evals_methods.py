@@ -24,12 +24,6 @@ from kvedit.evals.methods import (
 )
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
 from kvedit.readout import attention_share
-from kvedit.testing import tiny_model
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 def small_examples():

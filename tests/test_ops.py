@@ -21,16 +21,6 @@ SPAN = "Carol's secret number is 5902"
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def gemma3():
-    return tiny_model("gemma3")
-
-
 def capture_records(model, tok, text=RECORDS):
     return kvedit.capture(model, tok, text)
 

@@ -13,15 +13,9 @@ import kvedit
 import kvedit.attention as ka
 from kvedit import ops
 from kvedit.errors import SpanNotFoundError
-from kvedit.testing import tiny_model
 
 QUESTION = " Question: What is Carol's secret number? Answer:"
 SPAN = "Carol's secret number is 5902"
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 def token_boundaries(state, n_parts):

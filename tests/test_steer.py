@@ -23,11 +23,6 @@ steer_module = importlib.import_module("kvedit.steer")  # ``kvedit.steer`` is th
 PROMPT = RECORDS + "Question: What is Carol's secret number? Answer:"
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
 # ------------------------------------------------------------------------------------ helpers
 
 

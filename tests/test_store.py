@@ -25,16 +25,6 @@ CHUNK = 16
 SHORT = RECORDS[: RECORDS.index(" Carol")]  # ends at a token boundary of RECORDS
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def gemma3():
-    return tiny_model("gemma3")
-
-
 def texts(i: int) -> str:
     """Distinct texts of about 40 tokens."""
     return f"Record {i}: " + RECORDS[: 60 + 7 * i]
