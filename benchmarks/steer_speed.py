@@ -12,6 +12,11 @@ was reset past model loading through /proc/self/clear_refs where Linux allows it
   ``generate`` with one new token on a 7K-token prompt, unsteered vs steered (scope ``"all"``).
   Target: steered peak <= 1.2x unsteered.
 
+Seam (one process, interleaved repeats, median): the same 2K-token prefill and a 32-token
+greedy ``model.generate`` on a model prepared by kvedit (its attention seam installed, no plan
+active) and on a twin loaded the same way that kvedit never touched. Target: prepared speed
+>= 0.98x untouched (``--skip-seam`` leaves it out).
+
 Usage: ``python benchmarks/steer_speed.py [--decode-tokens 48] [--repeats 3] [--json out.json]``
 """
 
@@ -186,6 +191,39 @@ def memory_bench(model_name: str, n_ctx: int) -> dict:
     return rows
 
 
+@torch.no_grad()
+def seam_bench(model_name: str, n_ctx: int, repeats: int) -> dict:
+    """Unsteered speed through the installed seam vs an untouched twin (see the docstring)."""
+    prepared, tok = kvedit.load_model(model_name, device="cpu")
+    kvedit.prepare(prepared)
+    untouched, _ = kvedit.load_model(model_name, device="cpu")
+    assert prepared.config._attn_implementation == "kvedit"
+    assert untouched.config._attn_implementation != "kvedit"
+    text, _ = context(tok, n_ctx)
+    ids = tok(text, return_tensors="pt")
+
+    def prefill(model):
+        t0 = time.perf_counter()
+        model(**ids, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    def decode(model):
+        t0 = time.perf_counter()
+        model.generate(**ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        return time.perf_counter() - t0
+
+    out = {"context_tokens": int(ids["input_ids"].shape[1])}
+    for name, fn in (("prefill", prefill), ("generate_32", decode)):
+        fn(prepared), fn(untouched)  # warm-up
+        a, b = [], []
+        for _ in range(repeats):
+            a.append(fn(untouched))
+            b.append(fn(prepared))
+        ta, tb = statistics.median(a), statistics.median(b)
+        out[name] = {"untouched_s": ta, "prepared_s": tb, "speed_ratio": ta / tb}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -194,14 +232,25 @@ def main() -> None:
     p.add_argument("--memory-tokens", type=int, default=7168)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-seam", action="store_true")
     p.add_argument("--child", choices=["plain", "steered"], default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.child:
         memory_child(args.child, args.model, args.memory_tokens)
         return
-    model, tok = kvedit.load_model(args.model, device="cpu")
     result = {"threads": torch.get_num_threads()}
+    if not args.skip_seam:
+        seam = result["seam"] = seam_bench(args.model, args.context_tokens, args.repeats)
+        for name in ("prefill", "generate_32"):
+            r = seam[name]
+            verdict = "PASS" if r["speed_ratio"] >= 0.98 else "MISS"
+            print(
+                f"seam, {name} on {seam['context_tokens']} tokens: untouched "
+                f"{r['untouched_s']:.3f} s, prepared (no plan) {r['prepared_s']:.3f} s, speed "
+                f"ratio {r['speed_ratio']:.3f} (target >= 0.98: {verdict})"
+            )
+    model, tok = kvedit.load_model(args.model, device="cpu")
     result["decode"] = decode_bench(
         model, tok, args.context_tokens, args.decode_tokens, args.repeats
     )

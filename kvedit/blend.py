@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .attention import activate
 from .compat import cache_kwarg, text_config
 from .errors import UnsupportedModelError
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .reuse import capture_passage, encode
-from .rope import layer_inv_freq, move_keys
+from .rope import KeyMover, movers
+from .runtime import activate
 from .state import KVState, LayerKV, StateBias, _dynamic_cache, capture
-from .store import KVStore, _tokenizer_fp
+from .store import KVStore
 
 
 @dataclass
@@ -123,7 +123,10 @@ def blend(
         raise ValueError("blend: parts must be a non-empty list of strings")
     if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
         raise ValueError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
-    inv_freq = layer_inv_freq(model)
+    layer_movers = movers(model)
+    for mover in layer_movers:  # refuse before any work
+        if mover.kind == "refused":
+            raise UnsupportedModelError(f"blend: layer {mover.layer}: {mover.reason}")
 
     states, reports = [], []
     for i, text in enumerate(parts):
@@ -147,7 +150,7 @@ def blend(
     for s in states:
         starts.append(starts[-1] + len(s))
     n = starts[-1]
-    layers = _placed_layers(states, starts[:-1], inv_freq)
+    layers = _placed_layers(states, starts[:-1], layer_movers)
     ids = torch.cat([s.token_ids for s in states])
 
     n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
@@ -178,7 +181,7 @@ def blend(
         next_position=n,
         last_logits=last_logits,
         model_fingerprint=model_fingerprint(model),
-        tokenizer_fingerprint=_tokenizer_fp(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         model=model,
         tokenizer=tokenizer,
     )
@@ -204,16 +207,16 @@ def blend(
 
 
 def _placed_layers(
-    states: Sequence[KVState], starts: Sequence[int], inv_freq: Sequence[torch.Tensor]
+    states: Sequence[KVState], starts: Sequence[int], layer_movers: Sequence[KeyMover]
 ) -> list[LayerKV]:
     """Every part's entries at their blend positions, layer by layer (not yet trimmed)."""
     out = []
-    for i, freq in enumerate(inv_freq):
+    for i, mover in enumerate(layer_movers):
         keys, values, index, positions = [], [], [], []
         for state, start in zip(states, starts, strict=True):
             layer = state.layers[i]
             new_positions = layer.token_index + start
-            keys.append(move_keys(layer.keys, new_positions - layer.positions, freq))
+            keys.append(mover.move(layer.keys, new_positions - layer.positions))
             values.append(layer.values)
             index.append(new_positions)
             positions.append(new_positions)

@@ -26,25 +26,3 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 def text_config(model: PreTrainedModel):
     """The decoder config (the text config of multimodal wrappers)."""
     return model.config.get_text_config()
-
-
-def layer_windows(model: PreTrainedModel) -> list[int | None]:
-    """Per decoder layer: its sliding window size, or None for global attention."""
-    cfg = text_config(model)
-    n = cfg.num_hidden_layers
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
-    window = getattr(cfg, "sliding_window", None)
-    out: list[int | None] = []
-    for kind in layer_types:
-        if kind == "sliding_attention":
-            out.append(int(window))
-        elif kind in ("full_attention", "attention"):
-            out.append(None)
-        else:
-            from .errors import UnsupportedModelError
-
-            raise UnsupportedModelError(
-                f"{cfg.model_type}: layer type {kind!r} has no KV cache kvedit can edit "
-                "(supported: full_attention, sliding_attention)"
-            )
-    return out

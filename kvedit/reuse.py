@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from .compat import layer_windows, text_config
+from .compat import text_config
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .runtime import layer_windows
 from .state import KVState, LayerKV, _appended, capture
 
 if TYPE_CHECKING:
@@ -120,12 +121,12 @@ def cut_layers(layers: Sequence[LayerKV], n_tokens: int) -> list[LayerKV]:
     """The layers of a plain capture, cut to the cache of its first ``n_tokens`` tokens.
 
     Keeps the entries of tokens ``< n_tokens``; a sliding-window layer then keeps the last
-    ``window - 1`` of them. Raises ValueError when a layer no longer holds a token the cut
+    ``window`` of them. Raises ValueError when a layer no longer holds a token the cut
     needs (a sliding-window layer of a longer state holds only its last tokens).
     """
     out = []
     for i, layer in enumerate(layers):
-        start = 0 if layer.window is None else max(0, n_tokens - (layer.window - 1))
+        start = 0 if layer.window is None else max(0, n_tokens - layer.window)
         keep = ((layer.token_index >= 0) & (layer.token_index < n_tokens)).nonzero().flatten()
         held = layer.token_index[keep]
         needed = torch.arange(start, n_tokens)

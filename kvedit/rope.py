@@ -2,75 +2,208 @@
 
 Cached keys are post-RoPE: a key cached at position ``p`` is ``rope(k, p)``. Since RoPE is a
 rotation, ``rope(k, p + d) == rotate(rope(k, p), d)``, so a cached passage can be moved to other
-positions without recomputing it (:func:`move_keys`), given each layer's rotary inverse
-frequencies (:func:`layer_inv_freq`).
+positions without recomputing it (:func:`rerotate`).
 
-transformers 5.x keeps one rotary module on the decoder (``model.model.rotary_emb``). Llama and
-Qwen2 use one ``inv_freq`` for every layer; Gemma-3 keeps one per layer type
-(``sliding_attention_inv_freq``, base 10k, and ``full_attention_inv_freq``, base 1M with linear
-scaling), and each layer uses the one of its ``config.layer_types`` entry. RoPE variants whose
-frequencies depend on the sequence length (``dynamic``, ``longrope``) cannot be re-rotated and
-are refused.
+What each layer does is decided by probing, once per model (:func:`movers`): the model runs a
+few tokens at positions ``0..n-1`` and again at ``d..d+n-1``, and for every layer kvedit finds
+which rotation of the rotary module's own frequencies turns the first keys into the second:
+half-split pairs (Llama), interleaved pairs (GPT-J, GLM, Cohere), either on the first ``r`` of
+the head dimensions only (partial rotary), or no rotation at all (no-RoPE layers, SmolLM3).
+A layer whose keys no rotation explains (learned absolute positions: GPT-2) or whose cached
+*values* move with the position (MLA caches such as DeepSeek-V3's) cannot have its keys moved,
+and asking for it raises :class:`~kvedit.errors.UnsupportedModelError` naming the layer. RoPE
+variants whose frequencies depend on the sequence length (``dynamic``, ``longrope``) are refused
+too: a short probe cannot see them.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import PreTrainedModel
+import weakref
+from dataclasses import dataclass
 
-from .compat import text_config
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from . import runtime
+from .compat import cache_kwarg, text_config
 from .errors import UnsupportedModelError
 
 # RoPE types whose inverse frequencies change with the sequence length: a cached key's rotation
 # then depends on how long the sequence was when it was cached, which a fixed delta cannot undo.
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
+_PROBE_TOKENS, _PROBE_SHIFT = 12, 5
+_MOVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+KINDS = ("half", "interleaved", "none")
 
 
-def _rotary_module(model: PreTrainedModel) -> torch.nn.Module:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    rotary = getattr(decoder, "rotary_emb", None)
-    if rotary is None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: no shared rotary embedding (model.model.rotary_emb) found; "
-            "kvedit re-rotates keys of Llama-, Qwen2- and Gemma-3-style models"
+@dataclass(frozen=True)
+class KeyMover:
+    """How to move one layer's cached keys in position.
+
+    Attributes:
+        layer: the layer index.
+        kind: ``"half"`` (pairs ``(i, i + r/2)``), ``"interleaved"`` (pairs ``(2i, 2i+1)``),
+            ``"none"`` (keys carry no position), or ``"refused"``.
+        inv_freq: ``[r // 2]`` rotary inverse frequencies (None unless rotated); the first
+            ``r`` head dimensions rotate, the rest pass through.
+        reason: why the layer is refused (``kind == "refused"``).
+    """
+
+    layer: int
+    kind: str
+    inv_freq: torch.Tensor | None = None
+    reason: str = ""
+
+    def move(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys ``[batch, kv_heads, n, head_dim]`` at positions ``p`` -> at ``p + delta``."""
+        if self.kind == "refused":
+            raise UnsupportedModelError(f"layer {self.layer}: {self.reason}")
+        if self.kind == "none":
+            return keys
+        return _rotate(keys, delta, self.inv_freq, self.kind == "interleaved")
+
+
+def _rotate(
+    keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    delta = delta.to(device=keys.device, dtype=torch.long)
+    inv_freq = inv_freq.to(device=keys.device, dtype=torch.float32)
+    rot = 2 * inv_freq.numel()
+    if not interleaved and rot == keys.shape[-1]:
+        return move_keys(keys, delta, inv_freq)
+    angle = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [n, r/2]
+    cos, sin = angle.cos(), angle.sin()
+    x = keys[..., :rot].float()
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., : rot // 2], x[..., rot // 2 :]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
+
+
+def _frequencies(model: PreTrainedModel) -> tuple[list[torch.Tensor], str | None]:
+    """Every distinct ``*inv_freq`` buffer of the model's rotary modules, and a refusal."""
+    found: list[torch.Tensor] = []
+    refusal = None
+    for name, module in model.named_modules():
+        if not name.endswith("rotary_emb"):
+            continue
+        rope_type = getattr(module, "rope_type", "default")
+        kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        for kind in kinds:
+            if kind in _LENGTH_DEPENDENT:
+                refusal = (
+                    f"RoPE type {kind!r} changes its frequencies with the sequence length, so "
+                    "cached keys cannot be moved by a fixed rotation"
+                )
+        for attr, value in vars(module).get("_buffers", {}).items():
+            if attr.endswith("inv_freq") and isinstance(value, torch.Tensor):
+                f = value.detach().to("cpu", torch.float32).flatten()
+                if not any(f.shape == g.shape and torch.equal(f, g) for g in found):
+                    found.append(f)
+    return found, refusal
+
+
+@torch.no_grad()
+def _probe_kv(model: PreTrainedModel, shift: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cfg = text_config(model)
+    device = next(model.parameters()).device
+    n, vocab = _PROBE_TOKENS, int(cfg.vocab_size)
+    ids = torch.tensor([[(5 * i + 11) % vocab for i in range(n)]], device=device)
+    cache = DynamicCache()
+    model(
+        input_ids=ids,
+        position_ids=torch.arange(shift, shift + n, device=device)[None],
+        use_cache=True,
+        **{cache_kwarg(model): cache},
+    )
+    return [(layer.keys.float().cpu(), layer.values.float().cpu()) for layer in cache.layers]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def movers(model: PreTrainedModel) -> tuple[KeyMover, ...]:
+    """Per decoder layer, how its cached keys move in position (probed once per model)."""
+    cached = _MOVERS.get(model)
+    if cached is not None:
+        return cached
+    runtime.prepare(model)
+    name = text_config(model).model_type
+    freqs, refusal = _frequencies(model)
+    before, after = _probe_kv(model, 0), _probe_kv(model, _PROBE_SHIFT)
+    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    out = []
+    for i, ((k0, v0), (k1, v1)) in enumerate(zip(before, after, strict=True)):
+        out.append(_decide(name, i, k0, v0, k1, v1, freqs, refusal, tol))
+    result = tuple(out)
+    _MOVERS[model] = result
+    return result
+
+
+def _decide(name, i, k0, v0, k1, v1, freqs, refusal, tol) -> KeyMover:
+    def refused(reason: str) -> KeyMover:
+        return KeyMover(i, "refused", reason=f"{name}: {reason}")
+
+    if k0.shape != k1.shape or v0.shape != v1.shape:
+        return refused("the cache layout changes with the position")
+    if _rel(v0, v1) > tol:
+        return refused(
+            "cached values change with the position (an MLA latent cache or learned absolute "
+            "positions), so entries cannot be moved by rotating keys"
         )
-    return rotary
+    if _rel(k0, k1) <= tol:
+        return KeyMover(i, "none")
+    if refusal is not None:
+        return refused(refusal)
+    delta = torch.full((k0.shape[-2],), _PROBE_SHIFT)
+    for f in freqs:
+        if 2 * f.numel() > k0.shape[-1]:
+            continue
+        for kind in ("half", "interleaved"):
+            moved = _rotate(k0, delta, f, kind == "interleaved")
+            if _rel(moved, k1) <= tol:
+                return KeyMover(i, kind, f)
+    return refused(
+        "no rotation of the rotary module's frequencies reproduces this layer's keys at "
+        "another position (absolute position embeddings, ALiBi, or an unknown RoPE layout)"
+    )
+
+
+def rerotate(
+    model: PreTrainedModel, layer_idx: int, keys: torch.Tensor, delta: torch.Tensor
+) -> torch.Tensor:
+    """Keys ``[batch, kv_heads, n, head_dim]`` of layer ``layer_idx`` cached at positions ``p``
+    -> the same keys at ``p + delta`` (``delta``: ``LongTensor[n]``, may be negative).
+
+    No-RoPE layers return ``keys`` unchanged. Raises
+    :class:`~kvedit.errors.UnsupportedModelError` for a layer whose keys cannot be moved.
+    """
+    return movers(model)[layer_idx].move(keys, delta)
 
 
 def layer_inv_freq(model: PreTrainedModel) -> list[torch.Tensor]:
-    """Per decoder layer, the rotary inverse frequencies ``[head_dim // 2]`` (float32).
+    """Per decoder layer, the rotary inverse frequencies ``[head_dim // 2]`` (float32), for
+    code that needs full half-split RoPE on every layer (the cross-model projector).
 
     Raises:
-        UnsupportedModelError: no rotary module, a length-dependent RoPE type, or partial
-            rotary embeddings (frequencies that do not cover the whole head dimension).
+        UnsupportedModelError: a layer is not rotated by half-split RoPE over its whole head.
     """
     cfg = text_config(model)
-    rotary = _rotary_module(model)
-    n_layers = cfg.num_hidden_layers
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope_type = getattr(rotary, "rope_type", "default")
     out = []
-    for layer_type in layer_types:
-        kind = rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type
-        if kind in _LENGTH_DEPENDENT:
+    for mover in movers(model):
+        full = mover.kind == "half" and 2 * mover.inv_freq.numel() == head_dim
+        if not full:
+            why = mover.reason or f"its keys are {mover.kind!r}-rotated (or only partly)"
             raise UnsupportedModelError(
-                f"{cfg.model_type}: RoPE type {kind!r} changes its frequencies with the sequence "
-                "length, so cached keys cannot be moved by a fixed rotation"
+                f"layer {mover.layer}: needs half-split RoPE over the whole head; {why}"
             )
-        inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
-        if inv_freq is None:
-            inv_freq = getattr(rotary, "inv_freq", None)
-        if inv_freq is None:
-            raise UnsupportedModelError(
-                f"{cfg.model_type}: the rotary module has no inv_freq for layer type {layer_type!r}"
-            )
-        if inv_freq.numel() * 2 != head_dim:
-            raise UnsupportedModelError(
-                f"{cfg.model_type}: rotary frequencies cover {inv_freq.numel() * 2} of "
-                f"{head_dim} head dimensions; partial rotary embeddings are not supported"
-            )
-        out.append(inv_freq.detach().to(torch.float32))
+        out.append(mover.inv_freq)
     return out
 
 

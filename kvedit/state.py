@@ -8,23 +8,29 @@ feeds the entries back through a plain ``DynamicCache`` and the kvedit attention
 the stored bias and masks causally with bottom-right alignment, so edits that change the cache
 length (duplication, re-reading) keep later positions right.
 
-Sliding-window layers (Gemma-3) hold only their last ``window - 1`` tokens, as transformers
-caches them; ``LayerKV.token_index`` says which ones, so edits touch only tokens a layer holds.
+Sliding-window layers (Gemma-3) hold only their last ``window`` tokens (transformers keeps
+``window - 1``; kvedit keeps one more so the last token can be recomputed exactly after an edit,
+see :func:`recompute_last`); ``LayerKV.token_index`` says which ones, so edits touch only tokens
+a layer holds. The attention masks the extra entry for every later query.
+
+Edits reach the next token: every op ends with :func:`recompute_last`, which runs the last
+token of the text again over the edited cache, so ``last_logits`` (the first continuation
+token's prediction) and the last token's own entries reflect the edit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .attention import activate
-from .compat import cache_kwarg, layer_windows
-from .errors import CacheMismatchError, UnsupportedModelError
+from .compat import cache_kwarg
+from .errors import CacheMismatchError, KVEditError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .runtime import activate, layer_windows
 from .spans import Spans, char_ranges, tokens_in_ranges
 
 
@@ -162,10 +168,10 @@ class LayerKV:
         )
 
     def trimmed(self) -> LayerKV:
-        """Keep only the last ``window - 1`` entries on a sliding-window layer."""
-        if self.window is None or len(self) <= self.window - 1:
+        """Keep only the last ``window`` entries on a sliding-window layer."""
+        if self.window is None or len(self) <= self.window:
             return self
-        return self.select(slice(len(self) - (self.window - 1), None))
+        return self.select(slice(len(self) - self.window, None))
 
 
 class StateBias:
@@ -179,7 +185,7 @@ class StateBias:
         if b is None:
             return None
         if k_len < b.shape[-1]:
-            raise RuntimeError("cache shorter than the stored bias: the state was altered")
+            raise KVEditError("cache shorter than the stored bias: the state was altered")
         return torch.nn.functional.pad(b, (0, k_len - b.shape[-1]))
 
     def unbiased_queries(self, q_len: int, total_len: int) -> int:
@@ -508,7 +514,7 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     Returns a :class:`KVState` whose continuation matches ``model.generate`` token for token.
     Raises :class:`~kvedit.errors.UnsupportedModelError` for caches kvedit cannot hold.
     """
-    windows = layer_windows(model)
+    windows = layer_windows(model)  # the gate: refuses what kvedit cannot run exactly
     enc = tokenizer(text, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     if not ids:
@@ -516,7 +522,7 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], device=device)
     positions = torch.arange(len(ids), device=device)[None]
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # every entry; sliding layers are trimmed to their window below
     out = model(
         input_ids=input_ids,
         position_ids=positions,
@@ -524,22 +530,12 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
         logits_to_keep=1,
         **{cache_kwarg(model): cache},
     )
-    if len(cache.layers) != len(windows):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: cache has {len(cache.layers)} layers but the config says "
-            f"{len(windows)}; layer-sharing caches are not supported"
-        )
     n = len(ids)
-    layers = []
-    for cl, window in zip(cache.layers, windows, strict=True):
-        keys, values = getattr(cl, "keys", None), getattr(cl, "values", None)
-        if not isinstance(keys, torch.Tensor) or keys.ndim != 4:
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: cache layer {type(cl).__name__} holds no plain K/V tensors"
-            )
-        held = keys.shape[-2]
-        index = torch.arange(n - held, n)
-        layers.append(LayerKV(keys, values, index, index.clone(), None, window))
+    index = torch.arange(n)
+    layers = [
+        LayerKV(cl.keys, cl.values, index.clone(), index.clone(), None, window).trimmed()
+        for cl, window in zip(cache.layers, windows, strict=True)
+    ]
     return KVState(
         layers=layers,
         token_ids=torch.tensor(ids, dtype=torch.long),
@@ -553,6 +549,64 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
         model=model,
         tokenizer=tokenizer,
     )
+
+
+@torch.no_grad()
+def recompute_last(
+    state: KVState, edit: Callable[[int, LayerKV, torch.Tensor], LayerKV] | None = None
+) -> KVState:
+    """``state`` with its last text token run again over the (edited) rest of the cache.
+
+    Every entry of the last token (one per layer, more where it was duplicated) is replaced by
+    the token's fresh K/V, keeping each entry's bias, and ``last_logits`` become the fresh
+    prediction, so an edit reaches the first continuation token. ``edit(layer, entries)``, when
+    given, is applied to layer ``i``'s fresh entries afterwards (an op whose span covers the last token).
+    Key or value edits an *earlier* op made to the last token's own entries are recomputed
+    away; biases are kept. Needs the state's model; a state with no tokens is returned as is.
+
+    Raises:
+        KVEditError: a layer no longer holds the last token.
+    """
+    if len(state) == 0:
+        return state
+    model, _ = state._require_model()
+    t = len(state) - 1
+    pos = int(state.position_ids[t])
+    bases, counts, biases = [], [], []
+    for i, layer in enumerate(state.layers):
+        mine = layer.token_index == t
+        if not bool(mine.any()):
+            raise KVEditError(f"layer {i} no longer holds the last token; cannot recompute it")
+        keep = (~mine).nonzero().flatten()
+        bases.append(layer.select(keep))
+        counts.append(int(mine.sum()))
+        entries = mine.nonzero().flatten().to(layer.keys.device)
+        biases.append(None if layer.bias is None else layer.bias[..., entries])
+    device = state.device
+    logits, full_kv = run_model(
+        model,
+        bases,
+        torch.tensor([[int(state.token_ids[t])]], device=device),
+        torch.tensor([[pos]], device=device),
+        logits_to_keep=1,
+    )
+    layers = []
+    for i, (base, (k, v), count, bias) in enumerate(
+        zip(bases, full_kv, counts, biases, strict=True)
+    ):
+        fresh_k, fresh_v = k[:, :, -1:], v[:, :, -1:]
+        layer = base.append(
+            fresh_k.repeat(1, 1, count, 1),
+            fresh_v.repeat(1, 1, count, 1),
+            torch.full((count,), t, dtype=torch.long),
+            torch.full((count,), pos, dtype=torch.long),
+            bias,
+        )
+        if edit is not None:
+            entries = (layer.token_index == t).nonzero().flatten().to(layer.keys.device)
+            layer = edit(i, layer, entries)
+        layers.append(layer)
+    return state.replace(layers=layers, last_logits=logits[0, -1].float())
 
 
 def templated_prompt(tokenizer, user_message: str) -> str:

@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .attention import _model_key, activate, active_plan
+from .runtime import activate
 from .spans import Spans, as_span_list, char_ranges, token_offsets, tokens_in_ranges
 
 SCOPES = ("all", "decode")
@@ -132,6 +133,22 @@ class SpanPlan:
         self.bound_ids = input_ids.detach().clone()
         self._memo_key = None
 
+    def before_forward(self, model, args, kwargs) -> None:
+        """The runtime's forward pre-hook: record the sequence length; bind spans to a new prompt."""
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            self.seq_len = None
+            return
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = cache.get_seq_length() if cache is not None else 0
+        self.seq_len = int(past) + input_ids.shape[1]
+        if self.fixed:
+            return
+        # generate(use_cache=False) re-runs the bound prompt plus the tokens generated so far
+        rerun = kwargs.get("use_cache") is False and self.continues(input_ids)
+        if (past == 0 and not rerun) or self.token_bias is None:
+            self.bind_ids(input_ids, kwargs.get("attention_mask"))
+
     def continues(self, input_ids: torch.Tensor) -> bool:
         """Whether ``input_ids`` is the bound prompt followed by more tokens."""
         bound = self.bound_ids
@@ -181,64 +198,20 @@ class SpanPlan:
         if self.config.scope == "all" or self.token_bias is None:
             return 0
         total_len = self.seq_len if self.seq_len is not None else total_len
+        # The prompt's own pass is unbiased, except its last query: it predicts the first
+        # generated token (as after a cache edit, which recomputes the last token).
         prompt_len = self.token_bias.shape[1]
-        return max(0, min(q_len, prompt_len - (total_len - q_len)))
-
-
-# ---------------------------------------------------------------------------------------------
-# The forward pre-hook that binds spans to each new prompt (context-manager mode)
-# ---------------------------------------------------------------------------------------------
-
-_HOOK_LOCK = threading.Lock()
-_HOOKS: dict[int, tuple[int, object]] = {}  # model key -> (users, hook handle)
-
-
-def _bind_hook(model, args, kwargs):
-    """Before each forward: record the sequence length; bind spans to a new prompt."""
-    plan = active_plan(model)
-    if not isinstance(plan, SpanPlan):
-        return None
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if input_ids is None:
-        plan.seq_len = None
-        return None
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    past = cache.get_seq_length() if cache is not None else 0
-    plan.seq_len = int(past) + input_ids.shape[1]
-    if plan.fixed:
-        return None
-    # generate(use_cache=False) re-runs the bound prompt plus the tokens generated so far
-    rerun = kwargs.get("use_cache") is False and plan.continues(input_ids)
-    if (past == 0 and not rerun) or plan.token_bias is None:
-        plan.bind_ids(input_ids, kwargs.get("attention_mask"))
-    return None
-
-
-@contextlib.contextmanager
-def _bind_hook_installed(model: PreTrainedModel):
-    key = _model_key(model)
-    with _HOOK_LOCK:
-        users, handle = _HOOKS.get(key, (0, None))
-        if handle is None:
-            handle = model.register_forward_pre_hook(_bind_hook, with_kwargs=True)
-        _HOOKS[key] = (users + 1, handle)
-    try:
-        yield
-    finally:
-        with _HOOK_LOCK:
-            users, handle = _HOOKS[key]
-            if users == 1:
-                handle.remove()
-                del _HOOKS[key]
-            else:
-                _HOOKS[key] = (users - 1, handle)
+        return max(0, min(q_len, prompt_len - 1 - (total_len - q_len)))
 
 
 class Steering:
     """A steering handle: a context manager around ``model.generate``, or a wrapper.
 
-    Create it with :func:`steer`. Re-entrant across threads (each thread's spans stay its own),
-    not within one thread for the same model.
+    Create it with :func:`steer`. Plans are scoped to the context that entered the block: a
+    thread started inside it is not steered unless it runs through :meth:`thread` (which
+    carries the context, e.g. for ``TextIteratorStreamer``); each thread's spans stay its own.
+    The handle may re-enter itself (``with s: s.generate(p)``); another steering of the same
+    model inside the block raises :class:`~kvedit.errors.NestedSteeringError`.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, config: SteerConfig):
@@ -259,21 +232,32 @@ class Steering:
         return SpanPlan(self.config, self.tokenizer, self._n_layers, self._n_heads)
 
     def __enter__(self) -> Steering:
+        stacks = getattr(self._local, "stacks", None)
+        if stacks is None:
+            stacks = self._local.stacks = []
         stack = contextlib.ExitStack()
-        try:
-            plan = stack.enter_context(activate(self.model, self._new_plan()))
-            stack.enter_context(_bind_hook_installed(self.model))
-        except BaseException:
-            stack.close()
-            raise
-        self._local.stack, self._local.plan = stack, plan
+        plan = stack.enter_context(activate(self.model, self._new_plan(), owner=self))
+        stacks.append(stack)
+        self._local.plan = plan
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = getattr(self._local, "stack", None)
-        self._local.stack = None  # the plan stays readable: what the block's spans bound to
-        if stack is not None:
-            stack.close()
+        stacks = getattr(self._local, "stacks", None)
+        if stacks:  # the plan stays readable: what the block's spans bound to
+            stacks.pop().close()
+
+    def thread(self, target, *args, **kwargs) -> threading.Thread:
+        """A (not yet started) thread running ``target(*args, **kwargs)`` under this context's
+        plans, so a generation in it is steered as in the ``with`` block that created it::
+
+            with kvedit.steer(model, tok, emphasize=span) as s:
+                t = s.thread(model.generate, **inputs, streamer=streamer)
+                t.start()
+                for piece in streamer: ...
+                t.join()
+        """
+        context = contextvars.copy_context()
+        return threading.Thread(target=context.run, args=(target, *args), kwargs=kwargs)
 
     @torch.no_grad()
     def generate(self, prompt: str, **gen_kwargs) -> str:
@@ -294,7 +278,7 @@ class Steering:
         if tok.pad_token_id is None:
             gen_kwargs.setdefault("pad_token_id", tok.eos_token_id)
         device = next(self.model.parameters()).device
-        with activate(self.model, plan), _bind_hook_installed(self.model):
+        with activate(self.model, plan, owner=self):
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=enc["attention_mask"].to(device),
@@ -326,7 +310,8 @@ def steer(
         heads: ``{layer: [query head, ...]}``; when given only those heads are steered (on the
             layers of ``layers`` too, when both are given).
         scope: ``"all"`` also steers the prompt's own pass (as PASTA does); ``"decode"`` only
-            the generated tokens.
+            the queries that predict new tokens (the prompt's last token and the generated
+            ones), which is what the cache edits of :mod:`kvedit.ops` do.
         protect_special: never bias special tokens (BOS, chat-template markers) or token 0,
             the attention sink.
 

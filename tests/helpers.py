@@ -28,3 +28,16 @@ def snapshot(state) -> list[torch.Tensor]:
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def without_token(layer, token: int):
+    """``layer`` without the entries of ``token`` (every edit recomputes the last token)."""
+    return layer.select((layer.token_index != token).nonzero().flatten())
+
+
+def same_layer_but_last(a, b, last: int) -> bool:
+    """Whether two layers hold identical entries apart from those of token ``last``."""
+    a, b = without_token(a, last), without_token(b, last)
+    ta = [a.keys, a.values, a.token_index, a.positions] + ([a.bias] if a.bias is not None else [])
+    tb = [b.keys, b.values, b.token_index, b.positions] + ([b.bias] if b.bias is not None else [])
+    return same(ta, tb)

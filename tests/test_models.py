@@ -44,13 +44,13 @@ def test_bundled_smollm2_shape(smollm2):
     model, tok = smollm2
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
-    assert model.config._attn_implementation == "sdpa"
+    assert kvedit.prepare(model).original_attention == "sdpa"
 
 
 def test_sliding_window_unsupported_layer_type_is_refused():
     model, _ = tiny_model("llama")
     model.config.layer_types = ["linear_attention"] * model.config.num_hidden_layers
-    from kvedit.compat import layer_windows
+    from kvedit.runtime import layer_windows
 
-    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+    with pytest.raises(UnsupportedModelError, match="layer 0: layer type 'linear_attention'"):
         layer_windows(model)

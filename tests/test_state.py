@@ -24,7 +24,7 @@ def test_capture_then_generate_matches_model_generate(tiny):
     state = kvedit.capture(model, tok, text)
     if arch == "gemma3":  # the prefix must be longer than the sliding window
         assert len(state) > TINY_SLIDING_WINDOW
-        assert {len(layer) for layer in state.layers} == {TINY_SLIDING_WINDOW - 1, len(state)}
+        assert {len(layer) for layer in state.layers} == {TINY_SLIDING_WINDOW, len(state)}
     ours = state.generate(QUESTION, max_new_tokens=24)
     ref = reference_generate(model, tok, state.token_ids.tolist(), QUESTION, 24)
     assert ours == ref
@@ -79,7 +79,7 @@ def test_extend_equals_capturing_the_concatenated_tokens(tiny):
     assert idx.numel() >= 1 and idx.min() >= len(state)
     if arch == "gemma3":
         assert all(
-            len(layer) == TINY_SLIDING_WINDOW - 1 for layer in extended.layers if layer.window
+            len(layer) == TINY_SLIDING_WINDOW for layer in extended.layers if layer.window
         )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..spans import Spans
-from ..state import KVState, LayerKV
+from ..state import KVState, LayerKV, recompute_last
 
 
 def span_tokens(state: KVState, spans: Spans) -> torch.Tensor:
@@ -44,16 +44,32 @@ def edit_entries(
     edit: Callable[[LayerKV, torch.Tensor], LayerKV],
 ) -> KVState:
     """A new state with ``edit(layer, entries)`` applied to every chosen layer holding a token of
-    ``spans`` (``entries``: the layer's entry indices of those tokens, on the layer's device).
-    Layers holding none of them (e.g. sliding-window layers past the span) are kept as they are.
+    ``spans`` (``entries``: the layer's entry indices of those tokens, on the layer's device),
+    then the last token recomputed over the edited cache (:func:`~kvedit.state.recompute_last`),
+    so the edit reaches the next token. Layers holding none of the tokens (e.g. sliding-window
+    layers past the span) are kept as they are; an edit that changes nothing returns at once.
     """
     tokens = span_tokens(state, spans)
     chosen = layer_set(state, layers)
-    new_layers = []
-    for i, layer in enumerate(state.layers):
-        entries = layer.entries_for(tokens)
-        if i not in chosen or entries.numel() == 0:
-            new_layers.append(layer)
-        else:
-            new_layers.append(edit(layer, entries.to(layer.keys.device)))
-    return state.replace(layers=new_layers)
+
+    def apply(st: KVState, toks: torch.Tensor) -> KVState:
+        new_layers = []
+        for i, layer in enumerate(st.layers):
+            entries = layer.entries_for(toks)
+            if i not in chosen or entries.numel() == 0:
+                new_layers.append(layer)
+            else:
+                new_layers.append(edit(layer, entries.to(layer.keys.device)))
+        return st.replace(layers=new_layers)
+
+    trial = apply(state, tokens)
+    if all(a is b for a, b in zip(trial.layers, state.layers, strict=True)):
+        return trial  # nothing changed (e.g. strength 0)
+    last = len(state) - 1
+    body = tokens[tokens != last]
+    edited = apply(state, body) if body.numel() else state
+    if body.numel() == tokens.numel():
+        return recompute_last(edited)
+    return recompute_last(
+        edited, lambda i, layer, entries: edit(layer, entries) if i in chosen else layer
+    )

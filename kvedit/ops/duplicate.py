@@ -11,12 +11,15 @@ window. On Gemma-3 only the global layers get the boost.
 from __future__ import annotations
 
 from ..spans import Spans
-from ..state import KVState
+from ..state import KVState, recompute_last
 from ._select import span_tokens
 
 
 def duplicate(state: KVState, spans: Spans, copies: int = 1) -> KVState:
-    """A new state with ``copies`` extra copies of ``spans``' entries on every global layer."""
+    """A new state with ``copies`` extra copies of ``spans``' entries on every global layer.
+
+    The last token is then recomputed over the edited cache (the edit reaches the next token).
+    """
     if not isinstance(copies, int) or isinstance(copies, bool) or copies < 0:
         raise ValueError(f"copies must be a non-negative int, not {copies!r}")
     tokens = span_tokens(state, spans)
@@ -38,4 +41,4 @@ def duplicate(state: KVState, spans: Spans, copies: int = 1) -> KVState:
                 None if layer.bias is None else layer.bias[..., e].repeat(1, 1, copies),
             )
         )
-    return state.replace(layers=new_layers)
+    return recompute_last(state.replace(layers=new_layers))

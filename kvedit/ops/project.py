@@ -43,10 +43,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..compat import layer_windows, text_config
+from ..compat import text_config
 from ..errors import CacheMismatchError, CorruptCacheError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..rope import layer_inv_freq
+from ..runtime import layer_windows
 from ..state import KVState, LayerKV, run_model
 
 __all__ = ["Projector", "align_tokens", "depth_matched_layers"]

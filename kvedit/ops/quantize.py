@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..state import KVState, LayerKV
+from ..state import KVState, LayerKV, recompute_last
 
 BITS = (2, 4, 8)
 _F16_MAX = 6.0e4
@@ -222,6 +222,27 @@ class QuantizedLayerKV(LayerKV):
             packed_values=self.packed_values.map(fn),
         )
 
+    def select(self, entries: torch.Tensor | slice) -> LayerKV:
+        """The layer holding only ``entries``: still packed when they keep the whole packed
+        part in order (a cut of the full-precision residual), else a dense layer."""
+        n = len(self)
+        idx = torch.arange(n)[entries] if isinstance(entries, slice) else entries.cpu()
+        n_quant = self.packed_keys.n_quant
+        rest = idx[n_quant:] - n_quant
+        if idx.numel() < n_quant or not torch.equal(idx[:n_quant], torch.arange(n_quant)):
+            return super().select(entries)
+        if rest.numel() and int(rest.min()) < 0:
+            return super().select(entries)
+        pk, pv = self.packed_keys, self.packed_values
+        r = rest.to(pk.residual.device)
+        return QuantizedLayerKV(
+            token_index=self.token_index[idx],
+            positions=self.positions[idx],
+            bias=None if self.bias is None else self.bias[..., idx.to(self.bias.device)],
+            packed_keys=dataclasses.replace(pk, residual=pk.residual[:, :, r]),
+            packed_values=dataclasses.replace(pv, residual=pv.residual[:, :, r]),
+        )
+
     def append(self, keys, values, token_index, positions, bias=None) -> QuantizedLayerKV:
         """Entries appended to the full-precision residual (bias as :meth:`LayerKV.append`)."""
         dense = super().append(keys, values, token_index, positions, bias)
@@ -280,4 +301,4 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
                 packed_values=PackedKV.quantize(values, bits, channels, n_quant, "token"),
             )
         )
-    return state.replace(layers=new_layers)
+    return recompute_last(state.replace(layers=new_layers))

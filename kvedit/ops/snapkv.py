@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..state import KVState, LayerKV, StateBias, run_model
+from ..state import KVState, LayerKV, StateBias, recompute_last, run_model
 
 # Bias of an entry a head dropped: exp(-1e30) is exactly 0 in every float type, and unlike -inf
 # it stays finite under arithmetic (0 * bias is 0, not NaN).
@@ -131,7 +131,7 @@ def snapkv(
             new_layers.append(layer)
             continue
         new_layers.append(_compress(layer, scores[i], keep, recent, kernel))
-    return state.replace(layers=new_layers)
+    return recompute_last(state.replace(layers=new_layers))
 
 
 def _compress(

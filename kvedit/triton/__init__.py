@@ -21,11 +21,8 @@ from types import ModuleType
 
 import torch
 
-from kvedit.triton._common import (
-    KernelInputError,
-    TritonUnavailableError,
-    interpreter_requested,
-)
+from kvedit.errors import KernelInputError, TritonUnavailableError
+from kvedit.triton._common import interpreter_requested
 from kvedit.triton.reference import attention_reference, rerotate_reference
 
 __all__ = [
@@ -77,6 +74,7 @@ def attention(
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FlashAttention-style forward with grouped KV heads and an additive per-key bias.
 
@@ -92,6 +90,8 @@ def attention(
         window: with ``causal``, key ``j`` must also satisfy ``(Sk - Sq + i) - j < window``
             (transformers' sliding window). Not supported with ``causal=False``.
         scale: logit scale, default ``D ** -0.5``.
+        sinks: None or ``[H]`` attention sinks (gpt-oss): a logit per query head in every
+            row's softmax denominator that adds no value.
 
     Returns:
         ``[B, H, Sq, D]`` in ``q.dtype``. A query that sees no key (all logits ``-inf``, or
@@ -102,7 +102,7 @@ def attention(
         TritonUnavailableError: Triton is not installed.
     """
     impl = _kernels("_attention")
-    return impl.attention(q, k, v, bias, causal=causal, window=window, scale=scale)
+    return impl.attention(q, k, v, bias, causal=causal, window=window, scale=scale, sinks=sinks)
 
 
 def rerotate(

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kvedit.triton._common import KernelInputError, check_attention_inputs
+from kvedit.triton.reference import check_sinks
 
 LOG2E = 1.4426950408889634
 
@@ -139,6 +140,7 @@ def _attn_fwd_kernel(
     K,
     V,
     Bias,
+    Sinks,
     Out,
     Stats,
     stride_qb,
@@ -175,6 +177,7 @@ def _attn_fwd_kernel(
     D,
     qk_scale,
     BIAS_MODE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -246,6 +249,11 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # split 0 starts from the sink: a logit (log2 units) holding weight 1
+        sink = tl.load(Sinks + h_row, mask=row_ok, other=0.0).to(tl.float32)
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Window edge (masked), interior (unmasked), causal diagonal and ragged end (masked).
     acc, l_i, m_i = _attend_blocks(
@@ -450,6 +458,7 @@ def attention(
     scale: float | None = None,
     num_splits: int | None = None,
     config: KernelConfig | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention forward with grouped KV heads and an additive per-key bias (Triton).
 
@@ -462,6 +471,7 @@ def attention(
         ``[B, H, Sq, D]`` in ``q.dtype``. Forward only: no autograd graph is recorded.
     """
     shape = check_attention_inputs(q, k, v, bias, causal, window)
+    check_sinks(sinks, q)
     B, H, Hkv, G = shape.batch, shape.heads, shape.kv_heads, shape.group
     Sq, Sk, D = shape.q_len, shape.k_len, shape.head_dim
     interpreted = kernels_interpreted()
@@ -478,6 +488,8 @@ def attention(
         return torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if Sk == 0:
         return torch.zeros(q.shape, dtype=out_dtype, device=q.device)
+    # Sinks in log2 units, like the kernel's logits; a dummy pointer without them.
+    sinks_arg = q if sinks is None else (sinks.float() * LOG2E).contiguous()
 
     if interpreted and q.dtype != torch.float32:
         # The interpreter mishandles bf16 in tl.dot (triton#11584); run it in fp32 there.
@@ -517,11 +529,12 @@ def attention(
         stats = torch.empty((B, H, splits, Sq, 2), dtype=torch.float32, device=q.device)
         try:
             _attn_fwd_kernel[(row_tiles, B * Hkv, splits)](
-                q, k, v, bias_arg, part, stats,
+                q, k, v, bias_arg, sinks_arg, part, stats,
                 *q.stride(), *k.stride(), *v.stride(), *bias_strides,
                 *part_strides, *stats.stride(),
                 Hkv, G, Sq, Sk, diag_offset, window_arg, D, scale * LOG2E,
                 BIAS_MODE=bias_mode,
+                HAS_SINKS=sinks is not None,
                 EVEN_D=block_d == D,
                 IEEE=q.dtype == torch.float32,
                 BLOCK_M=cfg.block_m,

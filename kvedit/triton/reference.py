@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from kvedit.triton._common import check_attention_inputs, check_rerotate_inputs
+from kvedit.triton._common import (
+    KernelInputError,
+    check_attention_inputs,
+    check_rerotate_inputs,
+)
 
 
 def attention_reference(
@@ -21,6 +25,7 @@ def attention_reference(
     window: int | None = None,
     scale: float | None = None,
     chunk_size: int = 256,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention with grouped KV heads, an additive key bias and bottom-right masking.
 
@@ -36,12 +41,15 @@ def attention_reference(
         window: with ``causal``, key ``j`` must also satisfy ``(Sk - Sq + i) - j < window``.
         scale: logit scale, default ``D ** -0.5``.
         chunk_size: queries handled per step (bounds the ``[B, H, chunk, Sk]`` score tensor).
+        sinks: None or ``[H]`` attention sinks (gpt-oss): one logit per query head in the
+            softmax denominator, with no value.
 
     Returns:
         ``[B, H, Sq, D]`` in ``q.dtype``. A query that sees no key at all (every logit
         ``-inf``) gets a zero output rather than NaN.
     """
     shape = check_attention_inputs(q, k, v, bias, causal, window)
+    check_sinks(sinks, q)
     G, Sq, Sk = shape.group, shape.q_len, shape.k_len
     scale = shape.head_dim**-0.5 if scale is None else float(scale)
 
@@ -67,10 +75,28 @@ def attention_reference(
             if window is not None:
                 visible &= (q_pos[:, None] - key_pos[None, :]) < window
             scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # an extra logit per head, always visible, with no value
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            out[:, :, start:stop] = torch.einsum("bhqk,bhkd->bhqd", probs, vf)
+            continue
         dead = (scores == float("-inf")).all(dim=-1, keepdim=True)  # rows that see no key
         probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         out[:, :, start:stop] = torch.einsum("bhqk,bhkd->bhqd", probs, vf)
     return out.to(q.dtype)
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Validate ``sinks``: None or a float ``[H]`` tensor on ``q``'s device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise KernelInputError(f"sinks must be a float tensor [heads], not {sinks!r}")
+    if tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
+        raise KernelInputError(
+            f"sinks must be [{q.shape[1]}] on {q.device}, got {tuple(sinks.shape)} on "
+            f"{sinks.device}"
+        )
 
 
 def rerotate_reference(
