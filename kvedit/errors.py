@@ -1,4 +1,33 @@
-"""Errors raised by kvedit. Every error is a :class:`KVEditError`."""
+"""Errors raised by kvedit. Every error is a :class:`KVEditError`.
+
+Every error kvedit raises on purpose is defined here, so ``except kvedit.errors.KVEditError``
+catches all of them. Errors about bad arguments also derive from the built-in exception a caller
+would expect (``ValueError``, ``TypeError``, ``KeyError``, ``TimeoutError``, ...), so code written
+against the built-in classes keeps working.
+
+==============================  ===============================================================
+class                           raised when
+==============================  ===============================================================
+``InvalidInputError``           an argument has a bad value (``ValueError``)
+``InvalidTypeError``            an argument has the wrong type (``TypeError`` and ``ValueError``)
+``EmptySelectionError``         spans or layers select nothing to edit (``ValueError``)
+``SpanNotFoundError``           a span is not in the text (``LookupError``)
+``CacheMismatchError``          a cache is used with a model or tokenizer it was not made by
+``ModelNotAttachedError``       a state needs its model and has none (also ``ValueError``)
+``CorruptCacheError``           a stored file is truncated, corrupted, a pickle, inconsistent
+``StateAlteredError``           a state's tensors were changed behind kvedit's back
+``StorageError``                a file cannot be written (``OSError``)
+``StoreUnavailableError``       a KVStore's directory cannot be used (``OSError``)
+``EntryNotFoundError``          a KVStore key names no entry (``KeyError``)
+``StoreLockTimeout``            another writer held a KVStore's lock too long (``TimeoutError``)
+``NestedSteeringError``         a second steering of one model in one context (``RuntimeError``)
+``UnsupportedModelError``       the model's architecture cannot be captured or edited
+``ModelNotAvailableError``      a bundled model's weights are not installed
+``InvalidExampleError``         an evaluation example is malformed (``ValueError``)
+``KernelInputError``            a tensor handed to a kvedit kernel is malformed (``ValueError``)
+``TritonUnavailableError``      Triton cannot run here (``ImportError``)
+==============================  ===============================================================
+"""
 
 from __future__ import annotations
 
@@ -7,16 +36,47 @@ class KVEditError(Exception):
     """Base class of every error kvedit raises on purpose."""
 
 
-class CacheMismatchError(KVEditError):
-    """A cache (or projector) was used with a model or tokenizer it was not made by."""
+# ------------------------------------------------------------------------ bad arguments
 
 
-class CorruptCacheError(KVEditError):
-    """A stored cache file is truncated, corrupted, a pickle, or otherwise unreadable."""
+class InvalidInputError(KVEditError, ValueError):
+    """An argument has a value kvedit cannot use (out of range, empty, not finite, ...)."""
+
+
+class InvalidTypeError(InvalidInputError, TypeError):
+    """An argument has the wrong type (a bool for a number, None for a text, a dict for spans).
+
+    It is both a ``TypeError`` and (through :class:`InvalidInputError`) a ``ValueError``, so
+    callers that caught ``ValueError`` for bad arguments before still catch it.
+    """
+
+
+class EmptySelectionError(InvalidInputError):
+    """Spans, layers or heads select nothing, so an edit would silently do nothing."""
 
 
 class SpanNotFoundError(KVEditError, LookupError):
     """A span to edit does not occur in the text it was searched in."""
+
+
+# ------------------------------------------------------------------------ caches and models
+
+
+class CacheMismatchError(KVEditError):
+    """A cache (or projector) was used with a model or tokenizer it was not made by."""
+
+
+class ModelNotAttachedError(CacheMismatchError, ValueError):
+    """A state (or an op on it) needs the model and tokenizer, and none is attached."""
+
+
+class CorruptCacheError(KVEditError):
+    """A stored cache file is truncated, corrupted, a pickle, or otherwise unreadable, or its
+    metadata does not describe its own tensors."""
+
+
+class StateAlteredError(KVEditError, RuntimeError):
+    """A state's tensors no longer agree with each other (they were changed in place)."""
 
 
 class UnsupportedModelError(KVEditError):
@@ -25,3 +85,71 @@ class UnsupportedModelError(KVEditError):
 
 class ModelNotAvailableError(KVEditError):
     """A bundled model's weights are not installed; the message gives the pip command."""
+
+
+class NestedSteeringError(KVEditError, RuntimeError):
+    """A second plan was activated for a model that already has one in this context."""
+
+
+# ------------------------------------------------------------------------ files and the store
+
+
+class StorageError(KVEditError, OSError):
+    """A file could not be written (disk full, permission denied, a directory in the way).
+
+    ``errno`` and ``filename`` are those of the underlying ``OSError`` when there is one.
+    """
+
+
+class StoreUnavailableError(StorageError):
+    """A :class:`~kvedit.KVStore`'s directory is gone and cannot be created again, or is not
+    usable."""
+
+
+class EntryNotFoundError(KVEditError, KeyError):
+    """A :class:`~kvedit.KVStore` key names no stored entry."""
+
+    def __str__(self) -> str:  # KeyError would show the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreLockTimeout(KVEditError, TimeoutError):
+    """Another writer held the store's lock for longer than the timeout."""
+
+
+# ------------------------------------------------------------------------ evaluations, kernels
+
+
+class InvalidExampleError(KVEditError, ValueError):
+    """An example, or a line of an examples file, is malformed."""
+
+
+class KernelInputError(KVEditError, ValueError):
+    """A tensor handed to a kvedit kernel (or its reference) has the wrong shape or dtype."""
+
+
+class TritonUnavailableError(KVEditError, ImportError):
+    """Triton is not installed, or there is neither a CUDA device nor the Triton interpreter."""
+
+
+__all__ = [
+    "CacheMismatchError",
+    "CorruptCacheError",
+    "EmptySelectionError",
+    "EntryNotFoundError",
+    "InvalidExampleError",
+    "InvalidInputError",
+    "InvalidTypeError",
+    "KVEditError",
+    "KernelInputError",
+    "ModelNotAttachedError",
+    "ModelNotAvailableError",
+    "NestedSteeringError",
+    "SpanNotFoundError",
+    "StateAlteredError",
+    "StorageError",
+    "StoreLockTimeout",
+    "StoreUnavailableError",
+    "TritonUnavailableError",
+    "UnsupportedModelError",
+]

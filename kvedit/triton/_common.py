@@ -11,20 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvedit.errors import KVEditError
+# The error classes live in kvedit.errors; importing them from here keeps working.
+from kvedit.errors import KernelInputError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 _TRUE_WORDS = {"1", "true", "on", "yes", "y"}
-
-
-class KernelInputError(KVEditError, ValueError):
-    """A tensor handed to a kvedit kernel (or its reference) has the wrong shape or dtype."""
-
-
-class TritonUnavailableError(KVEditError, ImportError):
-    """Triton is not installed, or there is neither a CUDA device nor the Triton interpreter."""
 
 
 def interpreter_requested() -> bool:
