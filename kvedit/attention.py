@@ -67,7 +67,9 @@ def attend(
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if H % Hkv:
-        raise errors.KVEditError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
+        raise errors.InvalidInputError(
+            f"query heads ({H}) must be a multiple of key/value heads ({Hkv})"
+        )
     scale = D**-0.5 if scale is None else scale
     if bias is None:
         unbiased_queries = Sq
@@ -147,7 +149,7 @@ def _backend() -> str:
     """``KVEDIT_ATTENTION``: ``"triton"`` or ``"torch"`` forces a path; unset is ``"auto"``."""
     choice = os.environ.get("KVEDIT_ATTENTION", "auto").lower() or "auto"
     if choice not in ("auto", "triton", "torch"):
-        raise errors.KVEditError(
+        raise errors.InvalidInputError(
             f"KVEDIT_ATTENTION must be 'triton', 'torch' or unset, not {choice!r}"
         )
     return choice
@@ -301,6 +303,6 @@ def _bias_to_groups(kb: torch.Tensor, Hkv: int, G: int) -> torch.Tensor:
         return kb.view(B, Hkv, 1, 1, kw)
     if Hb == Hkv * G:
         return kb.view(B, Hkv, G, 1, kw)
-    raise errors.KVEditError(
+    raise errors.InvalidInputError(
         f"bias has {Hb} heads; expected 1, {Hkv} (kv heads) or {Hkv * G} (heads)"
     )
