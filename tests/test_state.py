@@ -78,9 +78,7 @@ def test_extend_equals_capturing_the_concatenated_tokens(tiny):
     idx = extended.token_indices("4444")
     assert idx.numel() >= 1 and idx.min() >= len(state)
     if arch == "gemma3":
-        assert all(
-            len(layer) == TINY_SLIDING_WINDOW for layer in extended.layers if layer.window
-        )
+        assert all(len(layer) == TINY_SLIDING_WINDOW for layer in extended.layers if layer.window)
 
 
 def test_continuing_never_mutates_the_state(tiny):
