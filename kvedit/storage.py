@@ -4,8 +4,15 @@ Layout: tensors ``layer.{i}.keys`` / ``.values`` ``[batch, kv_heads, n_i, head_d
 ``layer.{i}.token_index`` / ``.positions`` ``[n_i]``, optional ``layer.{i}.bias``
 ``[batch, heads, n_i]``, and ``token_ids``, ``offsets``, ``position_ids``, ``last_logits``. The
 header's ``kvedit`` entry is JSON: format version, fingerprints, text, windows, and a CRC-32 of
-every tensor's bytes. Files are written to a temporary file and renamed, so a reader never sees
-a partial file. Nothing is ever unpickled.
+every tensor's bytes. Files are written by :func:`kvedit.atomic.atomic_write` (a temporary
+name, fsync, rename), so a reader never sees a partial file. Nothing is ever unpickled.
+
+Format versions: 2 (this kvedit) records the model fingerprint of
+:func:`kvedit.fingerprint.model_fingerprint` (whole tensors, dtype-independent), the token
+count and each layer's entry count. Version 1 files (kvedit 0.1) are still read: their model
+fingerprint (:func:`kvedit.fingerprint.legacy_model_fingerprint`) is checked and the loaded
+state carries the current one. A loaded file's structure (layers, KV heads, head size,
+windows, sizes) is checked against the model before the state is built.
 """
 
 from __future__ import annotations
@@ -13,20 +20,39 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import CorruptCacheError
+from . import checks
+from .atomic import atomic_write
+from .errors import CacheMismatchError, CorruptCacheError, InvalidInputError, InvalidTypeError
+from .fingerprint import legacy_model_fingerprint, model_fingerprint, tokenizer_fingerprint
 from .state import KVState, LayerKV
 
 FORMAT = "kvedit.kvstate"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _MAX_HEADER = 100 * 2**20
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "atomic_write",
+    "crc32_of",
+    "load_state",
+    "read_state_file",
+    "read_verified",
+    "save_state",
+    "state_from_parts",
+    "state_metadata",
+    "state_tensors",
+]
 
 
 def crc32_of(tensors: dict[str, torch.Tensor]) -> str:
@@ -40,13 +66,30 @@ def crc32_of(tensors: dict[str, torch.Tensor]) -> str:
     return f"{crc:08x}"
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    out = t.to("cpu", dtype).contiguous()
+    overflow = dtype != t.dtype and out.numel() and not bool(torch.isfinite(out).all())
+    if overflow and bool(torch.isfinite(t).all()):
+        raise InvalidInputError(
+            f"{what} overflow {dtype} (largest |value| {float(t.abs().max()):.4g}); "
+            "save them as bfloat16 or float32"
+        )
+    return out
+
+
 def state_tensors(state: KVState, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The state's tensors by file name, on CPU (K/V cast to ``dtype`` when given)."""
+    """The state's tensors by file name, on CPU (K/V cast to ``dtype`` when given).
+
+    Raises:
+        InvalidInputError: ``dtype`` is not a float dtype (:func:`kvedit.checks.save_dtype`), or
+            keys or values do not fit in it (float16 overflows at 65504).
+    """
+    dtype = checks.save_dtype(dtype)
     out: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(state.layers):
-        kv_dtype = dtype or layer.keys.dtype
-        out[f"layer.{i}.keys"] = layer.keys.to("cpu", kv_dtype).contiguous()
-        out[f"layer.{i}.values"] = layer.values.to("cpu", kv_dtype).contiguous()
+        keys, values = layer.keys, layer.values
+        out[f"layer.{i}.keys"] = _cast(keys, dtype or keys.dtype, f"layer {i}'s keys")
+        out[f"layer.{i}.values"] = _cast(values, dtype or values.dtype, f"layer {i}'s values")
         out[f"layer.{i}.token_index"] = layer.token_index.to("cpu").contiguous()
         out[f"layer.{i}.positions"] = layer.positions.to("cpu").contiguous()
         if layer.bias is not None:
@@ -72,29 +115,22 @@ def state_metadata(state: KVState, tensors: dict[str, torch.Tensor]) -> dict:
         "next_position": state.next_position,
         "windows": [layer.window for layer in state.layers],
         "n_layers": len(state.layers),
+        "n_tokens": len(state),
+        "layer_entries": [len(layer) for layer in state.layers],
         "checksum": crc32_of(tensors),
     }
 
 
-def atomic_write(path: str | os.PathLike, write) -> Path:
-    """Call ``write(tmp_path)`` then fsync and rename onto ``path``; never leaves a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def save_state(state: KVState, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write ``state`` to ``path`` (see module docstring); ``dtype`` down-casts keys and values."""
+    """Write ``state`` to ``path`` (see module docstring); ``dtype`` down-casts keys and values.
+
+    Raises:
+        InvalidInputError: ``path`` is empty or a directory; ``dtype`` is not float16,
+            bfloat16, float32 or float64, or keys and values overflow it.
+        StorageError: the file cannot be written (an ``OSError``). An existing file at
+            ``path`` is then left as it was, and no temporary file is left.
+    """
+    path = checks.path(path)
     tensors = state_tensors(state, dtype)
     meta = {"kvedit": json.dumps(state_metadata(state, tensors), ensure_ascii=False)}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
@@ -128,15 +164,26 @@ def _check_header(path: Path) -> None:
     raise CorruptCacheError(f"{path}: bad or truncated safetensors header (length {n})")
 
 
+def _read_path(path) -> Path:
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    if not os.fspath(path):
+        raise InvalidInputError("path is empty: give the file to read")
+    return Path(path)
+
+
 def read_verified(
-    path: str | os.PathLike, fmt: str, version: int, what: str = "format"
+    path: str | os.PathLike, fmt: str, version: int | Collection[int], what: str = "format"
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a kvedit safetensors file of format ``fmt``: header sniffed, JSON metadata parsed,
-    format and version checked, CRC verified. Returns ``(metadata, tensors)``.
+    format and version checked (``version``: the one readable version, or several), CRC
+    verified. Returns ``(metadata, tensors)``.
 
     Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, a pickle).
     """
-    path = Path(path)
+    path = _read_path(path)
     _check_header(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -150,10 +197,13 @@ def read_verified(
         raise CorruptCacheError(f"{path}: no kvedit metadata in the header") from e
     if meta.get("format") != fmt:
         raise CorruptCacheError(f"{path}: format {meta.get('format')!r} is not {fmt!r}")
-    if meta.get("format_version") != version:
+    versions = (version,) if isinstance(version, int) else tuple(version)
+    found = meta.get("format_version")
+    if isinstance(found, bool) or found not in versions:
+        readable = " or ".join(str(v) for v in versions)
         raise CorruptCacheError(
-            f"{path}: {what} version {meta.get('format_version')} is not supported "
-            f"(this kvedit reads version {version})"
+            f"{path}: {what} version {found} is not supported "
+            f"(this kvedit reads version {readable})"
         )
     if crc32_of(tensors) != meta.get("checksum"):
         raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
@@ -161,15 +211,59 @@ def read_verified(
 
 
 def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read and verify a state file. Returns ``(metadata, tensors)`` or raises CorruptCacheError."""
-    return read_verified(path, FORMAT, FORMAT_VERSION)
+    """Read and verify a state file (any of :data:`READABLE_VERSIONS`).
+
+    Returns ``(metadata, tensors)`` or raises CorruptCacheError.
+    """
+    return read_verified(path, FORMAT, READABLE_VERSIONS)
+
+
+def _check_layout(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The metadata describes the tensors the file holds: as many layers, no stray ones."""
+    windows = meta.get("windows")
+    if not isinstance(windows, list) or not all(
+        w is None or (isinstance(w, int) and not isinstance(w, bool) and w > 0) for w in windows
+    ):
+        raise CorruptCacheError(f"bad windows {windows!r} in the metadata")
+    n_layers = meta.get("n_layers", len(windows))
+    if n_layers != len(windows):
+        raise CorruptCacheError(f"n_layers {n_layers!r} but {len(windows)} windows")
+    held = {int(name.split(".")[1]) for name in tensors if name.startswith("layer.")}
+    if held != set(range(len(windows))):
+        raise CorruptCacheError(
+            f"the metadata lists {len(windows)} layers but the file holds layer tensors "
+            f"{sorted(held)[:10]}{' ...' if len(held) > 10 else ''}"
+        )
+    entries = meta.get("layer_entries")
+    if entries is not None:
+        found = [tensors[f"layer.{i}.keys"].shape[-2] for i in range(len(windows))]
+        if entries != found:
+            raise CorruptCacheError(f"layer_entries {entries} but the keys hold {found}")
+    if "n_tokens" in meta and meta["n_tokens"] != tensors["token_ids"].shape[0]:
+        raise CorruptCacheError(
+            f"n_tokens {meta['n_tokens']} but {tensors['token_ids'].shape[0]} token ids"
+        )
 
 
 def state_from_parts(meta: dict, tensors: dict[str, torch.Tensor], model, tokenizer) -> KVState:
-    """Build a state from verified file contents, on the model's device and dtype."""
+    """Build a state from verified file contents, on the model's device and dtype.
+
+    The file's structure is checked first against itself (its metadata against its tensors)
+    and against ``model`` (layers, windows, KV heads, head size, vocabulary, token indices and
+    positions in range): a file that does not fit raises :class:`CorruptCacheError`, before
+    it can fail later inside the model. Fingerprints are not compared here (see
+    :func:`load_state`).
+    """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     try:
+        _check_layout(meta, tensors)
+        text = meta["text"]
+        if not isinstance(text, str):
+            raise TypeError(f"text is a {type(text).__name__}")
+        next_position = meta["next_position"]
+        if not isinstance(next_position, int) or isinstance(next_position, bool):
+            raise TypeError(f"next_position is {next_position!r}")
         layers = []
         for i, window in enumerate(meta["windows"]):
             bias = tensors.get(f"layer.{i}.bias")
@@ -187,28 +281,70 @@ def state_from_parts(meta: dict, tensors: dict[str, torch.Tensor], model, tokeni
             layers=layers,
             token_ids=tensors["token_ids"],
             offsets=tensors["offsets"],
-            text=meta["text"],
+            text=text,
             position_ids=tensors["position_ids"],
-            next_position=int(meta["next_position"]),
+            next_position=next_position,
             last_logits=tensors["last_logits"].to(device),
-            model_fingerprint=meta["model_fingerprint"],
-            tokenizer_fingerprint=meta["tokenizer_fingerprint"],
+            model_fingerprint=str(meta["model_fingerprint"]),
+            tokenizer_fingerprint=str(meta["tokenizer_fingerprint"]),
             model=model,
             tokenizer=tokenizer,
         )
     except KeyError as e:
         raise CorruptCacheError(f"state file lacks tensor or field {e}") from e
+    except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise CorruptCacheError(f"state file has a malformed field: {e}") from e
+    checks.state_fits_model(state, model, fingerprints=False, deep=True, error=CorruptCacheError)
     return state
+
+
+def _check_fingerprints(meta: dict, model, tokenizer, path) -> dict:
+    """Refuse a file made by another model or tokenizer (:class:`CacheMismatchError`).
+
+    A version-1 file records the fingerprint of kvedit 0.1, compared with
+    :func:`~kvedit.fingerprint.legacy_model_fingerprint`; the returned metadata then carries
+    the current fingerprint, so the loaded state (and a file saved from it) is version 2.
+    """
+    problems = []
+    mfp = model_fingerprint(model)
+    stored = meta.get("model_fingerprint")
+    if meta.get("format_version") == 1 and stored == legacy_model_fingerprint(model):
+        meta = {**meta, "model_fingerprint": mfp}
+    elif stored != mfp:
+        legacy = (
+            " (a version-1 file: kvedit 0.1's fingerprint)"
+            if meta.get("format_version") == 1
+            else ""
+        )
+        problems.append(
+            f"model fingerprint {mfp} != state's {stored}{legacy} "
+            f"(model {getattr(model, 'name_or_path', '?')!r})"
+        )
+    tfp = tokenizer_fingerprint(tokenizer)
+    if tfp != meta.get("tokenizer_fingerprint"):
+        problems.append(
+            f"tokenizer fingerprint {tfp} != state's {meta.get('tokenizer_fingerprint')}"
+        )
+    if problems:
+        raise CacheMismatchError(
+            f"{path}: this cache was made by another model: " + "; ".join(problems)
+        )
+    return meta
 
 
 def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
     """Load a state saved with :meth:`KVState.save`, checking it belongs to ``model``/``tokenizer``.
 
+    Reads format versions 1 and 2. The fingerprints are compared first, then the file's
+    structure is checked against the model (:func:`state_from_parts`).
+
     Raises:
-        CorruptCacheError: truncated, corrupted, not a kvedit file, or a pickle.
+        CorruptCacheError: truncated, corrupted, not a kvedit file, a pickle, or a structure
+            (layers, KV heads, head size, windows, sizes) that does not fit the model its
+            fingerprint names.
         CacheMismatchError: the state was made by another model or tokenizer.
+        FileNotFoundError: there is no file at ``path``.
     """
     meta, tensors = read_state_file(path)
-    state = state_from_parts(meta, tensors, model, tokenizer)
-    state.check_compatible(model, tokenizer)
-    return state
+    meta = _check_fingerprints(meta, model, tokenizer, path)
+    return state_from_parts(meta, tensors, model, tokenizer)

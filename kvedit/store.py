@@ -32,15 +32,21 @@ Disk layout and safety::
     root/entries/KEY.kv      the state: safetensors, JSON header, CRC-32 (kvedit.storage)
     root/entries/KEY.json    the entry's index record: token count, chunk hashes, pin, expiry
 
-Both files are written to a temporary file and renamed (atomic), the ``.kv`` first: an entry
-exists once its ``.json`` does. Writers hold the lock while they write, so several writers (in
-threads or processes) are serialised, never interleaved. Readers take no lock: a rename is
-atomic and an open file survives deletion. Opening a store recovers from a writer killed
-mid-write: temporary files are removed, a ``.kv`` without ``.json`` gets its record rebuilt
-from the file (or is removed if it does not verify), a ``.json`` without ``.kv`` is removed.
-The index is rebuilt from the ``.json`` records whenever the directory changes. A corrupt entry
-fails its checksum (:class:`~kvedit.errors.CorruptCacheError`) when read, and is dropped, never
-served. Nothing is ever pickled. Locking uses ``fcntl`` (POSIX).
+Both files are written by :func:`kvedit.atomic.atomic_write` (a temporary name
+``.NAME.kvedit-tmp-*``, fsync, rename), the ``.kv`` first: an entry exists once its ``.json``
+does. Writers hold the lock while they write, so several writers (in threads or processes) are
+serialised, never interleaved, and a temporary file seen by a holder of the lock belongs to a
+writer that died. Readers take no lock: a rename is atomic and an open file survives deletion.
+Opening a store recovers from a writer killed mid-write: temporary files are removed (kvedit's
+own, and the ``.*.tmp`` and ``.tmpXXXXXX`` files of kvedit 0.1 and safetensors), a ``.kv``
+without ``.json`` gets its record rebuilt from the file (or is removed if it does not verify),
+a ``.json`` without ``.kv`` is removed; every write sweeps temporary files again. Until then,
+whatever the entries directory holds (records and leftovers included) counts against
+``max_bytes`` and shows in :meth:`KVStore.stats`. A store whose directory was deleted
+recreates it on the next write. The index is rebuilt from the ``.json`` records whenever the
+directory changes. A corrupt entry fails its checksum
+(:class:`~kvedit.errors.CorruptCacheError`) when read, and is dropped, never served. Nothing is
+ever pickled. Locking uses ``fcntl`` (POSIX).
 """
 
 from __future__ import annotations
@@ -51,10 +57,10 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import warnings
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -63,12 +69,21 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from .errors import CacheMismatchError, CorruptCacheError, KVEditError
+from . import checks
+from .atomic import atomic_write, is_temp_name
+from .errors import (
+    CacheMismatchError,
+    CorruptCacheError,
+    EntryNotFoundError,
+    InvalidInputError,
+    InvalidTypeError,
+    StoreLockTimeout,
+    StoreUnavailableError,
+)
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .reuse import cut_layers, encode, extend_ids
 from .state import KVState, LayerKV
 from .storage import (
-    atomic_write,
     read_state_file,
     save_state,
     state_from_parts,
@@ -82,10 +97,26 @@ _HASH_LEN = 32
 # A directory listing made this soon after the directory's mtime may miss a write made in the
 # same timestamp tick; such a listing is redone on the next lookup.
 _RACY_SECONDS = 1.0
+# Temporary files of older writers: kvedit 0.1's ``.NAME.XXXXXXXX.tmp`` and safetensors'
+# ``.tmpXXXXXX`` (safetensors writes beside its target, then renames).
+_OLD_TEMP = re.compile(r"\..+\.tmp|\.tmp[A-Za-z0-9_]{6}")
+
+__all__ = [
+    "CHUNK_TOKENS",
+    "EntryMeta",
+    "KVStore",
+    "PrefixMatch",
+    "StoreLockTimeout",
+    "chain_root",
+    "chunk_hashes",
+    "content_key",
+    "tail_key",
+]
 
 
-class StoreLockTimeout(KVEditError):
-    """Another writer held the store's lock for longer than the timeout."""
+def _is_leftover(name: str) -> bool:
+    """Whether a file name is a temporary file some writer left (never an entry or record)."""
+    return is_temp_name(name) or bool(_OLD_TEMP.fullmatch(name))
 
 
 # -------------------------------------------------------------------- content keys
@@ -127,21 +158,9 @@ def content_key(model_fp: str, tokenizer_fp: str, ids: Sequence[int], chunk: int
     return tail_key(hashes[-1], ids[(len(hashes) - 1) * chunk :])
 
 
-_TOKENIZER_FPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _tokenizer_fp(tokenizer) -> str:
-    """``tokenizer_fingerprint``, cached per tokenizer object (and its vocabulary size)."""
-    size = len(tokenizer)
-    try:
-        cached = _TOKENIZER_FPS.get(tokenizer)
-    except TypeError:  # not weak-referenceable
-        return tokenizer_fingerprint(tokenizer)
-    if cached is not None and cached[0] == size:
-        return cached[1]
-    fp = tokenizer_fingerprint(tokenizer)
-    _TOKENIZER_FPS[tokenizer] = (size, fp)
-    return fp
+# The tokenizer fingerprint is memoised per tokenizer in kvedit.fingerprint now; this name stays
+# for modules that imported the store's own memo.
+_tokenizer_fp = tokenizer_fingerprint
 
 
 # -------------------------------------------------------------------- entry records
@@ -245,7 +264,7 @@ def _check_storable(state: KVState) -> None:
         if problems:
             break
     if problems:
-        raise ValueError(
+        raise InvalidInputError(
             "KVStore holds unedited captures only (an edited cache is not determined by its "
             f"tokens, so it cannot be content-addressed): {problems[0]}"
         )
@@ -267,6 +286,12 @@ class KVStore:
             :class:`StoreLockTimeout`.
 
     Counters in :meth:`stats` (hits, misses, evictions...) are per ``KVStore`` object.
+
+    Raises:
+        InvalidInputError: a negative budget, ``chunk_tokens < 1``, a negative or non-finite
+            ``lock_timeout`` (:class:`~kvedit.errors.InvalidTypeError` for a wrong type).
+        StoreUnavailableError: ``root`` cannot be created (an ``OSError``).
+        CorruptCacheError: ``root/store.json`` is not a kvedit store configuration.
     """
 
     def __init__(
@@ -278,22 +303,33 @@ class KVStore:
         chunk_tokens: int | None = None,
         lock_timeout: float = 60.0,
     ):
-        for name, value in (("max_bytes", max_bytes), ("memory_bytes", memory_bytes)):
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int or None, not {value!r}")
-        if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-            raise ValueError(f"chunk_tokens must be a positive int, not {chunk_tokens!r}")
+        if max_bytes is not None:
+            max_bytes = checks.count("max_bytes", max_bytes, minimum=0)
+        if memory_bytes is not None:
+            memory_bytes = checks.count("memory_bytes", memory_bytes, minimum=0)
+        if chunk_tokens is not None:
+            chunk_tokens = checks.count("chunk_tokens", chunk_tokens, minimum=1)
+        lock_timeout = checks.real("lock_timeout", lock_timeout)
+        if lock_timeout < 0:
+            raise InvalidInputError(f"lock_timeout must be >= 0 seconds, not {lock_timeout}")
+        if isinstance(root, bytes):
+            root = os.fsdecode(root)
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            raise InvalidTypeError(f"root must be a directory path, not {root!r}")
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.memory_bytes = memory_bytes or 0
         self.lock_timeout = lock_timeout
         self._entries = self.root / "entries"
-        self._entries.mkdir(parents=True, exist_ok=True)
+        self._make_dirs()
         self._mutex = threading.RLock()
         self._memory: OrderedDict[str, _MemoryEntry] = OrderedDict()
         self._index: dict[str, EntryMeta] = {}
         self._by_level: dict[str, set[str]] = {}
         self._index_stamp: tuple | None = None
+        self._sizes: dict[str, int] = {}  # key -> bytes of its .kv and .json
+        self._disk_bytes = 0  # everything in the entries directory
+        self._stray: tuple[int, int] = (0, 0)  # (files, bytes) left by dead writers
         self._counts: Counter = Counter()
         self._held = threading.local()
         with self._write_lock():
@@ -312,14 +348,21 @@ class KVStore:
         """Store ``state`` (an unedited capture) and return its key (hex).
 
         ``ttl``: seconds until the entry expires (None: never); putting an existing key again
-        refreshes it and sets its TTL anew. Raises ValueError for edited states (a bias,
+        refreshes it and sets its TTL anew. Raises
+        :class:`~kvedit.errors.InvalidInputError` (a ValueError) for edited states (a bias,
         added or moved entries, quantized layers). The store trusts that the state is what a
         prefill of its tokens gives: a blended state (an approximation) put here would be
         reused as if exact. The memory tier keeps a reference to ``state`` (states are never
         mutated by kvedit).
         """
-        if ttl is not None and (not isinstance(ttl, (int, float)) or not ttl > 0):
-            raise ValueError(f"ttl must be a positive number of seconds or None, not {ttl!r}")
+        if not isinstance(state, KVState):
+            raise InvalidTypeError(f"put takes a KVState, not a {type(state).__name__}")
+        if ttl is not None:
+            ttl = checks.real("ttl", ttl)
+            if not ttl > 0:
+                raise InvalidInputError(
+                    f"ttl must be a positive number of seconds or None, not {ttl!r}"
+                )
         _check_storable(state)
         ids = state.token_ids.tolist()
         root = chain_root(state.model_fingerprint, state.tokenizer_fingerprint)
@@ -420,13 +463,20 @@ class KVStore:
         return in_memory or on_disk
 
     def stats(self) -> dict:
-        """Sizes of both tiers and this object's counters (hits, misses, evictions, ...)."""
+        """Sizes of both tiers and this object's counters (hits, misses, evictions, ...).
+
+        ``bytes`` is everything the entries directory holds: entries, their records, and
+        ``stray_bytes`` in ``stray_files`` left by writers that died (removed by the next
+        write or open); it is what ``max_bytes`` bounds.
+        """
         index = self._refresh_index()
         with self._mutex:
             memory = list(self._memory.values())
         out = {
             "entries": len(index),
-            "bytes": sum(m.file_bytes for m in index.values()),
+            "bytes": self._disk_bytes,
+            "stray_files": self._stray[0],
+            "stray_bytes": self._stray[1],
             "pinned": sum(m.pinned for m in index.values()),
             "memory_entries": len(memory),
             "memory_bytes": sum(e.nbytes for e in memory),
@@ -467,7 +517,7 @@ class KVStore:
             finally:
                 self._held.depth -= 1
             return
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock()
         try:
             deadline = time.monotonic() + self.lock_timeout
             while True:
@@ -483,12 +533,37 @@ class KVStore:
                     time.sleep(0.005)
             self._held.depth = 1
             try:
+                if hasattr(self, "chunk_tokens") and not (self.root / "store.json").exists():
+                    self._init_config(self.chunk_tokens)  # the directory was deleted meanwhile
                 yield
             finally:
                 self._held.depth = 0
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def _make_dirs(self) -> None:
+        try:
+            self._entries.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailableError(
+                f"{self.root}: cannot create the store's directory: {e.strerror or e}"
+            ) from e
+
+    def _open_lock(self) -> int:
+        """A new descriptor of ``root/.lock``; recreates the directories if they were deleted."""
+        lock = self.root / ".lock"
+        try:
+            return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            self._make_dirs()
+            self._index_stamp = None
+        try:
+            return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreUnavailableError(
+                f"{self.root}: cannot open the store's lock file: {e.strerror or e}"
+            ) from e
 
     def _init_config(self, chunk_tokens: int | None) -> int:
         path = self.root / "store.json"
@@ -501,20 +576,41 @@ class KVStore:
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptCacheError(f"{path}: not a kvedit store configuration") from e
             if chunk_tokens is not None and chunk_tokens != stored:
-                raise ValueError(
+                raise InvalidInputError(
                     f"{self.root} was created with chunk_tokens={stored}, not {chunk_tokens}"
                 )
             return stored
         chunk = chunk_tokens or CHUNK_TOKENS
         config = {"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_tokens": chunk}
-        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(config)))
+        self._make_dirs()
+        atomic_write(path, json.dumps(config))
         return chunk
+
+    def _sweep_leftovers(self) -> None:
+        """Remove the temporary files of writers that died (lock held: every live writer holds
+        the lock while its temporary file exists, so none seen now is in use)."""
+        removed = False
+        for folder in (self.root, self._entries):
+            try:
+                names = os.listdir(folder)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if not _is_leftover(name):
+                    continue
+                path = folder / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                removed = True
+        if removed:
+            self._index_stamp = None
 
     def _recover(self) -> None:
         """Bring the disk tier back to a consistent state after a writer died (lock held)."""
-        for folder in (self.root, self._entries):
-            for tmp in folder.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
+        self._sweep_leftovers()
         kv = {p.stem for p in self._entries.glob("*.kv")}
         records = {p.stem for p in self._entries.glob("*.json")}
         for key in records - kv:
@@ -566,8 +662,7 @@ class KVStore:
         return meta if meta.key == key else None
 
     def _write_record(self, meta: EntryMeta) -> None:
-        path = self._entries / f"{meta.key}.json"
-        atomic_write(path, lambda tmp: Path(tmp).write_text(meta.to_json()))
+        atomic_write(self._entries / f"{meta.key}.json", meta.to_json())
         self._index_stamp = None
 
     def _put_disk(self, state: KVState, meta: EntryMeta) -> EntryMeta:
@@ -592,7 +687,9 @@ class KVStore:
         return meta
 
     def _evict_disk(self, protect: str | None = None) -> None:
-        """Drop expired entries, then least recently used unpinned ones beyond ``max_bytes``."""
+        """Sweep leftovers, drop expired entries, then least recently used unpinned ones while
+        the directory holds more than ``max_bytes`` (lock held)."""
+        self._sweep_leftovers()
         now = time.time()
         index = self._refresh_index()
         for meta in list(index.values()):
@@ -602,7 +699,7 @@ class KVStore:
         if self.max_bytes is None:
             return
         index = self._refresh_index()
-        total = sum(m.file_bytes for m in index.values())
+        total = self._disk_bytes
         if total <= self.max_bytes:
             return
         victims = []
@@ -616,8 +713,8 @@ class KVStore:
         for _, meta in sorted(victims, key=lambda v: v[0]):
             if total <= self.max_bytes:
                 break
+            total -= self._sizes.get(meta.key, meta.file_bytes)
             self._delete_files(meta.key)
-            total -= meta.file_bytes
             self._counts["evictions"] += 1
 
     def _delete_files(self, key: str) -> bool:
@@ -692,7 +789,7 @@ class KVStore:
                 self._write_record(replace(meta, pinned=pinned))
                 found = True
         if not found:
-            raise KeyError(f"no entry {key} in {self.root}")
+            raise EntryNotFoundError(f"no entry {key} in {self.root}")
         if not pinned:
             with self._mutex:
                 self._shrink_memory()
@@ -715,10 +812,22 @@ class KVStore:
             if stamp is not None and stamp == self._index_stamp:
                 return self._index
             index = {}
-            for path in self._entries.glob("*.json"):
-                meta = self._read_record(path.stem)
-                if meta is not None:
-                    index[meta.key] = meta
+            sizes: dict[str, int] = {}
+            disk_bytes = stray_files = stray_bytes = 0
+            for name, size in _listing(self._entries):
+                disk_bytes += size
+                stem, _, suffix = name.rpartition(".")
+                if suffix in ("kv", "json") and _KEY.fullmatch(stem):
+                    sizes[stem] = sizes.get(stem, 0) + size
+                    if suffix == "json":
+                        meta = self._read_record(stem)
+                        if meta is not None:
+                            index[meta.key] = meta
+                else:
+                    stray_files += 1
+                    stray_bytes += size
+            self._sizes, self._disk_bytes = sizes, disk_bytes
+            self._stray = (stray_files, stray_bytes)
             by_level: dict[str, set[str]] = {}
             for meta in index.values():
                 for level in meta.levels():
@@ -831,13 +940,38 @@ class KVStore:
     # ---------------------------------------------------------------- helpers
 
     def _fingerprints(self, model: PreTrainedModel, tokenizer) -> tuple[str, str]:
-        return model_fingerprint(model), _tokenizer_fp(tokenizer)
+        return model_fingerprint(model), tokenizer_fingerprint(tokenizer)
 
 
 def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY.fullmatch(key):
-        raise ValueError(f"not a KVStore key (32 lowercase hex digits): {key!r}")
+    if not isinstance(key, str):
+        raise InvalidTypeError(f"not a KVStore key (32 lowercase hex digits): {key!r}")
+    if not _KEY.fullmatch(key):
+        raise InvalidInputError(f"not a KVStore key (32 lowercase hex digits): {key!r}")
     return key
+
+
+def _listing(folder: Path) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of everything in ``folder`` (a directory counts what it holds)."""
+    out = []
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                size = sum(
+                    (Path(root) / f).stat().st_size
+                    for root, _, files in os.walk(entry.path)
+                    for f in files
+                )
+            else:
+                size = entry.stat(follow_symlinks=False).st_size
+        except OSError:  # removed meanwhile
+            continue
+        out.append((entry.name, size))
+    return out
 
 
 def _check_fingerprints(meta: EntryMeta, fps: tuple[str, str], model) -> None:

@@ -17,6 +17,7 @@ from helpers import reference_generate, same, snapshot
 
 import kvedit
 from kvedit import ops
+from kvedit.atomic import is_temp_name
 from kvedit.errors import CacheMismatchError
 from kvedit.store import KVStore, StoreLockTimeout, chain_root, chunk_hashes, content_key
 from kvedit.testing import tiny_model
@@ -304,12 +305,12 @@ def test_writer_killed_mid_write_leaves_store_consistent(tmp_path, llama, mode):
     assert child.exitcode == -signal.SIGKILL
     # what the killed writer left: a partial temporary file, or a .kv without its record
     left = entry_files(tmp_path)
-    assert any(name.endswith(".tmp") for name in left) == (mode == "data")
+    assert any(is_temp_name(name) for name in left) == (mode == "data")
     assert len([n for n in left if n.endswith(".kv")]) == (1 if mode == "data" else 2)
     store = KVStore(tmp_path)  # recovery runs on open
     lost_key = store.key_for(model, tok, lost.token_ids.tolist())
     names = entry_files(tmp_path)
-    assert not [n for n in names if n.endswith(".tmp")]
+    assert not [n for n in names if n.startswith(".")]
     assert same(snapshot(store.get(good_key, model, tok)), snapshot(good))
     if mode == "data":  # the half-written entry never became visible
         assert store.get(lost_key, model, tok) is None
@@ -368,7 +369,7 @@ def test_concurrent_writers_and_readers(tmp_path, llama):
     assert stats["corrupt"] == 0 and reader.stats()["corrupt"] == 0
     assert stats["entries"] > 0 and stats["bytes"] <= budget and stats["evictions"] == 0
     names = entry_files(root)
-    assert len(names) == 2 * stats["entries"] and not [n for n in names if n.endswith(".tmp")]
+    assert len(names) == 2 * stats["entries"] and not [n for n in names if n.startswith(".")]
     for name in names:
         assert final.get(Path(name).stem, model, tok).text in texts_by.values()
     assert served > 0

@@ -20,8 +20,9 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from kvedit.atomic import atomic_write
+from kvedit.errors import InvalidInputError, InvalidTypeError
 from kvedit.evals.metrics import bootstrap_ci
-from kvedit.evals.tasks import atomic_write
 
 __all__ = ["REQUIRED_KEYS", "format_table", "plot_curves", "summarize", "write_results"]
 
@@ -37,7 +38,7 @@ def _correctness(record: Mapping[str, Any], number: int) -> float:
     if hasattr(value, "item") and not isinstance(value, Real | str):
         value = value.item()  # a NumPy or torch scalar, e.g. numpy.bool_
     if not isinstance(value, Real) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(
+        raise InvalidInputError(
             f"record {number}: 'correct' must be a bool or a number in [0, 1], got {value!r}"
         )
     return float(value)
@@ -70,10 +71,10 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     for number, record in enumerate(records):
         missing = [key for key in REQUIRED_KEYS if key not in record]
         if missing:
-            raise ValueError(f"record {number}: missing key(s) {', '.join(missing)}")
+            raise InvalidInputError(f"record {number}: missing key(s) {', '.join(missing)}")
         key = (str(record["method"]), str(record["id"]))
         if key in seen:
-            raise ValueError(
+            raise InvalidInputError(
                 f"record {number}: duplicate result for method {key[0]!r}, id {key[1]!r}"
             )
         seen.add(key)
@@ -108,7 +109,7 @@ def _json_default(value: Any) -> Any:
         return value.item()
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    raise InvalidTypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def write_results(
@@ -200,7 +201,7 @@ def plot_curves(
     from matplotlib.figure import Figure
 
     if not summary:
-        raise ValueError("nothing to plot: the summary has no methods")
+        raise InvalidInputError("nothing to plot: the summary has no methods")
     positions = _positions(summary)
     fig = Figure(figsize=(8.0, 4.0))
     FigureCanvasAgg(fig)

@@ -27,14 +27,14 @@ import json
 import os
 import random
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvedit.errors import KVEditError
+from kvedit.atomic import atomic_write
+from kvedit.errors import InvalidExampleError, InvalidInputError
 from kvedit.evals.metrics import METRICS, extract_numbers, normalize_answer
 
 __all__ = [
@@ -86,10 +86,6 @@ NAMES: tuple[str, ...] = (
     "Omar", "Paula", "Ruben", "Sakura", "Theo", "Ulrich", "Vera", "Walter",
     "Xavier", "Yvonne", "Zeynep", "Anika", "Bashir", "Clara", "Dorian", "Elif",
 )  # fmt: skip
-
-
-class InvalidExampleError(KVEditError, ValueError):
-    """An example, or a line of an examples file, is malformed."""
 
 
 _FIELDS = ("id", "instruction", "documents", "separator", "question", "answers", "gold_index")
@@ -287,26 +283,6 @@ class Example:
 # -- files ------------------------------------------------------------------------------------
 
 
-def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder + rename).
-
-    Text is encoded as UTF-8. A reader sees either the old file or the complete new one.
-    """
-    path = Path(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _read_text(path: Path) -> str:
     """The UTF-8 text of ``path``, gunzipped when its name ends in ``.gz``."""
     if path.suffix == ".gz":
@@ -392,7 +368,7 @@ def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
             fn.__module__,
             fn.__qualname__,
         ):
-            raise ValueError(f"task {name!r} is already registered")
+            raise InvalidInputError(f"task {name!r} is already registered")
         TASKS[name] = fn
         return fn
 
@@ -402,12 +378,12 @@ def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
 def _check_positions(positions: Sequence[int], n_documents: int) -> tuple[int, ...]:
     positions = tuple(positions)
     if not positions:
-        raise ValueError("positions must not be empty")
+        raise InvalidInputError("positions must not be empty")
     bad = [p for p in positions if not 0 <= p < n_documents]
     if bad:
-        raise ValueError(f"positions {bad} are out of range for {n_documents} documents")
+        raise InvalidInputError(f"positions {bad} are out of range for {n_documents} documents")
     if len(set(positions)) != len(positions):
-        raise ValueError(f"positions must be distinct, got {list(positions)}")
+        raise InvalidInputError(f"positions must be distinct, got {list(positions)}")
     return positions
 
 
@@ -438,9 +414,9 @@ def records_examples(
             position is out of range or repeated.
     """
     if not 1 <= n_records <= len(NAMES):
-        raise ValueError(f"n_records must be in [1, {len(NAMES)}], got {n_records}")
+        raise InvalidInputError(f"n_records must be in [1, {len(NAMES)}], got {n_records}")
     if trials < 0:
-        raise ValueError(f"trials must be >= 0, got {trials}")
+        raise InvalidInputError(f"trials must be >= 0, got {trials}")
     positions = _check_positions(positions, n_records)
     rng = random.Random(seed)
     drawn = []  # per trial: (the other records, in order; the asked-about name and number)
@@ -544,7 +520,7 @@ def _pick_distractors(
         chosen.append(candidate)
     if len(chosen) == k:
         return chosen
-    raise ValueError(f"could not find {k} distractors for NQ question {gold}")
+    raise InvalidInputError(f"could not find {k} distractors for NQ question {gold}")
 
 
 @register_task("nq")
@@ -586,13 +562,15 @@ def nq_examples(
     """
     items = load_nq(None if path is None else os.fspath(path))
     if not 1 <= n_docs <= len(items):
-        raise ValueError(f"n_docs must be in [1, {len(items)}], got {n_docs}")
+        raise InvalidInputError(f"n_docs must be in [1, {len(items)}], got {n_docs}")
     positions = _check_positions(positions, n_docs)
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+        raise InvalidInputError(f"limit must be >= 0, got {limit}")
     pool = range(len(items) if limit is None else min(limit, len(items)))
     if trials is not None and not 0 <= trials <= len(pool):
-        raise ValueError(f"trials must be in [0, {len(pool)}] (the question pool), got {trials}")
+        raise InvalidInputError(
+            f"trials must be in [0, {len(pool)}] (the question pool), got {trials}"
+        )
     rng = random.Random(seed)
     questions = list(pool) if trials is None else sorted(rng.sample(pool, trials))
     padded: dict[int, str] = {}

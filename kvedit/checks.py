@@ -1,0 +1,392 @@
+"""Validators for the arguments of kvedit's public functions.
+
+Each validator returns the value in canonical form (a ``float``, an ``int``, a tuple of layer
+indices...) or raises a :class:`~kvedit.errors.KVEditError` that names the argument and says what
+was expected. A value of the wrong type raises :class:`~kvedit.errors.InvalidTypeError` (both a
+``TypeError`` and a ``ValueError``); a value of the right type outside its range raises
+:class:`~kvedit.errors.InvalidInputError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .atomic import check_path
+from .errors import (
+    CacheMismatchError,
+    EmptySelectionError,
+    InvalidInputError,
+    InvalidTypeError,
+    KVEditError,
+)
+
+MAX_STRENGTH = 1e4
+"""The largest ``|strength|`` (nats) an attention bias may have.
+
+Why a cap at all: softmax already saturates long before it. A key biased by ``s`` nats has its
+attention weight multiplied by ``e**s``; beyond about 104 nats the weight of every other key
+underflows float32 (``e**-104`` is below float32's smallest subnormal, ``1.4e-45``), so any
+larger strength is the same hard mask. Larger values only do harm: ``1e39`` is ``inf`` in
+float32 and turns the logits into NaN (``inf - inf``), and biases add up over several edits.
+``1e4`` keeps a bias, a sum of many biases, and a logit plus a bias finite even in float16
+(largest value 65504) and far below float32's limit (3.4e38), while allowing every strength
+that can make a difference.
+"""
+
+MAX_SCALE_FACTOR = 1e4
+"""The largest ``|factor|`` of :func:`kvedit.ops.scale_keys`, for the same reasons as
+:data:`MAX_STRENGTH` (a key scaled by ``f`` scales its logits by ``f``)."""
+
+MAX_DUPLICATE_COPIES = 64
+"""The most extra copies :func:`kvedit.ops.duplicate` appends.
+
+``copies`` extra copies add exactly ``log(copies + 1)`` nats; 64 copies give ``log 65 = 4.2``
+nats, beyond the strengths that help (PASTA's α = 0.01 is 4.6 nats). Each copy grows every
+global layer's cache by the span's length, so an unbounded count (``10**6``) would only exhaust
+memory; a larger bias is one :func:`kvedit.ops.emphasize` call, at no memory cost.
+"""
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+__all__ = [
+    "MAX_DUPLICATE_COPIES",
+    "MAX_SCALE_FACTOR",
+    "MAX_STRENGTH",
+    "count",
+    "layers",
+    "path",
+    "save_dtype",
+    "state_fits_model",
+    "strength",
+    "text",
+]
+
+
+def _is_bool(value) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    return type(value).__name__ in ("bool_", "bool") and type(value).__module__ == "numpy"
+
+
+def _scalar(value):
+    """A 0-d torch tensor or numpy array as a Python number; anything else unchanged."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.is_complex():
+            return value
+        return value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        kind = getattr(getattr(value, "dtype", None), "kind", "")
+        if kind in "fiu":
+            return value.item()
+    return value
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} (a {type(value).__name__})"
+
+
+def real(name: str, value, *, cap: float | None = None) -> float:
+    """``value`` as a finite float: a Python, numpy or 0-d torch int or float, not a bool.
+
+    Raises :class:`InvalidTypeError` for other types, :class:`InvalidInputError` for NaN,
+    infinities, values beyond float32 and, when given, values with ``|value| > cap``.
+    """
+    if _is_bool(value):
+        raise InvalidTypeError(f"{name} must be a finite number (int or float), not {value!r}")
+    plain = _scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, numbers.Real):
+        raise InvalidTypeError(
+            f"{name} must be a finite number (int or float), not {_describe(value)}"
+        )
+    try:
+        number = float(plain)
+    except (OverflowError, ValueError) as e:
+        raise InvalidInputError(f"{name} must be a finite number, not {value!r}: {e}") from e
+    if not math.isfinite(number):
+        raise InvalidInputError(f"{name} must be a finite number, not {number!r}")
+    if abs(number) > _FLOAT32_MAX:
+        raise InvalidInputError(
+            f"{name} = {number!r} is not finite in float32 (largest {_FLOAT32_MAX:.3g})"
+        )
+    if cap is not None and abs(number) > cap:
+        raise InvalidInputError(f"|{name}| must be at most {cap:g}, not {number!r}")
+    return number
+
+
+def strength(name: str, value) -> float:
+    """A bias strength in nats, as a float.
+
+    Accepts Python ints and floats and numpy or 0-d torch ints and floats. Refuses bools,
+    NaN, infinities, and values whose magnitude exceeds :data:`MAX_STRENGTH` (1e4 nats: any
+    strength above ~104 nats is already a hard mask in float32, and much larger ones overflow
+    float32 to ``inf`` and make the logits NaN; see :data:`MAX_STRENGTH`).
+
+    Raises:
+        InvalidTypeError: not a number (a bool, a str, None, a tensor of several values).
+        InvalidInputError: NaN, infinite, or ``|value| > MAX_STRENGTH``.
+    """
+    return real(name, value, cap=MAX_STRENGTH)
+
+
+def count(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """A whole number in ``[minimum, maximum]``, as an int.
+
+    Accepts Python ints and numpy or 0-d torch integers. Refuses bools and every float, even
+    ``2.0`` (a count given as a float is most often a bug).
+
+    Raises:
+        InvalidTypeError: not an int (a bool, a float, a str, None).
+        InvalidInputError: below ``minimum`` or above ``maximum``.
+    """
+    if _is_bool(value):
+        raise InvalidTypeError(f"{name} must be an int, not {value!r}")
+    plain = _scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, numbers.Integral):
+        raise InvalidTypeError(f"{name} must be an int, not {_describe(value)}")
+    number = int(plain)
+    if number < minimum:
+        raise InvalidInputError(f"{name} must be >= {minimum}, not {number}")
+    if maximum is not None and number > maximum:
+        raise InvalidInputError(f"{name} must be <= {maximum}, not {number}")
+    return number
+
+
+def text(name: str, value, *, allow_empty: bool = True) -> str:
+    """A ``str``. Refuses None, bytes, lists of texts (kvedit handles one text per call) and
+    every other type; refuses ``""`` when ``allow_empty`` is False.
+
+    Raises:
+        InvalidTypeError: not a str.
+        InvalidInputError: empty while ``allow_empty`` is False.
+    """
+    if not isinstance(value, str):
+        if isinstance(value, (list, tuple)):
+            raise InvalidTypeError(
+                f"{name} must be one str, not a {type(value).__name__} of {len(value)} items "
+                "(kvedit captures and continues one text per call)"
+            )
+        raise InvalidTypeError(f"{name} must be a str, not {_describe(value)}")
+    if not allow_empty and not value:
+        raise InvalidInputError(f"{name} is empty: give a non-empty str")
+    return value
+
+
+def layers(value, n_layers: int, *, name: str = "layers") -> tuple[int, ...] | None:
+    """Layer indices ``0 <= i < n_layers``, sorted and without repeats; None means all layers.
+
+    Raises:
+        InvalidTypeError: not None nor a sequence of ints (a bare int, a str, a dict, bools).
+        EmptySelectionError: an empty sequence (it would edit nothing; None means all).
+        InvalidInputError: an index out of range (negative indices are not accepted).
+    """
+    if value is None:
+        return None
+    array = isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
+    if array and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, set, range)):
+        raise InvalidTypeError(
+            f"{name} must be None (all layers) or a list of layer indices, not {_describe(value)}"
+        )
+    chosen = [count(f"{name}[{i}]", item, minimum=-(2**63)) for i, item in enumerate(value)]
+    if not chosen:
+        raise EmptySelectionError(
+            f"{name} is empty: nothing would be edited or steered (None means all layers)"
+        )
+    bad = sorted({i for i in chosen if not 0 <= i < n_layers})
+    if bad:
+        raise InvalidInputError(
+            f"{name} {bad} out of range for a {n_layers}-layer model (valid: 0..{n_layers - 1})"
+        )
+    return tuple(sorted(set(chosen)))
+
+
+def path(value, what: str = "path"):
+    """A file path kvedit can write to (see :func:`kvedit.atomic.check_path`)."""
+    return check_path(value, what)
+
+
+def save_dtype(dtype) -> torch.dtype | None:
+    """The dtype keys and values are stored in: None (as they are) or a float dtype.
+
+    Integer and bool dtypes would truncate keys and values without a word, and the file would
+    then answer differently; float8 overflows at a few hundred. Use :func:`kvedit.ops.quantize`
+    for a compact cache.
+
+    Raises:
+        InvalidTypeError: not a ``torch.dtype``.
+        InvalidInputError: not float16, bfloat16, float32 or float64.
+    """
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError(f"dtype must be a torch.dtype or None, not {_describe(dtype)}")
+    if dtype not in _STORAGE_DTYPES:
+        names = ", ".join(str(d) for d in _STORAGE_DTYPES)
+        raise InvalidInputError(
+            f"keys and values can only be saved as {names}, not {dtype}: other dtypes would "
+            "truncate them (use kvedit.ops.quantize for a compact cache)"
+        )
+    return dtype
+
+
+# ------------------------------------------------------------------------ a state vs a model
+
+
+def _model_layers(model):
+    """The gate's per-layer facts (window, KV heads, key/value head sizes, from its probe)."""
+    from .runtime import spec
+
+    return spec(model).layers
+
+
+def _kv_shape(layer, which: str) -> tuple[int, ...]:
+    packed = getattr(layer, f"packed_{which}", None)
+    if packed is not None:
+        return tuple(packed.shape)
+    return tuple(getattr(layer, which).shape)
+
+
+def _vocab_sizes(model) -> tuple[int | None, int | None]:
+    """``(input vocabulary, output vocabulary)`` of ``model``, None where unknown."""
+    n_in = n_out = None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        n_in = int(emb.weight.shape[0])
+    try:
+        out = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        out = None
+    if out is not None and getattr(out, "weight", None) is not None:
+        n_out = int(out.weight.shape[0])
+    return n_in, n_out
+
+
+def state_fits_model(
+    state,
+    model,
+    tokenizer=None,
+    *,
+    fingerprints: bool = True,
+    deep: bool = False,
+    error: type[KVEditError] = CacheMismatchError,
+) -> None:
+    """Check that ``state`` can run on ``model``: made by it, and shaped as its cache is.
+
+    Checks (shapes only, cheap): the model and tokenizer fingerprints (when ``fingerprints``;
+    the tokenizer's only when ``tokenizer`` is given), one layer per decoder layer with the
+    model's sliding windows, keys and values ``[batch, kv_heads, n, head_dim]`` with the model's
+    KV heads and head size, ``token_index``/``positions`` of length ``n``, a bias
+    ``[batch, 1 | kv_heads | heads, n]``, sliding layers holding at most ``window`` entries,
+    and ``token_ids``/``offsets``/``position_ids``/``last_logits`` of matching sizes. With
+    ``deep``, also the values: token ids inside the vocabulary, ``token_index`` in
+    ``[-1, n_tokens)``, positions before ``next_position``, offsets inside the text.
+
+    Raises:
+        error: (default :class:`~kvedit.errors.CacheMismatchError`) with every problem found,
+            up to five. :func:`kvedit.load_state` passes
+            :class:`~kvedit.errors.CorruptCacheError`: a file whose fingerprint names the
+            model but whose structure does not fit it has lying metadata.
+    """
+    problems: list[str] = []
+    if fingerprints:
+        from .fingerprint import model_fingerprint, tokenizer_fingerprint
+
+        if model_fingerprint(model) != state.model_fingerprint:
+            raise CacheMismatchError(
+                f"this cache was made by another model: model fingerprint "
+                f"{model_fingerprint(model)} != state's {state.model_fingerprint} "
+                f"(model {getattr(model, 'name_or_path', '?')!r})"
+            )
+        if tokenizer is not None and tokenizer_fingerprint(tokenizer) != (
+            state.tokenizer_fingerprint
+        ):
+            raise CacheMismatchError(
+                f"this cache was made by another tokenizer: tokenizer fingerprint "
+                f"{tokenizer_fingerprint(tokenizer)} != state's {state.tokenizer_fingerprint}"
+            )
+    specs = _model_layers(model)
+    windows = [ls.window for ls in specs]
+    heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
+    if len(state.layers) != len(windows):
+        problems.append(f"{len(state.layers)} layers, the model has {len(windows)}")
+    n_tokens = int(state.token_ids.shape[0]) if state.token_ids.ndim == 1 else -1
+    for i, (layer, ls) in enumerate(zip(state.layers, specs, strict=False)):
+        window = ls.window
+        keys, values = _kv_shape(layer, "keys"), _kv_shape(layer, "values")
+        if len(keys) != 4 or len(values) != 4:
+            problems.append(f"layer {i}: keys {keys} / values {values} are not 4-D")
+            continue
+        b, h, n, d = keys
+        if h != ls.kv_heads:
+            problems.append(f"layer {i}: {h} KV heads, the model has {ls.kv_heads}")
+        if d != ls.key_dim:
+            problems.append(f"layer {i}: key head_dim {d}, the model has {ls.key_dim}")
+        if values[:3] != (b, h, n):
+            problems.append(f"layer {i}: values {values} do not match keys {keys}")
+        elif values[3] != ls.value_dim:
+            problems.append(f"layer {i}: value head_dim {values[3]}, the model has {ls.value_dim}")
+        if layer.window != window:
+            problems.append(f"layer {i}: window {layer.window}, the model's is {window}")
+        elif window is not None and n > window:
+            problems.append(f"layer {i}: {n} entries in a sliding window of {window}")
+        for field in ("token_index", "positions"):
+            shape = tuple(getattr(layer, field).shape)
+            if shape != (n,):
+                problems.append(f"layer {i}: {field} {shape} for {n} entries")
+        bias = layer.bias
+        if bias is not None:
+            ok_heads = {1, h, heads} - {None}
+            if bias.ndim != 3 or bias.shape[0] != b or bias.shape[1] not in ok_heads:
+                problems.append(f"layer {i}: bias {tuple(bias.shape)} for keys {keys}")
+            elif bias.shape[2] != n:
+                problems.append(f"layer {i}: bias of {bias.shape[2]} entries for {n}")
+        if deep and n and n_tokens >= 0:
+            index, positions = layer.token_index, layer.positions
+            if int(index.min()) < -1 or int(index.max()) >= n_tokens:
+                problems.append(f"layer {i}: token_index outside [-1, {n_tokens})")
+            if int(positions.min()) < 0 or int(positions.max()) >= state.next_position:
+                problems.append(f"layer {i}: positions outside [0, {state.next_position})")
+        if len(problems) >= 5:
+            break
+    if n_tokens < 0:
+        problems.append(f"token_ids {tuple(state.token_ids.shape)} are not 1-D")
+    else:
+        if tuple(state.offsets.shape) != (n_tokens, 2):
+            problems.append(f"offsets {tuple(state.offsets.shape)} for {n_tokens} tokens")
+        if tuple(state.position_ids.shape) != (n_tokens,):
+            problems.append(f"position_ids {tuple(state.position_ids.shape)} for {n_tokens} tokens")
+    n_in, n_out = _vocab_sizes(model)
+    if state.last_logits.ndim != 1 or (n_out is not None and state.last_logits.numel() != n_out):
+        problems.append(
+            f"last_logits {tuple(state.last_logits.shape)}, the model's vocabulary is {n_out}"
+        )
+    if deep and not problems and n_tokens > 0:
+        ids = state.token_ids
+        if int(ids.min()) < 0 or (n_in is not None and int(ids.max()) >= n_in):
+            problems.append(f"token ids outside the model's vocabulary of {n_in}")
+        offsets = state.offsets
+        if (
+            int(offsets.min()) < 0
+            or int(offsets.max()) > len(state.text)
+            or bool((offsets[:, 0] > offsets[:, 1]).any())
+        ):
+            problems.append(f"offsets outside the text ({len(state.text)} chars)")
+        if (
+            int(state.position_ids.max()) >= state.next_position
+            or int(state.position_ids.min()) < 0
+        ):
+            problems.append(f"position_ids outside [0, next_position={state.next_position})")
+    if problems:
+        name = getattr(model, "name_or_path", None) or type(model).__name__
+        raise error(f"the cache does not fit the model {name!r}: " + "; ".join(problems[:5]))
