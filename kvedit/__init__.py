@@ -14,7 +14,7 @@ from .steer import Steering, steer, strength_for_share, strength_from_pasta_alph
 from .storage import load_state
 from .store import KVStore
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "attention_share",

@@ -27,8 +27,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from . import checks
 from .compat import cache_kwarg
-from .errors import CacheMismatchError, KVEditError
+from .errors import (
+    CacheMismatchError,
+    InvalidInputError,
+    ModelNotAttachedError,
+    StateAlteredError,
+)
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .runtime import activate, layer_windows
 from .spans import Spans, char_ranges, tokens_in_ranges
@@ -185,7 +191,7 @@ class StateBias:
         if b is None:
             return None
         if k_len < b.shape[-1]:
-            raise KVEditError("cache shorter than the stored bias: the state was altered")
+            raise StateAlteredError("cache shorter than the stored bias: the state was altered")
         return torch.nn.functional.pad(b, (0, k_len - b.shape[-1]))
 
     def unbiased_queries(self, q_len: int, total_len: int) -> int:
@@ -286,18 +292,26 @@ class KVState:
 
     def _require_model(self) -> tuple[PreTrainedModel, object]:
         if self.model is None or self.tokenizer is None:
-            raise CacheMismatchError(
+            raise ModelNotAttachedError(
                 "this state has no model attached; use load_state(path, model, tok)"
             )
         return self.model, self.tokenizer
 
-    def _encode(self, text: str) -> list[int]:
+    def _checked_model(self) -> tuple[PreTrainedModel, object]:
+        """The attached model and tokenizer, after checking the state fits them (fingerprints
+        and cache shapes; cheap: the fingerprints are memoized)."""
+        model, tok = self._require_model()
+        checks.state_fits_model(self, model, tok)
+        return model, tok
+
+    def _encode(self, text: str, name: str = "continuation") -> list[int]:
+        text = checks.text(name, text)
         _, tok = self._require_model()
         return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def _run(self, ids: Sequence[int], logits_to_keep: int = 0):
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
-        model, _ = self._require_model()
+        model, _ = self._checked_model()
         n = len(ids)
         device = self.device
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
@@ -338,7 +352,8 @@ class KVState:
         Greedy by default; stops at EOS. Returns only the new tokens, decoded with
         ``skip_special_tokens=True``. The state itself is never mutated.
         """
-        model, tok = self._require_model()
+        model, tok = self._checked_model()
+        max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
         ids = self._encode(continuation)
         eos = _eos_ids(model, tok, eos_token_id)
         new_tokens: list[int] = []
@@ -374,7 +389,7 @@ class KVState:
     @torch.no_grad()
     def extend(self, text: str) -> KVState:
         """A new state with ``text`` appended (tokenized without special tokens)."""
-        ids = self._encode(text)
+        ids = self._encode(text, "text")
         if not ids:
             return self.replace(text=self.text + text)
         _, tok = self._require_model()
@@ -514,11 +529,12 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     Returns a :class:`KVState` whose continuation matches ``model.generate`` token for token.
     Raises :class:`~kvedit.errors.UnsupportedModelError` for caches kvedit cannot hold.
     """
+    text = checks.text("text", text)
     windows = layer_windows(model)  # the gate: refuses what kvedit cannot run exactly
     enc = tokenizer(text, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     if not ids:
-        raise ValueError("capture: the text tokenizes to nothing")
+        raise InvalidInputError("capture: the text tokenizes to nothing")
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], device=device)
     positions = torch.arange(len(ids), device=device)[None]
@@ -569,14 +585,16 @@ def recompute_last(
     """
     if len(state) == 0:
         return state
-    model, _ = state._require_model()
+    model, _ = state._checked_model()
     t = len(state) - 1
     pos = int(state.position_ids[t])
     bases, counts, biases = [], [], []
     for i, layer in enumerate(state.layers):
         mine = layer.token_index == t
         if not bool(mine.any()):
-            raise KVEditError(f"layer {i} no longer holds the last token; cannot recompute it")
+            raise StateAlteredError(
+                f"layer {i} no longer holds the last token; cannot recompute it"
+            )
         keep = (~mine).nonzero().flatten()
         bases.append(layer.select(keep))
         counts.append(int(mine.sum()))
@@ -635,8 +653,7 @@ def chat_prefix(tokenizer, user_message: str, split_at: str) -> tuple[str, str]:
     Returns ``(prefix, continuation)`` texts, e.g. to capture a document and ask about it
     afterwards: ``capture(model, tok, prefix).generate(continuation)``.
     """
-    if not split_at:
-        raise ValueError("split_at must be a non-empty string")
+    split_at = checks.text("split_at", split_at, allow_empty=False)
     full = templated_prompt(tokenizer, user_message)
     cut = full.find(split_at)
     if cut < 0:

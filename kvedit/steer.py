@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from . import checks
+from .errors import InvalidInputError
 from .runtime import activate
 from .spans import Spans, as_span_list, char_ranges, token_offsets, tokens_in_ranges
 
@@ -39,14 +41,14 @@ SCOPES = ("all", "decode")
 def strength_for_share(current: float, target: float) -> float:
     """The strength (nats) that moves a span's attention share from ``current`` to ``target``."""
     if not (0 < current < 1 and 0 < target < 1):
-        raise ValueError("shares must be strictly between 0 and 1")
+        raise InvalidInputError("shares must be strictly between 0 and 1")
     return math.log(target * (1 - current) / (current * (1 - target)))
 
 
 def strength_from_pasta_alpha(alpha: float) -> float:
     """PASTA's scaling coefficient α for non-emphasized tokens, as a strength in nats."""
     if not 0 < alpha <= 1:
-        raise ValueError("alpha must be in (0, 1]")
+        raise InvalidInputError("alpha must be in (0, 1]")
     return -math.log(alpha)
 
 
@@ -99,7 +101,7 @@ class SpanPlan:
             both = set(emph.tolist()) & set(supp.tolist())
             if both:
                 shown = self.tokenizer.convert_ids_to_tokens([int(ids[i]) for i in sorted(both)])
-                raise ValueError(
+                raise InvalidInputError(
                     f"emphasize and suppress spans overlap on tokens {shown[:10]}; a token "
                     "cannot be both"
                 )
@@ -318,36 +320,27 @@ def steer(
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
     """
-    if (
-        isinstance(strength, bool)
-        or not isinstance(strength, (int, float))
-        or not math.isfinite(strength)
-    ):
-        raise ValueError(f"strength must be a finite number of nats, not {strength!r}")
+    strength = checks.strength("strength", strength)
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
+        raise InvalidInputError(f"scope must be one of {SCOPES}, not {scope!r}")
     emph = tuple(as_span_list(emphasize)) if emphasize not in ((), [], None) else ()
     supp = tuple(as_span_list(suppress)) if suppress not in ((), [], None) else ()
     if not emph and not supp:
-        raise ValueError("nothing to steer: give emphasize and/or suppress spans")
+        raise InvalidInputError("nothing to steer: give emphasize and/or suppress spans")
     text_cfg = model.config.get_text_config()
     n_layers, n_heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
-    if layers is not None:
-        layers = tuple(int(i) for i in layers)
-        if not layers:
-            raise ValueError("layers is empty: nothing would be steered (None means all layers)")
-        bad = [i for i in layers if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(f"layers {bad} out of range for a {n_layers}-layer model")
+    layers = checks.layers(layers, n_layers)
     head_map = None
     if heads is not None:
         head_map = {int(layer): tuple(int(h) for h in hs) for layer, hs in heads.items()}
         if not head_map or not all(head_map.values()):
-            raise ValueError("heads is empty for some layer: nothing would be steered there")
+            raise InvalidInputError("heads is empty for some layer: nothing would be steered there")
         if layers is not None:  # both given: the listed heads, on the listed layers only
             head_map = {layer: hs for layer, hs in head_map.items() if layer in layers}
         for layer, hs in head_map.items():
             if not 0 <= layer < n_layers or any(not 0 <= h < n_heads for h in hs):
-                raise ValueError(f"heads {{{layer}: {list(hs)}}} out of range ({n_heads} heads)")
+                raise InvalidInputError(
+                    f"heads {{{layer}: {list(hs)}}} out of range ({n_heads} heads)"
+                )
     config = SteerConfig(emph, supp, float(strength), layers, head_map, scope, protect_special)
     return Steering(model, tokenizer, config)

@@ -13,7 +13,7 @@ from helpers import same, snapshot
 import kvedit
 import kvedit.attention as ka
 from kvedit import ops, runtime
-from kvedit.errors import SpanNotFoundError
+from kvedit.errors import EmptySelectionError, SpanNotFoundError
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
 QUESTION = " Question: What is Carol's secret number? Answer:"
@@ -188,9 +188,11 @@ def test_emphasize_raises_and_suppress_lowers_the_attention_share(tiny):
 def test_layers_restrict_which_layers_an_edit_touches(llama, edit):
     model, tok = llama
     state = capture_records(model, tok)
-    for layers in ([0], [1, 2], []):
+    for layers in ([0], [1, 2]):
         out = edit(state, layers)
         assert unchanged_layers(state, out) == [i for i in range(3) if i not in layers]
+    with pytest.raises(EmptySelectionError, match="layers is empty"):
+        edit(state, [])
     everywhere = edit(state, None)
     assert unchanged_layers(state, everywhere) == []
     # an edit of the last layer alone still changes the prediction

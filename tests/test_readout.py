@@ -98,7 +98,7 @@ def test_share_agrees_with_attention_probs_computed_by_hand(llama, monkeypatch):
         calls.append((q.clone(), k.clone(), kwargs))
         return real_attend(q, k, v, **kwargs)
 
-    monkeypatch.setattr(ka, "attend", spy)
+    monkeypatch.setattr(kvedit.runtime, "attend", spy)  # the seam calls it by this name
     share = kvedit.attention_share(state, QUESTION, [SPAN, "Bob"])
     assert len(calls) == len(state.layers)  # one forward, one call per layer
     token_share = torch.zeros(len(state))

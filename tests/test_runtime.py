@@ -210,3 +210,28 @@ def test_an_unprepared_model_calling_the_seam_gets_a_clear_error():
     ids = torch.tensor([tok(RECORDS)["input_ids"]])
     with pytest.raises(UnsupportedModelError, match="prepare"), torch.no_grad():
         model(ids)
+
+
+def test_a_streamer_thread_started_with_steering_thread_is_steered():
+    from transformers import TextIteratorStreamer
+
+    model, tok = tiny_model("llama")
+    prompt = RECORDS + " What is Carol's secret number?"
+    s = kvedit.steer(model, tok, emphasize="Carol", strength=4.0)
+    expected = s.generate(prompt, max_new_tokens=8)
+    ids = tok(prompt, return_tensors="pt")
+    kwargs = dict(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+
+    def streamed(start_thread) -> str:
+        streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+        t = start_thread(model.generate, kwargs={**kwargs, "streamer": streamer})
+        t.start()
+        text = "".join(streamer)
+        t.join()
+        return text
+
+    with s:
+        carried = streamed(lambda fn, kwargs: s.thread(fn, **kwargs))
+        plain = streamed(lambda fn, kwargs: threading.Thread(target=fn, kwargs=kwargs))
+    assert carried == expected
+    assert plain != expected  # a plain thread is not steered (this prompt's answer differs)

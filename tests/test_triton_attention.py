@@ -194,6 +194,40 @@ def test_rows_that_see_no_key_output_zero(splits: int | None) -> None:
     assert (out - ref).abs().max().item() <= FP32_TOL
 
 
+def _sink_reference(q, k, v, bias, sinks, window=None):
+    """Attention with a per-head sink logit, written out: softmax over [scores, sink]."""
+    G = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
+    scores = q.float() @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if bias is not None:
+        scores = scores + bias.float().repeat_interleave(G, 1)[:, :, None]
+    Sq, Sk = q.shape[2], k.shape[2]
+    qi = torch.arange(Sk - Sq, Sk, device=q.device)[:, None]
+    kj = torch.arange(Sk, device=q.device)[None]
+    allowed = (kj <= qi) & ((qi - kj < window) if window else True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return probs @ vf
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_the_written_out_softmax(splits: int | None, window: int | None) -> None:
+    """gpt-oss sinks: a per-head logit in the denominator; split-K adds it exactly once."""
+    q, k, v, _ = make_inputs(Case(1, 2, 2, 5, 11, 16, torch.float32, seed=7))
+    bias = torch.randn(1, 2, 11, device=DEVICE)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0], device=DEVICE)
+    knobs = {} if splits is None else {"num_splits": splits, "config": _impl().KernelConfig(16, 16)}
+    out = _impl().attention(q, k, v, bias, window=window, sinks=sinks, **knobs)
+    expected = _sink_reference(q, k, v, bias, sinks, window)
+    assert (out.float() - expected).abs().max().item() <= FP32_TOL
+    ref = attention_reference(q, k, v, bias, window=window, sinks=sinks)
+    assert (ref.float() - expected).abs().max().item() <= FP32_TOL
+    plain = _impl().attention(q, k, v, bias, window=window, **knobs)
+    assert (plain - out).abs().max().item() > 1e-2  # the sinks did take mass
+
+
 @pytest.mark.parametrize("splits", [None, 2, 5])
 def test_huge_finite_bias_on_every_key(splits: int | None) -> None:
     """Bias -1e30 on all keys: softmax is uniform over the visible keys, as in the reference

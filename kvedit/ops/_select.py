@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import checks
+from ..errors import EmptySelectionError
 from ..spans import Spans
 from ..state import KVState, LayerKV, recompute_last
 
@@ -15,26 +16,15 @@ def span_tokens(state: KVState, spans: Spans) -> torch.Tensor:
     """Token indices of ``spans`` in ``state.text``; raises if a span is missing or selects nothing."""
     idx = state.token_indices(spans)
     if idx.numel() == 0:
-        raise ValueError(f"spans {spans!r} select no token of the state")
+        raise EmptySelectionError(f"spans {spans!r} select no token of the state")
     return idx
 
 
 def layer_set(state: KVState, layers: Sequence[int] | None) -> set[int]:
-    """Validated layer indices (all layers when None)."""
+    """Validated layer indices (all layers when None); an empty list is refused."""
     n = len(state.layers)
-    if layers is None:
-        return set(range(n))
-    chosen = {int(i) for i in layers}
-    bad = sorted(i for i in chosen if not 0 <= i < n)
-    if bad:
-        raise ValueError(f"layers {bad} out of range for a {n}-layer state")
-    return chosen
-
-
-def finite(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, not {value!r}")
-    return float(value)
+    chosen = checks.layers(layers, n)
+    return set(range(n)) if chosen is None else set(chosen)
 
 
 def edit_entries(

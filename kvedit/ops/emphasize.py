@@ -12,9 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import checks
 from ..spans import Spans
 from ..state import KVState, LayerKV
-from ._select import edit_entries, finite
+from ._select import edit_entries
 
 
 def emphasize(
@@ -28,7 +29,7 @@ def emphasize(
     Biases add up with earlier edits. Only entries a layer holds are touched (sliding-window
     layers hold their last ``window - 1`` tokens). The input state is not modified.
     """
-    strength = finite("strength", strength)
+    strength = checks.strength("strength", strength)
 
     def add_bias(layer: LayerKV, entries: torch.Tensor) -> LayerKV:
         if strength == 0.0:

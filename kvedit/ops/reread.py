@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ModelNotAttachedError
 from ..spans import Spans
 from ..state import KVState, run_model
 from ._select import span_tokens
@@ -24,7 +25,7 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
     """
     tokens = span_tokens(state, spans)
     if state.tokenizer is None or state.model is None:
-        raise ValueError(
+        raise ModelNotAttachedError(
             "reread needs the state's model; load it with load_state(path, model, tok)"
         )
     sep_ids = state.tokenizer(separator, add_special_tokens=False)["input_ids"] if separator else []

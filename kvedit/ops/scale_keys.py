@@ -12,9 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import checks
 from ..spans import Spans
 from ..state import KVState, LayerKV
-from ._select import edit_entries, finite
+from ._select import edit_entries
 
 
 def scale_keys(
@@ -24,7 +25,7 @@ def scale_keys(
     layers: Sequence[int] | None = None,
 ) -> KVState:
     """A new state with the keys ``[batch, kv_heads, entries, dim]`` of ``spans`` times ``factor``."""
-    factor = finite("factor", factor)
+    factor = checks.real("factor", factor, cap=checks.MAX_SCALE_FACTOR)
 
     def scale(layer: LayerKV, entries: torch.Tensor) -> LayerKV:
         if factor == 1.0:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .. import checks
 from ..spans import Spans
 from ..state import KVState
-from ._select import finite
 from .emphasize import emphasize
 
 
@@ -17,4 +17,4 @@ def suppress(
     layers: Sequence[int] | None = None,
 ) -> KVState:
     """A new state whose ``spans`` keys get ``-strength`` nats; see :func:`emphasize`."""
-    return emphasize(state, spans, -finite("strength", strength), layers)
+    return emphasize(state, spans, -checks.strength("strength", strength), layers)
