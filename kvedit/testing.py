@@ -360,7 +360,16 @@ def tiny_model(
     config._attn_implementation = attn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        except ValueError:  # an older transformers without sdpa for this arch (gptj in 5.19)
+            if attn != "sdpa":
+                raise
+            config._attn_implementation = "eager"
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation="eager"
+            )
     with torch.no_grad():
         # Random heads put EOS at the top too often; silence special tokens' output rows so
         # test generations run their full length.
