@@ -126,7 +126,7 @@ def blend(
     layer_movers = movers(model)
     for mover in layer_movers:  # refuse before any work
         if mover.kind == "refused":
-            raise UnsupportedModelError(f"blend: layer {mover.layer}: {mover.reason}")
+            raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
 
     states, reports = [], []
     for i, text in enumerate(parts):

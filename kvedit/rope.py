@@ -47,7 +47,7 @@ class KeyMover:
             ``"none"`` (keys carry no position), or ``"refused"``.
         inv_freq: ``[r // 2]`` rotary inverse frequencies (None unless rotated); the first
             ``r`` head dimensions rotate, the rest pass through.
-        reason: why the layer is refused (``kind == "refused"``).
+        reason: why the layer is refused (``kind == "refused"``), naming model and layer.
     """
 
     layer: int
@@ -58,7 +58,7 @@ class KeyMover:
     def move(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Keys ``[batch, kv_heads, n, head_dim]`` at positions ``p`` -> at ``p + delta``."""
         if self.kind == "refused":
-            raise UnsupportedModelError(f"layer {self.layer}: {self.reason}")
+            raise UnsupportedModelError(self.reason)
         if self.kind == "none":
             return keys
         return _rotate(keys, delta, self.inv_freq, self.kind == "interleaved")
@@ -147,7 +147,7 @@ def movers(model: PreTrainedModel) -> tuple[KeyMover, ...]:
 
 def _decide(name, i, k0, v0, k1, v1, freqs, refusal, tol) -> KeyMover:
     def refused(reason: str) -> KeyMover:
-        return KeyMover(i, "refused", reason=f"{name}: {reason}")
+        return KeyMover(i, "refused", reason=f"{name} layer {i}: {reason}")
 
     if k0.shape != k1.shape or v0.shape != v1.shape:
         return refused("the cache layout changes with the position")
@@ -199,10 +199,8 @@ def layer_inv_freq(model: PreTrainedModel) -> list[torch.Tensor]:
     for mover in movers(model):
         full = mover.kind == "half" and 2 * mover.inv_freq.numel() == head_dim
         if not full:
-            why = mover.reason or f"its keys are {mover.kind!r}-rotated (or only partly)"
-            raise UnsupportedModelError(
-                f"layer {mover.layer}: needs half-split RoPE over the whole head; {why}"
-            )
+            why = mover.reason or f"layer {mover.layer}: keys {mover.kind!r}-rotated or partly"
+            raise UnsupportedModelError(f"needs half-split RoPE over the whole head; {why}")
         out.append(mover.inv_freq)
     return out
 
