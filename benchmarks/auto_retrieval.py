@@ -26,7 +26,7 @@ def readings(ctx: ExampleContext, continuation: str) -> dict[str, torch.Tensor]:
     """Per-head shares ``[L, H, n_docs]``: averaged over all continuation tokens, and last only."""
     state = ctx.state
     spans = [state.token_indices(s) for s in ctx.doc_spans]
-    ids = state._encode(continuation)
+    ids = state.encode(continuation)
     out = {}
     for name, skip in (("all", 0), ("last", len(ids) - 1)):
         obs = _Observer(state, spans, skip_queries=skip)

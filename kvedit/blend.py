@@ -56,7 +56,7 @@ from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .reuse import capture_passage, encode
 from .rope import KeyMover, movers
 from .runtime import activate
-from .state import KVState, LayerKV, StateBias, _dynamic_cache, capture
+from .state import KVState, LayerKV, StateBias, capture, dynamic_cache
 from .store import KVStore
 
 
@@ -345,7 +345,7 @@ def _recompute(
     # one layer type: a plain 4D mask (Llama takes no dict); several: one per type (Gemma-3)
     attention_mask = masks if len(masks) > 1 else masks[kinds[0]]
 
-    cache = _dynamic_cache(layers)
+    cache = dynamic_cache(layers)
     with activate(model, StateBias(layers)):
         out = model(
             input_ids=ids[selected][None].to(device),

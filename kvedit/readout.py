@@ -83,7 +83,7 @@ def attention_share(state: KVState, continuation: str, spans: Spans) -> Attentio
     """
     items = as_span_list(spans)
     span_tokens = [state.token_indices(s) for s in items]
-    ids = state._encode(continuation)
+    ids = state.encode(continuation)
     if not ids:
         raise ValueError("attention_share needs a non-empty continuation")
     observer = _Observer(state, span_tokens)

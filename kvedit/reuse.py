@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from .compat import text_config
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .runtime import layer_windows
-from .state import KVState, LayerKV, _appended, capture
+from .state import KVState, LayerKV, appended_layers, capture
 
 if TYPE_CHECKING:
     from .store import KVStore
@@ -91,10 +91,12 @@ def extend_ids(state: KVState, ids: Sequence[int], offsets: torch.Tensor, text: 
     ids = [int(i) for i in ids]
     if not ids:
         return state.replace(text=text)
-    logits, full_kv = state._run(ids, logits_to_keep=1)
+    logits, full_kv = state.run(ids, logits_to_keep=1)
     positions = torch.arange(state.next_position, state.next_position + len(ids))
     return state.replace(
-        layers=_appended(state.layers, full_kv, ids, state.next_position, first_index=len(state)),
+        layers=appended_layers(
+            state.layers, full_kv, ids, state.next_position, first_index=len(state)
+        ),
         token_ids=torch.cat([state.token_ids, torch.tensor(ids, dtype=torch.long)]),
         offsets=torch.cat([state.offsets, offsets.reshape(-1, 2).to(torch.long)]),
         text=text,

@@ -290,28 +290,30 @@ class KVState:
 
     # ---------------------------------------------------------------- continuing
 
-    def _require_model(self) -> tuple[PreTrainedModel, object]:
+    def require_model(self) -> tuple[PreTrainedModel, object]:
+        """``(model, tokenizer)`` attached to this state; raises ModelNotAttachedError if none."""
         if self.model is None or self.tokenizer is None:
             raise ModelNotAttachedError(
                 "this state has no model attached; use load_state(path, model, tok)"
             )
         return self.model, self.tokenizer
 
-    def _checked_model(self) -> tuple[PreTrainedModel, object]:
+    def checked_model(self) -> tuple[PreTrainedModel, object]:
         """The attached model and tokenizer, after checking the state fits them (fingerprints
         and cache shapes; cheap: the fingerprints are memoized)."""
-        model, tok = self._require_model()
+        model, tok = self.require_model()
         checks.state_fits_model(self, model, tok)
         return model, tok
 
-    def _encode(self, text: str, name: str = "continuation") -> list[int]:
+    def encode(self, text: str, name: str = "continuation") -> list[int]:
+        """Token ids of ``text`` (a continuation: no special tokens added)."""
         text = checks.text(name, text)
-        _, tok = self._require_model()
+        _, tok = self.require_model()
         return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def _run(self, ids: Sequence[int], logits_to_keep: int = 0):
+    def run(self, ids: Sequence[int], logits_to_keep: int = 0):
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
-        model, _ = self._checked_model()
+        model, _ = self.checked_model()
         n = len(ids)
         device = self.device
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
@@ -325,12 +327,12 @@ class KVState:
         Row 0 is the stored last logits; row i > 0 is the model's prediction after the state and
         continuation tokens ``< i``. The continuation is tokenized without special tokens.
         """
-        ids = self._encode(continuation)
+        ids = self.encode(continuation)
         if not ids:
             return self.last_logits[None, :0].new_zeros(0, self.last_logits.shape[-1])
         rows = [self.last_logits.float()[None]]
         if len(ids) > 1:
-            logits, _ = self._run(ids[:-1])
+            logits, _ = self.run(ids[:-1])
             rows.append(logits.float())
         return torch.cat(rows, dim=0)
 
@@ -352,21 +354,21 @@ class KVState:
         Greedy by default; stops at EOS. Returns only the new tokens, decoded with
         ``skip_special_tokens=True``. The state itself is never mutated.
         """
-        model, tok = self._checked_model()
+        model, tok = self.checked_model()
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
-        ids = self._encode(continuation)
+        ids = self.encode(continuation)
         eos = _eos_ids(model, tok, eos_token_id)
         new_tokens: list[int] = []
         layers = self.layers
         pos = self.next_position
         if ids:
-            logits, full_kv = self._run(ids, logits_to_keep=1)
-            layers = _appended(layers, full_kv, ids, pos)
+            logits, full_kv = self.run(ids, logits_to_keep=1)
+            layers = appended_layers(layers, full_kv, ids, pos)
             pos += len(ids)
             next_logits = logits[-1]
         else:
             next_logits = self.last_logits
-        cache = _dynamic_cache(layers)
+        cache = dynamic_cache(layers)
         plan = StateBias(layers)
         with activate(model, plan):
             for step in range(max_new_tokens):
@@ -389,18 +391,20 @@ class KVState:
     @torch.no_grad()
     def extend(self, text: str) -> KVState:
         """A new state with ``text`` appended (tokenized without special tokens)."""
-        ids = self._encode(text, "text")
+        ids = self.encode(text, "text")
         if not ids:
             return self.replace(text=self.text + text)
-        _, tok = self._require_model()
-        logits, full_kv = self._run(ids, logits_to_keep=1)
+        _, tok = self.require_model()
+        logits, full_kv = self.run(ids, logits_to_keep=1)
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2) + len(
             self.text
         )
         positions = torch.arange(self.next_position, self.next_position + len(ids))
         return self.replace(
-            layers=_appended(self.layers, full_kv, ids, self.next_position, first_index=len(self)),
+            layers=appended_layers(
+                self.layers, full_kv, ids, self.next_position, first_index=len(self)
+            ),
             token_ids=torch.cat([self.token_ids, torch.tensor(ids, dtype=torch.long)]),
             offsets=torch.cat([self.offsets, offsets]),
             text=self.text + text,
@@ -464,7 +468,7 @@ def _sample(logits, do_sample, temperature, top_k, top_p, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _dynamic_cache(layers: Sequence[LayerKV]) -> DynamicCache:
+def dynamic_cache(layers: Sequence[LayerKV]) -> DynamicCache:
     """A plain (all-global) ``DynamicCache`` holding the entries, without copying them.
 
     Each layer is initialised through ``update`` with zero entries, then given the stored
@@ -494,7 +498,7 @@ def run_model(
     The stored bias applies to every new query (or ``plan``, a BiasPlan, decides); ``layers``
     is left untouched.
     """
-    cache = _dynamic_cache(layers)
+    cache = dynamic_cache(layers)
     plan = StateBias(layers) if plan is None else plan
     with torch.no_grad(), activate(model, plan):
         out = model(
@@ -508,7 +512,7 @@ def run_model(
     return out.logits, full_kv
 
 
-def _appended(layers, full_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
+def appended_layers(layers, full_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
     """Layers extended to ``full_kv`` (stored + new entries, from :func:`run_model`).
 
     ``first_index < 0`` marks the new entries as not being tokens of the state's text.
@@ -585,7 +589,7 @@ def recompute_last(
     """
     if len(state) == 0:
         return state
-    model, _ = state._checked_model()
+    model, _ = state.checked_model()
     t = len(state) - 1
     pos = int(state.position_ids[t])
     bases, counts, biases = [], [], []

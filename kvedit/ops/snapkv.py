@@ -102,14 +102,14 @@ def snapkv(
         raise ValueError(f"window must be a positive int, not {window!r}")
     if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"kernel must be a positive odd int, not {kernel!r}")
-    model, _ = state._require_model()
+    model, _ = state.require_model()
     n_tokens = len(state)
     recent = max(0, n_tokens - window)  # tokens >= recent are always kept
     if keep == 1.0 or recent == 0:
         return state
 
     if query is not None:
-        ids = state._encode(query)
+        ids = state.encode(query)
         if not ids:
             raise ValueError("snapkv: the query tokenizes to nothing")
         positions = torch.arange(state.next_position, state.next_position + len(ids))
