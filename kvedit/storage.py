@@ -30,9 +30,10 @@ from safetensors.torch import save_file
 
 from . import checks
 from .atomic import atomic_write
+from .cache import layer_class
 from .errors import CacheMismatchError, CorruptCacheError, InvalidInputError, InvalidTypeError
 from .fingerprint import legacy_model_fingerprint, model_fingerprint, tokenizer_fingerprint
-from .state import KVState, LayerKV
+from .state import KVState
 
 FORMAT = "kvedit.kvstate"
 FORMAT_VERSION = 2
@@ -84,24 +85,33 @@ def state_tensors(state: KVState, dtype: torch.dtype | None = None) -> dict[str,
         InvalidInputError: ``dtype`` is not a float dtype (:func:`kvedit.checks.save_dtype`), or
             keys or values do not fit in it (float16 overflows at 65504).
     """
+    return _state_tensors_and_params(state, dtype)[0]
+
+
+def _state_tensors_and_params(
+    state: KVState, dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     dtype = checks.save_dtype(dtype)
     out: dict[str, torch.Tensor] = {}
+    params = []
     for i, layer in enumerate(state.layers):
-        keys, values = layer.keys, layer.values
-        out[f"layer.{i}.keys"] = _cast(keys, dtype or keys.dtype, f"layer {i}'s keys")
-        out[f"layer.{i}.values"] = _cast(values, dtype or values.dtype, f"layer {i}'s values")
-        out[f"layer.{i}.token_index"] = layer.token_index.to("cpu").contiguous()
-        out[f"layer.{i}.positions"] = layer.positions.to("cpu").contiguous()
-        if layer.bias is not None:
-            out[f"layer.{i}.bias"] = layer.bias.to("cpu", torch.float32).contiguous()
+
+        def cast(t: torch.Tensor, what: str, i: int = i) -> torch.Tensor:
+            return _cast(t, dtype or t.dtype, f"layer {i}'s {what}")
+
+        tensors, layer_params = layer.to_tensors(cast)
+        out.update({f"layer.{i}.{name}": t for name, t in tensors.items()})
+        params.append(layer_params)
     out["token_ids"] = state.token_ids.cpu().contiguous()
     out["offsets"] = state.offsets.cpu().contiguous()
     out["position_ids"] = state.position_ids.cpu().contiguous()
     out["last_logits"] = state.last_logits.to("cpu", torch.float32).contiguous()
-    return out
+    return out, params
 
 
-def state_metadata(state: KVState, tensors: dict[str, torch.Tensor]) -> dict:
+def state_metadata(
+    state: KVState, tensors: dict[str, torch.Tensor], layer_params: list[dict] | None = None
+) -> dict:
     from . import __version__
 
     return {
@@ -117,6 +127,8 @@ def state_metadata(state: KVState, tensors: dict[str, torch.Tensor]) -> dict:
         "n_layers": len(state.layers),
         "n_tokens": len(state),
         "layer_entries": [len(layer) for layer in state.layers],
+        "layer_kinds": [layer.kind for layer in state.layers],
+        "layer_params": layer_params or [{} for _ in state.layers],
         "checksum": crc32_of(tensors),
     }
 
@@ -131,8 +143,8 @@ def save_state(state: KVState, path: str | os.PathLike, dtype: torch.dtype | Non
             ``path`` is then left as it was, and no temporary file is left.
     """
     path = checks.path(path)
-    tensors = state_tensors(state, dtype)
-    meta = {"kvedit": json.dumps(state_metadata(state, tensors), ensure_ascii=False)}
+    tensors, params = _state_tensors_and_params(state, dtype)
+    meta = {"kvedit": json.dumps(state_metadata(state, tensors, params), ensure_ascii=False)}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
@@ -236,7 +248,7 @@ def _check_layout(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         )
     entries = meta.get("layer_entries")
     if entries is not None:
-        found = [tensors[f"layer.{i}.keys"].shape[-2] for i in range(len(windows))]
+        found = [tensors[f"layer.{i}.token_index"].shape[0] for i in range(len(windows))]
         if entries != found:
             raise CorruptCacheError(f"layer_entries {entries} but the keys hold {found}")
     if "n_tokens" in meta and meta["n_tokens"] != tensors["token_ids"].shape[0]:
@@ -264,19 +276,17 @@ def state_from_parts(meta: dict, tensors: dict[str, torch.Tensor], model, tokeni
         next_position = meta["next_position"]
         if not isinstance(next_position, int) or isinstance(next_position, bool):
             raise TypeError(f"next_position is {next_position!r}")
+        windows = meta["windows"]
+        kinds = meta.get("layer_kinds") or ["dense"] * len(windows)
+        params = meta.get("layer_params") or [{} for _ in windows]
+        if len(kinds) != len(windows) or len(params) != len(windows):
+            raise CorruptCacheError(f"{len(kinds)} layer kinds for {len(windows)} layers")
         layers = []
-        for i, window in enumerate(meta["windows"]):
-            bias = tensors.get(f"layer.{i}.bias")
-            layers.append(
-                LayerKV(
-                    keys=tensors[f"layer.{i}.keys"].to(device, dtype),
-                    values=tensors[f"layer.{i}.values"].to(device, dtype),
-                    token_index=tensors[f"layer.{i}.token_index"],
-                    positions=tensors[f"layer.{i}.positions"],
-                    bias=None if bias is None else bias.to(device),
-                    window=window,
-                )
-            )
+        for i, (window, kind, layer_params) in enumerate(zip(windows, kinds, params, strict=True)):
+            prefix = f"layer.{i}."
+            mine = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+            cls = layer_class(kind)
+            layers.append(cls.from_tensors(mine, layer_params, window, device, dtype))
         state = KVState(
             layers=layers,
             token_ids=tensors["token_ids"],

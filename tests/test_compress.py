@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import kvedit
 from kvedit import ops
-from kvedit.ops.quantize import PackedKV, QuantizedLayerKV, _pack, _unpack
+from kvedit.cache.quantized import PackedKV, QuantizedLayerKV, pack_codes, unpack_codes
 from kvedit.ops.snapkv import DROPPED
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
@@ -121,9 +121,9 @@ def test_snapkv_arguments(llama):
 def test_pack_unpack_round_trip(bits, n, seed):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (1, 2, n, 16), generator=gen, dtype=torch.uint8)
-    packed = _pack(codes, bits)
+    packed = pack_codes(codes, bits)
     assert packed.shape[-1] == 16 * bits // 8
-    assert torch.equal(_unpack(packed, bits, 16), codes)
+    assert torch.equal(unpack_codes(packed, bits, 16), codes)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -203,10 +203,19 @@ def test_quantize_gemma3_leaves_sliding_layers(tmp_path):
         else:
             assert isinstance(layer, QuantizedLayerKV)
     assert len(q.generate(QUESTION, 6)) > 0
-    q.save(tmp_path / "q.kv")  # saved dequantized, loads as a plain state
+    q.save(tmp_path / "q.kv")  # saved packed, loads packed
+    state.save(tmp_path / "dense.kv")
     loaded = kvedit.load_state(tmp_path / "q.kv", model, tok)
-    assert type(loaded.layers[2]) is kvedit.LayerKV
-    torch.testing.assert_close(loaded.layers[2].keys, q.layers[2].keys)
+    assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in q.layers]
+    assert torch.equal(loaded.layers[2].packed_keys.codes, q.layers[2].packed_keys.codes)
+    torch.testing.assert_close(loaded.layers[2].keys, q.layers[2].keys, atol=0, rtol=0)
+    assert loaded.generate(QUESTION, 6) == q.generate(QUESTION, 6)
+    # the file holds the packed bytes: the global layer's keys/values shrink about 4x at 8 bits
+    saved = (tmp_path / "q.kv").stat().st_size
+    dense = (tmp_path / "dense.kv").stat().st_size
+    g = state.layers[2]
+    kv_bytes = 2 * g.keys.numel() * g.keys.element_size()
+    assert dense - saved > 0.5 * kv_bytes
 
 
 # ------------------------------------------------------------------ eval methods

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 from conftest import RECORDS
 from helpers import same, snapshot
+from safetensors import safe_open
 
 import kvedit
 from kvedit.errors import CacheMismatchError, CorruptCacheError
@@ -220,6 +222,9 @@ def _drop_last_layer(meta, tensors=None):
     meta["windows"] = meta["windows"][:-1]
     meta["n_layers"] -= 1
     meta.pop("layer_entries", None)
+    for key in ("layer_kinds", "layer_params"):  # a consistent lie: every per-layer list
+        if key in meta:
+            meta[key] = meta[key][:-1]
 
 
 @pytest.mark.parametrize(
@@ -316,3 +321,15 @@ def test_save_refuses_a_dtype_the_values_overflow(tmp_path, llama):
         state.save(tmp_path / "s.kv", dtype="bfloat16")
     assert os.listdir(tmp_path) == []
     big.save(tmp_path / "s.kv", dtype=torch.bfloat16)  # bfloat16 has float32's range
+
+
+def test_layer_kinds_come_from_the_registry(tmp_path, llama):
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    path = tmp_path / "s.kv"
+    state.save(path)
+    meta = json.loads(safe_open(str(path), "pt").metadata()["kvedit"])
+    assert meta["layer_kinds"] == ["dense"] * len(state.layers)
+    rewrite(path, change_meta=lambda m: m.__setitem__("layer_kinds", ["bogus"] * len(m["windows"])))
+    with pytest.raises(CorruptCacheError, match="unknown cache layer kind 'bogus'"):
+        kvedit.load_state(path, model, tok)

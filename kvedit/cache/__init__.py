@@ -1,0 +1,28 @@
+"""Cache-layer classes: how one decoder layer's cache entries are held, in a registry.
+
+Every class keeps ``keys``, ``values``, ``token_index``, ``positions``, ``bias`` and ``window``
+readable, knows its length, device and bytes, gives dense K/V to the attention one layer at a
+time (:meth:`~LayerKV.dense_kv`), selects entries, and writes and reads itself
+(:meth:`~LayerKV.to_tensors` / :meth:`~LayerKV.from_tensors`, used by storage and the store).
+Register a new kind with :func:`register_layer`.
+
+==============  =========================================================================
+``dense``       :class:`LayerKV`: plain tensors
+``quantized``   :class:`QuantizedLayerKV`: KIVI-style packed keys and values (2/4/8 bits)
+==============  =========================================================================
+"""
+
+from __future__ import annotations
+
+from .dense import LayerKV
+from .quantized import PackedKV, QuantizedLayerKV
+from .registry import LAYER_CLASSES, layer_class, register_layer
+
+__all__ = [
+    "LAYER_CLASSES",
+    "LayerKV",
+    "PackedKV",
+    "QuantizedLayerKV",
+    "layer_class",
+    "register_layer",
+]

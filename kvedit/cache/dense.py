@@ -1,0 +1,212 @@
+"""The dense cache layer: one decoder layer's K/V entries as plain tensors.
+
+Shapes: keys and values ``[batch, kv_heads, n, head_dim]``; ``token_index`` and ``positions``
+``[n]``; ``bias`` ``[batch, kv_heads or heads, n]`` in nats (or None for zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import CorruptCacheError
+from .registry import register_layer
+
+
+@register_layer
+@dataclass(eq=False)
+class LayerKV:
+    """One decoder layer's cache entries.
+
+    Attributes:
+        keys: ``[batch, kv_heads, n, head_dim]`` post-RoPE keys.
+        values: ``[batch, kv_heads, n, head_dim]``.
+        token_index: ``[n]`` index into the state's tokens of the token each entry encodes.
+        positions: ``[n]`` rotary position each entry was encoded at.
+        bias: ``[batch, kv_heads or heads, n]`` additive logit bias in nats, or None for zeros.
+        window: the layer's sliding window, or None for global attention.
+
+    ``==`` is identity (tensors have no single truth value); compare tensors explicitly.
+    """
+
+    kind: ClassVar[str] = "dense"
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    bias: torch.Tensor | None = None
+    window: int | None = None
+
+    def __len__(self) -> int:
+        return self.keys.shape[-2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` as dense ``[batch, kv_heads, n, head_dim]`` tensors, for the
+        attention (a packed layer materializes only this layer)."""
+        return self.keys, self.values
+
+    def to_tensors(self, cast=None) -> tuple[dict[str, torch.Tensor], dict]:
+        """``(tensors by name, JSON params)`` to store this layer (on CPU, contiguous).
+
+        ``cast(tensor, what)``, when given, converts the float K/V data (storage's dtype).
+        """
+        cast = cast or (lambda t, what: t)
+        out = {
+            "keys": cast(self.keys.to("cpu").contiguous(), "keys"),
+            "values": cast(self.values.to("cpu").contiguous(), "values"),
+        }
+        return self._bookkeeping(out), {}
+
+    def _bookkeeping(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out["token_index"] = self.token_index.to("cpu").contiguous()
+        out["positions"] = self.positions.to("cpu").contiguous()
+        if self.bias is not None:
+            out["bias"] = self.bias.to("cpu", torch.float32).contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        params: dict,
+        window: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> LayerKV:
+        """The layer :meth:`to_tensors` wrote, K/V on ``device`` in ``dtype``."""
+        try:
+            bias = tensors.get("bias")
+            return cls(
+                keys=tensors["keys"].to(device, dtype),
+                values=tensors["values"].to(device, dtype),
+                token_index=tensors["token_index"],
+                positions=tensors["positions"],
+                bias=None if bias is None else bias.to(device),
+                window=window,
+            )
+        except KeyError as e:
+            raise CorruptCacheError(f"a {cls.kind} layer lacks tensor {e}") from e
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds: keys, values and bias (compressed layers report their own)."""
+        tensors = (self.keys, self.values, self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def entries_for(self, token_indices: torch.Tensor) -> torch.Tensor:
+        """Entry indices of this layer that encode any of ``token_indices`` (``LongTensor[k]``)."""
+        return (
+            torch.isin(self.token_index, token_indices.to(self.token_index.device))
+            .nonzero()
+            .flatten()
+        )
+
+    def dense_bias(self, heads: int | None = None) -> torch.Tensor:
+        """The bias as a tensor ``[batch, heads or kv_heads, n]`` (zeros when unset)."""
+        if self.bias is not None and (heads is None or self.bias.shape[1] == heads):
+            return self.bias
+        b, hkv, n = self.keys.shape[0], self.keys.shape[1], self.keys.shape[-2]
+        base = (
+            self.bias
+            if self.bias is not None
+            else torch.zeros(b, hkv, n, dtype=torch.float32, device=self.keys.device)
+        )
+        if heads is None or heads == base.shape[1]:
+            return base
+        return base.repeat_interleave(heads // base.shape[1], dim=1)
+
+    def map(self, fn) -> LayerKV:
+        """A copy with ``fn`` applied to every tensor."""
+        return dataclasses.replace(
+            self,
+            keys=fn(self.keys),
+            values=fn(self.values),
+            token_index=fn(self.token_index),
+            positions=fn(self.positions),
+            bias=None if self.bias is None else fn(self.bias),
+        )
+
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> LayerKV:
+        """A new layer with entries appended (bias zeros unless given), then trimmed to the window."""
+        n_new = keys.shape[-2]
+        if self.bias is None and bias is None:
+            new_bias = None
+        else:
+            heads = max(
+                self.bias.shape[1] if self.bias is not None else 1,
+                bias.shape[1] if bias is not None else 1,
+            )
+            old = self.dense_bias(heads if heads > 1 else None)
+            add = (
+                bias
+                if bias is not None
+                else torch.zeros(old.shape[0], old.shape[1], n_new, device=old.device)
+            )
+            if add.shape[1] != old.shape[1]:
+                add = add.repeat_interleave(old.shape[1] // add.shape[1], dim=1)
+            new_bias = torch.cat([old, add.to(old.dtype)], dim=-1)
+        out = LayerKV(
+            keys=torch.cat([self.keys, keys.to(self.keys.dtype)], dim=-2),
+            values=torch.cat([self.values, values.to(self.values.dtype)], dim=-2),
+            token_index=torch.cat([self.token_index, token_index.to(self.token_index.device)]),
+            positions=torch.cat([self.positions, positions.to(self.positions.device)]),
+            bias=new_bias,
+            window=self.window,
+        )
+        return out.trimmed()
+
+    def extended(
+        self,
+        full_keys: torch.Tensor,
+        full_values: torch.Tensor,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> LayerKV:
+        """A new layer whose K/V are ``full_keys/values`` ``[batch, kv_heads, len + n, dim]``:
+        this layer's entries followed by ``n`` new ones (zero bias), trimmed to the window."""
+        n_new = full_keys.shape[-2] - len(self)
+        bias = self.bias
+        if bias is not None:
+            bias = torch.nn.functional.pad(bias, (0, n_new))
+        return LayerKV(
+            keys=full_keys,
+            values=full_values,
+            token_index=torch.cat([self.token_index, token_index.to(self.token_index.device)]),
+            positions=torch.cat([self.positions, positions.to(self.positions.device)]),
+            bias=bias,
+            window=self.window,
+        ).trimmed()
+
+    def select(self, entries: torch.Tensor | slice) -> LayerKV:
+        """A dense layer holding only ``entries`` (indices or a slice of this layer's entries)."""
+        e = entries.to(self.keys.device) if isinstance(entries, torch.Tensor) else entries
+        m = entries.to(self.token_index.device) if isinstance(entries, torch.Tensor) else entries
+        return LayerKV(  # a plain (dense) layer, also when this one is a subclass
+            keys=self.keys[:, :, e],
+            values=self.values[:, :, e],
+            token_index=self.token_index[m],
+            positions=self.positions[m],
+            bias=None if self.bias is None else self.bias[..., e],
+            window=self.window,
+        )
+
+    def trimmed(self) -> LayerKV:
+        """Keep only the last ``window`` entries on a sliding-window layer."""
+        if self.window is None or len(self) <= self.window:
+            return self
+        return self.select(slice(len(self) - self.window, None))
