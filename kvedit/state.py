@@ -21,8 +21,10 @@ token's prediction) and the last token's own entries reflect the edit.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -39,6 +41,7 @@ from .errors import (
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .runtime import activate, layer_windows
 from .spans import Spans, char_ranges, tokens_in_ranges
+from .statefile import save_state
 
 
 class StateBias:
@@ -276,11 +279,10 @@ class KVState:
 
     # ---------------------------------------------------------------- storage
 
-    def save(self, path, dtype: torch.dtype | None = None) -> None:
-        """Write the state to one safetensors file, atomically. ``dtype`` down-casts K/V."""
-        from .storage import save_state
-
-        save_state(self, path, dtype=dtype)
+    def save(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+        """Write the state to one safetensors file, atomically; returns its path (as
+        :meth:`kvedit.Projector.save` does). ``dtype`` (a float dtype) down-casts K/V."""
+        return save_state(self, path, dtype=dtype)
 
     def check_compatible(self, model: PreTrainedModel, tokenizer) -> None:
         """Raise :class:`CacheMismatchError` unless ``model``/``tokenizer`` made this state."""

@@ -114,14 +114,14 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "s.kv"
     state.save(path)
     before = path.read_bytes()
-    import kvedit.storage as storage
+    import kvedit.statefile as statefile
 
     def broken(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage, "save_file", broken)
+    monkeypatch.setattr(statefile, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
         state.extend(" more").save(path)
     assert path.read_bytes() == before
