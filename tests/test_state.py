@@ -114,9 +114,17 @@ def test_token_indices_substring_regex_and_range(tiny):
     assert set(only_first.tolist()) < set(both.tolist())
     by_regex = state.token_indices(re.compile(r"\d{4}"))
     assert set(both.tolist()) <= set(by_regex.tolist())
-    for i in both.tolist():  # each selected token overlaps an occurrence of the span
+    occurrences = [m.span() for m in re.finditer("4821", state.text)]
+    assert len(occurrences) == 2
+    for i in range(len(state)):  # selected exactly when the token overlaps an occurrence
         a, b = state.offsets[i].tolist()
-        assert "4821" in state.text[max(0, a - 4) : b + 4] or b - a > 0
+        overlaps = b > a and any(a < end and b > start for start, end in occurrences)
+        assert (i in both.tolist()) == overlaps
+    digits = [m.span() for m in re.finditer(r"\d{4}", state.text)]
+    for i in range(len(state)):
+        a, b = state.offsets[i].tolist()
+        overlaps = b > a and any(a < end and b > start for start, end in digits)
+        assert (i in by_regex.tolist()) == overlaps
     with pytest.raises(SpanNotFoundError, match="Zed"):
         state.token_indices("Zed's")
     with pytest.raises(ValueError, match="empty"):
