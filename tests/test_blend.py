@@ -237,7 +237,6 @@ def test_gemma3_partial_blend_uses_first_global_layer(tmp_path, gemma3):
     state, report = kvedit.blend(model, tok, PARTS, KVStore(tmp_path), recompute=0.5)
     assert report.deviation_layer == model.config.layer_types.index("full_attention")
     assert {len(layer) for layer in state.layers} == {TINY_SLIDING_WINDOW, len(state)}
-    assert len(state.generate(QUESTION, 8)) > 0
 
 
 def test_blend_rejects_bad_input(tmp_path, llama):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import RECORDS
@@ -52,7 +54,6 @@ def test_snapkv_keeps_a_budget_per_head(llama, query):
         last = layer.token_index >= n - 8
         assert last.sum() == 8 and kept[..., last].all()  # the recent window, for every head
     assert out.nbytes < state.nbytes
-    assert len(out.generate(QUESTION, 8)) > 0
 
 
 def test_snapkv_masks_per_head(llama):
@@ -100,7 +101,6 @@ def test_snapkv_gemma3_keeps_sliding_layers():
             assert len(layer) == TINY_SLIDING_WINDOW
         else:
             assert len(layer) == round(0.5 * len(state))  # one KV head: no union overhead
-    assert len(out.generate(QUESTION, 8)) > 0
 
 
 def test_snapkv_arguments(llama):
@@ -187,7 +187,11 @@ def test_quantized_states_compose(llama):
     assert ratio == pytest.approx(1.5, rel=0.03)  # scaled, then quantized again
     duplicated = ops.duplicate(q, SPAN, 1)
     assert len(duplicated.layers[0]) == len(q.layers[0]) + len(e)
-    assert len(duplicated.generate(QUESTION, 4)) > 0
+    # composed: one copy on the quantized layers is a log 2 bias on the same dequantized keys
+    emph2 = ops.emphasize(q, SPAN, math.log(2))
+    torch.testing.assert_close(
+        duplicated.logits(QUESTION), emph2.logits(QUESTION), atol=1e-4, rtol=1e-4
+    )
     copy = q.copy()
     assert copy.layers[0].packed_keys.codes.data_ptr() != q.layers[0].packed_keys.codes.data_ptr()
     assert copy.generate(QUESTION, 6) == q.generate(QUESTION, 6)
@@ -202,7 +206,6 @@ def test_quantize_gemma3_leaves_sliding_layers(tmp_path):
             assert same_layer_but_last(layer, orig, len(state) - 1)
         else:
             assert isinstance(layer, QuantizedLayerKV)
-    assert len(q.generate(QUESTION, 6)) > 0
     q.save(tmp_path / "q.kv")  # saved packed, loads packed
     state.save(tmp_path / "dense.kv")
     loaded = kvedit.load_state(tmp_path / "q.kv", model, tok)
