@@ -190,9 +190,6 @@ def test_partial_recompute_selects_deviating_tokens(tmp_path, llama):
     torch.testing.assert_close(got[:, :, selected], true_k[:, :, selected], atol=1e-4, rtol=1e-4)
     others = torch.tensor([i for i in range(n0, len(ids)) if i not in set(selected.tolist())])
     assert (got[:, :, others] - true_k[:, :, others]).abs().amax() > 1e-3
-    # recomputing brings the answer logits closer to a full prefill than naive concatenation
-    full = model(ids[None]).logits[0, -1]
-    assert (state.last_logits - full).abs().amax() < (naive.last_logits - full).abs().amax()
 
 
 def test_gemma3_partial_recompute_respects_the_window(tmp_path, gemma3, monkeypatch):

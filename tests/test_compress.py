@@ -143,6 +143,21 @@ def test_quantization_error_is_within_half_a_step(bits):
     assert small <= 0.1 * 2 * 4 / (2**bits - 1)
 
 
+def packed_bytes(layer, bits: int, group: int, residual: int = 32) -> int:
+    """Bytes of one dense layer quantized KIVI-style, from its shape alone: codes, float16
+    scale and zero per key channel and group of tokens, per token and group of value channels,
+    and the exact residual."""
+    b, h, n, d = layer.keys.shape
+    n_quant = (max(0, n - residual) // group) * group
+    exact = n - n_quant
+    codes = 2 * b * h * n_quant * d * bits // 8
+    key_meta = 2 * b * h * (n_quant // group) * d * 2
+    value_meta = 2 * b * h * n_quant * (d // min(group, d)) * 2
+    dense = 2 * b * h * exact * d * layer.keys.element_size()
+    bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+    return codes + key_meta + value_meta + dense + bias
+
+
 def test_quantize_state(llama):
     model, tok, state = llama
     before = snapshot(state)
@@ -152,8 +167,9 @@ def test_quantize_state(llama):
     n = len(state)
     exact = q8.layers[0].packed_keys.residual.shape[-2]
     assert 32 <= exact < 64 and (n - exact) % 32 == 0
-    # fp32 K/V, 166 tokens of which 38 exact: ~0.46 and ~0.36 of the bytes
-    assert q4.nbytes < 0.4 * state.nbytes and q8.nbytes < 0.5 * state.nbytes
+    for bits, q in ((8, q8), (4, q4)):  # nbytes counts exactly what the packed layers hold
+        assert q.nbytes == sum(packed_bytes(layer, bits, 32) for layer in state.layers)
+        assert q.nbytes < state.nbytes
     for layer, orig in zip(q8.layers, state.layers, strict=True):
         assert len(layer) == n and torch.equal(layer.token_index, orig.token_index)
         torch.testing.assert_close(layer.keys, orig.keys, atol=0.05, rtol=0)
