@@ -55,7 +55,7 @@ from .errors import UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .reuse import capture_passage, encode
 from .rope import KeyMover, movers
-from .runtime import activate
+from .runtime import forward
 from .state import KVState, LayerKV, StateBias, capture, dynamic_cache
 from .store import KVStore
 
@@ -346,15 +346,15 @@ def _recompute(
     attention_mask = masks if len(masks) > 1 else masks[kinds[0]]
 
     cache = dynamic_cache(layers)
-    with activate(model, StateBias(layers)):
-        out = model(
-            input_ids=ids[selected][None].to(device),
-            position_ids=selected[None].to(device),
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kwarg(model): cache},
-        )
+    logits = forward(
+        model,
+        ids[selected][None].to(device),
+        selected[None].to(device),
+        cache,
+        plan=StateBias(layers),
+        logits_to_keep=1,
+        attention_mask=attention_mask,
+    )
     slot = torch.full((n,), -1, dtype=torch.long)  # token -> its fresh entry, or -1
     slot[selected] = torch.arange(len(selected))
     new_layers = []
@@ -377,4 +377,4 @@ def _recompute(
                 layer.window,
             )
         )
-    return new_layers, out.logits[0, -1].float()
+    return new_layers, logits[0, -1].float()

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from . import runtime
-from .compat import cache_kwarg, text_config
+from .compat import text_config
 from .errors import UnsupportedModelError
 
 # RoPE types whose inverse frequencies change with the sequence length: a cached key's rotation
@@ -114,12 +114,7 @@ def _probe_kv(model: PreTrainedModel, shift: int) -> list[tuple[torch.Tensor, to
     n, vocab = _PROBE_TOKENS, int(cfg.vocab_size)
     ids = torch.tensor([[(5 * i + 11) % vocab for i in range(n)]], device=device)
     cache = DynamicCache()
-    model(
-        input_ids=ids,
-        position_ids=torch.arange(shift, shift + n, device=device)[None],
-        use_cache=True,
-        **{cache_kwarg(model): cache},
-    )
+    runtime.forward(model, ids, torch.arange(shift, shift + n, device=device)[None], cache)
     return [(layer.keys.float().cpu(), layer.values.float().cpu()) for layer in cache.layers]
 
 

@@ -144,6 +144,38 @@ def activate(
         _PLANS.reset(token)
 
 
+def forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache,
+    *,
+    plan: BiasPlan | None = None,
+    logits_to_keep: int = 0,
+    attention_mask=None,
+) -> torch.Tensor:
+    """The one way kvedit runs a model: ``input_ids [batch, n]`` at explicit
+    ``position_ids [batch, n]`` on top of ``cache`` (a transformers cache, updated in place),
+    with ``plan`` active when given (else whatever plan the context has). Returns the logits
+    ``[batch, n | logits_to_keep, vocab]``. The model is prepared first.
+    """
+    prepare(model)
+    kwargs = {cache_kwarg(model): cache}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if plan is not None:
+            stack.enter_context(activate(model, plan))
+        return model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        ).logits
+
+
 # --------------------------------------------------------------------------------------------
 # Preparing a model: the seam, installed once
 # --------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from transformers import DynamicCache, PreTrainedModel
 
 from . import checks
 from .cache import LayerKV
-from .compat import cache_kwarg
 from .errors import (
     CacheMismatchError,
     InvalidInputError,
@@ -39,7 +38,7 @@ from .errors import (
     StateAlteredError,
 )
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .runtime import activate, layer_windows
+from .runtime import activate, forward, layer_windows
 from .spans import Spans, char_ranges, tokens_in_ranges
 from .statefile import save_state
 
@@ -242,13 +241,12 @@ class KVState:
                 new_tokens.append(token)
                 if step == max_new_tokens - 1:
                     break
-                out = model(
-                    input_ids=torch.tensor([[token]], device=self.device),
-                    position_ids=torch.tensor([[pos]], device=self.device),
-                    use_cache=True,
-                    **{cache_kwarg(model): cache},
-                )
-                next_logits = out.logits[0, -1]
+                next_logits = forward(
+                    model,
+                    torch.tensor([[token]], device=self.device),
+                    torch.tensor([[pos]], device=self.device),
+                    cache,
+                )[0, -1]
                 pos += 1
         return tok.decode(new_tokens, skip_special_tokens=True)
 
@@ -363,16 +361,11 @@ def run_model(
     """
     cache = dynamic_cache(layers)
     plan = StateBias(layers) if plan is None else plan
-    with torch.no_grad(), activate(model, plan):
-        out = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **{cache_kwarg(model): cache},
-        )
+    logits = forward(
+        model, input_ids, position_ids, cache, plan=plan, logits_to_keep=logits_to_keep
+    )
     full_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(len(layers))]
-    return out.logits, full_kv
+    return logits, full_kv
 
 
 def appended_layers(layers, full_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
@@ -406,13 +399,7 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     input_ids = torch.tensor([ids], device=device)
     positions = torch.arange(len(ids), device=device)[None]
     cache = DynamicCache()  # every entry; sliding layers are trimmed to their window below
-    out = model(
-        input_ids=input_ids,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_kwarg(model): cache},
-    )
+    logits = forward(model, input_ids, positions, cache, logits_to_keep=1)
     n = len(ids)
     index = torch.arange(n)
     layers = [
@@ -426,7 +413,7 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
         text=text,
         position_ids=torch.arange(n),
         next_position=n,
-        last_logits=out.logits[0, -1].float(),
+        last_logits=logits[0, -1].float(),
         model_fingerprint=model_fingerprint(model),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         model=model,
