@@ -261,12 +261,12 @@ FORK = multiprocessing.get_context("fork")
 
 def _killed_writer(root: str, state, mode: str, conn) -> None:
     """Put ``state``, stalling (to be SIGKILLed) half-way through the .kv or before the record."""
-    import kvedit.storage as storage
+    import kvedit.statefile as statefile
     import kvedit.store as ks
 
     store = ks.KVStore(root)
     if mode == "data":
-        real = storage.save_file
+        real = statefile.save_file
 
         def stalled(tensors, filename, metadata=None):
             real(tensors, filename, metadata=metadata)
@@ -275,7 +275,7 @@ def _killed_writer(root: str, state, mode: str, conn) -> None:
             conn.send("writing")
             time.sleep(60)
 
-        storage.save_file = stalled  # the writer process is forked: this patch stays in it
+        statefile.save_file = stalled  # the writer process is forked: this patch stays in it
     else:
 
         def stalled(self, meta):
