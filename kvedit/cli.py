@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
-# The highlight app lives in the repository (apps/highlight.py), next to the package.
-_APP_FILE = Path(__file__).resolve().parent.parent / "apps" / "highlight.py"
+# The highlight app's source is apps/highlight/ in the repository. The wheel installs apps/ as
+# the package kvedit_apps (pyproject.toml: package-dir); a checkout has it next to kvedit/.
+_APP_MODULE = "kvedit_apps.highlight"
+_CHECKOUT_APPS = Path(__file__).resolve().parent.parent / "apps"
 
 
 def _litm_parser(sub) -> None:
@@ -68,22 +72,30 @@ def _run_demo(args) -> int:
     return main(ns)
 
 
-def _load_app():
-    """The ``apps.highlight`` module (imported normally, else from the repository checkout)."""
-    try:
-        import apps.highlight as app
+def _load_app() -> ModuleType:
+    """The highlight app: the installed ``kvedit_apps.highlight``, else ``apps/`` of this checkout.
 
-        return app
+    From a checkout (kvedit imported from the repository, the app not installed) the ``apps/``
+    folder next to ``kvedit/`` is imported under the installed name, ``kvedit_apps``.
+    """
+    try:
+        return importlib.import_module(_APP_MODULE)
     except ModuleNotFoundError as e:
-        if e.name not in ("apps", "apps.highlight"):
+        if e.name not in ("kvedit_apps", _APP_MODULE):
             raise  # a dependency of the app is missing
-    if not _APP_FILE.is_file():
-        raise SystemExit(f"kvedit app: {_APP_FILE} not found; run it from a kvedit checkout")
-    spec = importlib.util.spec_from_file_location("apps.highlight", _APP_FILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    init = _CHECKOUT_APPS / "__init__.py"
+    if not (init.is_file() and (_CHECKOUT_APPS / "highlight" / "__init__.py").is_file()):
+        raise SystemExit(
+            f"kvedit app: neither {_APP_MODULE} (installed with kvedit) nor {_CHECKOUT_APPS} "
+            "(a kvedit checkout) was found; reinstall kvedit: pip install 'kvedit[app]'"
+        )
+    spec = importlib.util.spec_from_file_location(
+        "kvedit_apps", init, submodule_search_locations=[str(_CHECKOUT_APPS)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module(_APP_MODULE)
 
 
 def _run_app(args) -> int:
@@ -91,7 +103,7 @@ def _run_app(args) -> int:
         import gradio  # noqa: F401
     except ModuleNotFoundError:
         raise SystemExit(
-            "kvedit app needs Gradio: pip install -e '.[app]' (make setup installs it)"
+            "kvedit app needs Gradio: pip install 'kvedit[app]' (in a checkout: make setup)"
         ) from None
     _load_app().serve(args.model, args.host, args.port)
     return 0

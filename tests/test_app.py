@@ -1,5 +1,6 @@
-"""The highlight app (``apps/highlight.py``): request parsing, the steering itself, and the
-``/steer`` endpoint of a server started with ``kvedit app`` and called with ``gradio_client``."""
+"""The highlight app (``apps/highlight/``): request parsing, the steering itself, the
+``/steer`` endpoint of a server started with ``kvedit app`` and called with ``gradio_client``,
+and the app in the wheel (installed as ``kvedit_apps.highlight``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import html
 import inspect
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -217,13 +219,73 @@ def test_cli_defaults_bind_to_localhost():
 
 
 def test_cli_finds_the_app_outside_the_repository(tmp_path):
+    # From another directory (the checkout not on sys.path), `kvedit app` still finds apps/ of
+    # the checkout kvedit runs from: through the editable install, else next to kvedit/.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = "from kvedit.cli import _load_app; print(_load_app().__file__)"
+    code = "from kvedit.cli import _load_app; app = _load_app(); print(app.__name__, app.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert Path(out.stdout.strip()) == REPO / "apps" / "highlight.py"
+    name, file = out.stdout.split()
+    assert (name, Path(file)) == (
+        "kvedit_apps.highlight",
+        REPO / "apps" / "highlight" / "__init__.py",
+    )
+
+
+_INSTALLED_CHECK = """
+import runpy, sys
+from pathlib import Path
+from kvedit.cli import _load_app
+
+site = Path(sys.argv[1])
+app = _load_app()
+assert app.__name__ == "kvedit_apps.highlight", app.__name__
+assert app.Highlighter.__module__ == "kvedit_apps.highlight.steer"
+loaded = {n: m.__file__ for n, m in sys.modules.items() if n.split(".")[0] in ("kvedit", "kvedit_apps", "apps")}
+outside = {n: f for n, f in loaded.items() if f and not Path(f).is_relative_to(site)}
+assert not outside, outside
+sys.argv = ["kvedit app", "--help"]
+runpy.run_module("kvedit_apps.highlight", run_name="__main__")
+"""
+
+
+def test_the_wheel_installs_the_app(tmp_path):
+    """``pip install kvedit[app]`` gives ``kvedit app`` without a checkout: the wheel holds every
+    module of apps/ as ``kvedit_apps``, and kvedit and the app import from the install alone."""
+    src = tmp_path / "src"  # a copy, so the build leaves nothing in the checkout
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("kvedit", "apps"):
+        shutil.copytree(REPO / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist")]
+    done = subprocess.run([*build, str(src)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("kvedit-*.whl")
+    site = tmp_path / "site"
+    install = [*pip, "install", "--no-deps", "--target", str(site), str(wheel)]
+    done = subprocess.run(install, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    apps = {p.relative_to(REPO / "apps") for p in (REPO / "apps").rglob("*.py")}
+    installed = {p.relative_to(site / "kvedit_apps") for p in (site / "kvedit_apps").rglob("*.py")}
+    assert installed == apps  # a new file in apps/ needs its line in pyproject's py-modules
+    assert not (site / "apps").exists()
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)  # ahead of the editable install of the checkout
+    out = subprocess.run(
+        [sys.executable, "-c", _INSTALLED_CHECK, str(site)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--model" in out.stdout and "--host" in out.stdout  # python -m kvedit_apps.highlight
 
 
 # ------------------------------------------------------------------------- the server

@@ -1,0 +1,177 @@
+"""Rendering a highlight result: the attention-coloured context, its legend, the status line.
+
+The context is drawn token by token, each token's background as strong as its share of the
+question's attention; emphasized spans are underlined in green, suppressed ones dashed in red.
+All text from the request is HTML-escaped. The status line is Markdown.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .parse import PromptSplit, Range
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvedit.state import KVState
+
+__all__ = [
+    "GroupShare",
+    "Piece",
+    "context_pieces",
+    "legend",
+    "render_attention",
+    "render_status",
+    "render_views",
+]
+
+# Colours of the attention view.
+_HEAT_RGB = "234, 88, 12"  # orange
+_EMPHASIZE_COLOR = "#16a34a"  # green underline
+_SUPPRESS_COLOR = "#dc2626"  # red dashed underline
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A token (or tokens sharing characters) of the context.
+
+    Attributes:
+        start: where it starts in the context (characters).
+        end: where it ends in the context (excluded).
+        share: the share of the question's attention on it.
+    """
+
+    start: int
+    end: int
+    share: float
+
+
+@dataclass(frozen=True)
+class GroupShare:
+    """The question's attention on a group of spans, before and after the edit.
+
+    Attributes:
+        name: ``"emphasized"`` or ``"suppressed"``.
+        n_tokens: tokens in the group.
+        before: share on the group in the captured cache.
+        after: share on the group in the edited cache.
+    """
+
+    name: str
+    n_tokens: int
+    before: float
+    after: float
+
+
+def context_pieces(state: KVState, split: PromptSplit, token_share: torch.Tensor) -> list[Piece]:
+    """The context's tokens as character ranges of the context, with their attention share.
+
+    Tokens are clipped to the context; tokens sharing characters (a character split over
+    byte-level tokens) are merged and their shares added.
+    """
+    lo, hi = split.context_start, len(split.prefix)
+    pieces: list[Piece] = []
+    for (a, b), share in zip(state.offsets.tolist(), token_share.tolist(), strict=True):
+        a, b = max(a, lo), min(b, hi)
+        if b <= a:
+            continue
+        if pieces and a < pieces[-1].end + lo:
+            last = pieces.pop()
+            pieces.append(Piece(last.start, max(last.end, b - lo), last.share + share))
+        else:
+            pieces.append(Piece(a - lo, b - lo, share))
+    return pieces
+
+
+def _marks(start: int, end: int, emphasize: Sequence[Range], suppress: Sequence[Range]) -> str:
+    if any(a < end and start < b for a, b in emphasize):
+        return f"border-bottom:3px solid {_EMPHASIZE_COLOR};"
+    if any(a < end and start < b for a, b in suppress):
+        return f"border-bottom:3px dashed {_SUPPRESS_COLOR};"
+    return ""
+
+
+def render_attention(
+    title: str,
+    context: str,
+    pieces: Sequence[Piece],
+    scale: float,
+    emphasize: Sequence[Range],
+    suppress: Sequence[Range],
+) -> str:
+    """HTML of the context with each token's background as strong as its attention share.
+
+    ``scale`` is the share drawn at full strength (the same for "before" and "after", so the two
+    views compare); intensity grows with the square root of the share so small shares show.
+    """
+    out: list[str] = []
+    cursor = 0
+    for piece in pieces:
+        if piece.start > cursor:
+            out.append(html.escape(context[cursor : piece.start]))
+        alpha = 0.9 * math.sqrt(max(piece.share, 0.0) / scale) if scale > 0 else 0.0
+        style = f"background:rgba({_HEAT_RGB},{alpha:.3f});" + _marks(
+            piece.start, piece.end, emphasize, suppress
+        )
+        text = html.escape(context[piece.start : piece.end])
+        out.append(f'<span style="{style}" title="{100 * piece.share:.2f}%">{text}</span>')
+        cursor = piece.end
+    out.append(html.escape(context[cursor:]))
+    return (
+        '<div class="kvedit-attention" style="padding:2px 4px">'
+        f'<div style="font-weight:600;margin-bottom:4px">'
+        f"{html.escape(title)}</div>"
+        '<div style="white-space:pre-wrap;font-family:ui-monospace,SFMono-Regular,Menlo,monospace;'
+        "font-size:13px;line-height:1.8;max-height:420px;overflow-y:auto;padding:8px;"
+        'border:1px solid #d1d5db;border-radius:8px">' + "".join(out) + "</div></div>"
+    )
+
+
+def legend(scale: float) -> str:
+    """The text under the attention views (plain text; ``scale`` as in :func:`render_attention`)."""
+    return (
+        f"Darker = more of the question's attention (mean over layers, heads and question "
+        f"tokens; full colour = {100 * scale:.1f}% on one token, same scale before and after). "
+        f"Green underline: emphasized; red dashed: suppressed. Hover a token for its share."
+    )
+
+
+def render_views(
+    context: str,
+    before: Sequence[Piece],
+    after: Sequence[Piece],
+    emphasize: Sequence[Range],
+    suppress: Sequence[Range],
+) -> tuple[str, str]:
+    """``(before_html, after_html)``: both views on one colour scale, the legend under "after"."""
+    scale = max([p.share for p in [*before, *after]] + [1e-9])
+    note = (
+        f'<div style="font-size:12px;opacity:.8;margin-top:4px">{html.escape(legend(scale))}</div>'
+    )
+    return (
+        render_attention("Before: the captured cache", context, before, scale, emphasize, suppress),
+        render_attention("After: the edited cache", context, after, scale, emphasize, suppress)
+        + note,
+    )
+
+
+def render_status(
+    model_name: str, seconds: float, n_tokens: int, strength: float, groups: Sequence[GroupShare]
+) -> str:
+    """The Markdown status of a finished request: time, model, size, and the attention shares."""
+    lines = [
+        f"{g.name} spans ({g.n_tokens} token{'s' * (g.n_tokens != 1)}): "
+        f"{100 * g.before:.1f}% → **{100 * g.after:.1f}%**"
+        for g in groups
+    ]
+    return (
+        f"**Done** in {seconds:.1f} s on `{model_name}` ({n_tokens:,} context tokens, "
+        f"strength {strength:g} nats). Share of the question's attention, before → after: "
+        + "; ".join(lines)
+        + "."
+    )

@@ -1,0 +1,233 @@
+"""The Gradio side of the highlight app: the page, the ``/steer`` API endpoint, the server.
+
+:func:`build_app` lays out the page (context, span lists, strength, question, both answers, the
+attention views, the edited cache to download); its Run button is the ``/steer`` endpoint, the
+only public one. The selection buttons run in the browser; "Load a sample" is a private
+endpoint. :func:`serve` loads a model and launches the app; :func:`main` is ``python -m
+apps.highlight`` (``kvedit app`` in the installed package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+
+import kvedit  # noqa: E402
+from kvedit.errors import KVEditError  # noqa: E402
+
+from .parse import InputError  # noqa: E402
+from .samples import sample_examples, sample_fields  # noqa: E402
+from .steer import Highlighter  # noqa: E402
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_MODEL",
+    "DEFAULT_PORT",
+    "METHOD_NOTE",
+    "add_arguments",
+    "build_app",
+    "build_parser",
+    "main",
+    "serve",
+]
+
+log = logging.getLogger("kvedit.apps.highlight")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+
+METHOD_NOTE = (
+    "**Steering method:** a cache edit. The context is captured once; "
+    "`kvedit.ops.emphasize` / `kvedit.ops.suppress` store a ±strength bias (in nats) on the "
+    "spans' keys (the decode scope of `kvedit.steer`): the context's own encoding is unchanged, "
+    "the question and the answer see the bias. Both answers are greedy and come from the same "
+    "captured cache."
+)
+
+_INTRO = """\
+# kvedit highlight
+Mark the spans of a context that the model should attend to (or ignore), ask a question, and
+compare the model's answer before and after editing its KV cache.
+Mark spans by listing them (one per line), by selecting text in the context and pressing
+**Emphasize selection** / **Suppress selection**, or inline: `[[emphasize this]]`,
+`{{suppress this}}` (the markers are removed before the model reads the context).
+"""
+
+
+_ADD_SELECTION_JS = """
+(spans, status) => {
+  const box = document.querySelector('#context textarea');
+  const picked = box ? box.value.substring(box.selectionStart, box.selectionEnd).trim() : '';
+  if (!picked) return [spans, '**Not added:** select some text in the context first, then press the button.'];
+  const lines = (spans || '').split('\\n').map((line) => line.trim()).filter(Boolean);
+  if (!lines.includes(picked)) lines.push(picked);
+  return [lines.join('\\n'), status];
+}
+"""
+"""Append the text selected in the context box to a span list (runs in the browser)."""
+
+
+def build_app(
+    highlighter: Highlighter,
+    concurrency: int = 2,
+    delete_cache: tuple[int, int] | None = (600, 3600),
+) -> gr.Blocks:
+    """The Gradio Blocks of the app; the Run button is the ``/steer`` API endpoint.
+
+    Args:
+        highlighter: answers the requests.
+        concurrency: requests answered at the same time (the rest wait in the queue).
+        delete_cache: ``(every, age)`` in seconds: every ``every`` seconds, edited-cache files
+            older than ``age`` are deleted (``None`` keeps them until the server stops).
+    """
+    samples = sample_examples()
+    lim = highlighter.limits
+
+    with gr.Blocks(
+        title="kvedit highlight", analytics_enabled=False, delete_cache=delete_cache
+    ) as demo:
+        gr.Markdown(_INTRO + "\n" + METHOD_NOTE)
+        sample_index = gr.State(0)  # per browser session: the next sample to load
+        with gr.Row():
+            with gr.Column(scale=3):
+                context = gr.Textbox(
+                    label=f"Context (max {lim.max_context_chars:,} characters)",
+                    lines=12,
+                    max_lines=24,
+                    placeholder="Paste a text. Mark [[spans to emphasize]] and {{spans to "
+                    "suppress}} inline, or select text and press a button below.",
+                    elem_id="context",
+                )
+                with gr.Row():
+                    add_emphasis = gr.Button("Emphasize selection", size="sm")
+                    add_suppression = gr.Button("Suppress selection", size="sm")
+                    load_sample = gr.Button("Load a sample", size="sm", elem_id="load-sample")
+                hint = gr.Markdown(elem_id="hint")
+            with gr.Column(scale=2):
+                emphasize = gr.Textbox(
+                    label="Emphasize (one span per line)", lines=3, elem_id="emphasize"
+                )
+                suppress = gr.Textbox(
+                    label="Suppress (one span per line)", lines=2, elem_id="suppress"
+                )
+                strength = gr.Slider(
+                    0.0,
+                    lim.max_strength,
+                    value=2.0,
+                    step=0.5,
+                    label="Strength (nats added to the spans' attention logits)",
+                    elem_id="strength",
+                )
+                question = gr.Textbox(
+                    label="Question", placeholder="What is ...?", lines=1, elem_id="question"
+                )
+                run = gr.Button("Run", variant="primary", elem_id="run")
+        status = gr.Markdown("", label="Status", elem_id="status")
+        with gr.Row():
+            baseline = gr.Textbox(label="Baseline answer", interactive=False, elem_id="baseline")
+            steered = gr.Textbox(label="Steered answer", interactive=False, elem_id="steered")
+        with gr.Row():
+            before = gr.HTML(label="Attention before", elem_id="before")
+            after = gr.HTML(label="Attention after", elem_id="after")
+        cache_file = gr.File(label="Edited cache (kvedit.load_state)", elem_id="cache")
+
+        def steer(
+            context: str, emphasize: str, suppress: str, strength: float, question: str
+        ) -> tuple[str, str, str, str, str | None, str]:
+            """Answer the question from the captured context, then from the edited cache.
+
+            Args:
+                context: the text; ``[[...]]`` marks a span to emphasize, ``{{...}}`` one to
+                    suppress (markers are removed).
+                emphasize: spans to emphasize, one per line (every occurrence counts).
+                suppress: spans to suppress, one per line.
+                strength: nats added to (subtracted from) the spans' attention logits.
+                question: asked after the context.
+
+            Returns:
+                baseline answer, steered answer, attention before (HTML), attention after
+                (HTML), the edited cache file, and a status message (errors included).
+            """
+            save_dir = Path(cache_file.GRADIO_CACHE) / "kvedit-highlight" / uuid.uuid4().hex
+            try:
+                r = highlighter.run(context, emphasize, suppress, strength, question, save_dir)
+            except InputError as e:
+                return "", "", "", "", None, f"**Not run:** {e}"
+            except (KVEditError, ValueError) as e:
+                return "", "", "", "", None, f"**Not run** ({type(e).__name__}): {e}"
+            except Exception as e:  # shown in the page; the trace goes to the server log
+                log.exception("highlight request failed")
+                return "", "", "", "", None, f"**Internal error** ({type(e).__name__}): {e}"
+            return r.baseline, r.steered, r.before_html, r.after_html, r.cache_path, r.status
+
+        inputs = [context, emphasize, suppress, strength, question]
+        outputs = [baseline, steered, before, after, cache_file, status]
+        run.click(steer, inputs, outputs, api_name="steer", concurrency_id="steer")
+        question.submit(steer, inputs, outputs, api_visibility="private", concurrency_id="steer")
+
+        def next_sample(index: int) -> tuple[str, str, str, str, str, int]:
+            """Load the next sample: context, question, the gold record to emphasize, a hint."""
+            example = samples[index % len(samples)]
+            text, ask, note = sample_fields(example)
+            return text, ask, example.gold_document or "", "", note, index + 1
+
+        # Selections are read in the browser when a button is pressed (no server round trip,
+        # so the span is exactly what is selected at that moment).
+        add_emphasis.click(
+            None, [emphasize, status], [emphasize, status], js=_ADD_SELECTION_JS, queue=False
+        )
+        add_suppression.click(
+            None, [suppress, status], [suppress, status], js=_ADD_SELECTION_JS, queue=False
+        )
+        load_sample.click(
+            next_sample,
+            sample_index,
+            [context, question, emphasize, suppress, hint, sample_index],
+            api_visibility="private",
+        )
+    demo.queue(default_concurrency_limit=concurrency)
+    return demo
+
+
+def serve(
+    model_name: str = DEFAULT_MODEL,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    concurrency: int = 2,
+) -> None:
+    """Load ``model_name`` and serve the app on ``host:port`` until interrupted."""
+    model, tok = kvedit.load_model(model_name)
+    demo = build_app(Highlighter(model, tok, model_name), concurrency=concurrency)
+    demo.launch(server_name=host, server_port=port, ssr_mode=False, show_error=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m apps.highlight`` (the options of ``kvedit app``)."""
+    parser = argparse.ArgumentParser(prog="kvedit app", description="the kvedit highlight app")
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The app's command-line options (``kvedit app`` declares the same ones)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or path")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument(
+        "--host", default=DEFAULT_HOST, help="interface to bind (0.0.0.0 exposes the app)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the app with the options in ``argv`` (default: the command line)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    serve(args.model, args.host, args.port)
+    return 0
