@@ -33,6 +33,7 @@ class LayerKV:
     """
 
     kind: ClassVar[str] = "dense"
+    lossless: ClassVar[bool] = True  # holds exactly what the model computed
 
     keys: torch.Tensor
     values: torch.Tensor

@@ -72,7 +72,9 @@ class PackedKV:
         zero = lo.to(meta_dtype)
         codes = ((grouped - zero.float()) / scale.float()).round().clamp(0, qmax)
         codes = codes.to(torch.uint8).reshape(b, h, n_quant, d)
-        return cls(pack_codes(codes, bits), scale, zero, x[:, :, n_quant:].clone(), bits, group, axis)
+        return cls(
+            pack_codes(codes, bits), scale, zero, x[:, :, n_quant:].clone(), bits, group, axis
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The tensor ``[batch, heads, n, dim]`` in the residual's dtype."""
@@ -148,6 +150,7 @@ class QuantizedLayerKV(LayerKV):
     """
 
     kind: ClassVar[str] = "quantized"
+    lossless: ClassVar[bool] = False
     packed_keys: PackedKV | None = None
     packed_values: PackedKV | None = None
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..cache import LayerKV
+from ..cache import LAYER_CLASSES
 from ..errors import CacheMismatchError, InvalidInputError
 from ..state import KVState
 from .keys import STORE_FORMAT, chain_root, chunk_hashes, is_key, tail_key
@@ -112,7 +112,7 @@ def check_storable(state: KVState) -> None:
     """Only unedited captures are content-addressed: the key says nothing about edits.
 
     A storable state of ``n`` tokens has ``position_ids == arange(n)`` (``[n]``) and
-    ``next_position == n``; every layer is a plain :class:`~kvedit.LayerKV` without a bias
+    ``next_position == n``; every layer is of a registered lossless kind (:mod:`kvedit.cache`) without a bias
     whose ``token_index`` and ``positions`` (``[len(layer)]``) are its last ``len(layer)``
     tokens in order, and a global layer (no window) holds all ``n``.
 
@@ -125,8 +125,8 @@ def check_storable(state: KVState) -> None:
     if state.next_position != n or not torch.equal(state.position_ids, torch.arange(n)):
         problems.append("positions are not 0..n-1")
     for i, layer in enumerate(state.layers):
-        if type(layer) is not LayerKV:
-            problems.append(f"layer {i} is a {type(layer).__name__}")
+        if layer.kind not in LAYER_CLASSES or not layer.lossless:
+            problems.append(f"layer {i} is a lossy {layer.kind!r} layer ({type(layer).__name__})")
             break
         tail = torch.arange(n - len(layer), n)
         if layer.bias is not None:
