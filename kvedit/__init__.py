@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import errors, ops
 from .blend import BlendReport, blend
 from .models import load_model
-from .ops.project import Projector
+from .project import Projector
 from .readout import AttentionShare, attention_share
 from .reuse import ReuseReport, reuse
 from .runtime import ModelSpec, prepare, unprepare

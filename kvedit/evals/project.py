@@ -1,6 +1,6 @@
 """``kvedit eval project``: does a projected cache give model B the content of a prefix?
 
-Fit (or load) a :class:`~kvedit.ops.project.Projector` from model A to model B on NQ passages
+Fit (or load) a :class:`~kvedit.project.Projector` from model A to model B on NQ passages
 ``[0, n_fit)`` (all within the first :data:`FIT_POOL` = 2000 items), then evaluate on held-out
 NQ passages: items from 2000 on, in file order, whose passage is not among the first 2000
 (NQ repeats gold passages), each passage once, with at least ``2 * min_words`` words. Each passage ``"{title}\\n{text}"`` is cut at a word boundary (before word
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..evals.metrics import bootstrap_ci
-from ..evals.tasks import load_nq
+from ..atomic import atomic_write
 from ..models import load_model
-from ..ops.project import Projector, _read
-from ..state import KVState, capture
-from ..storage import atomic_write
+from ..project import Projector
+from ..state import capture
+from .metrics import bootstrap_ci
+from .tasks import load_nq
 
 FIT_POOL = 2000
 
@@ -176,33 +176,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _prefill_seconds(model, tokenizer, text: str) -> float:
-    """Seconds for ``model`` to read ``text``: tokenizing and one forward pass building its cache
-    (what :func:`~kvedit.capture` does, without hashing fingerprints)."""
+    """Seconds for ``model`` to read ``text``: :func:`~kvedit.capture` (tokenizing, one forward
+    pass building the cache; the fingerprints are memoised per model and tokenizer)."""
     _sync(model)
     t0 = time.perf_counter()
-    _read(model, tokenizer, text)
+    capture(model, tokenizer, text)
     _sync(model)
     return time.perf_counter() - t0
-
-
-def _capture(model, tokenizer, text: str, model_fp: str, tokenizer_fp: str) -> KVState:
-    """:func:`~kvedit.capture` with the fingerprints given (checked once in :func:`main`):
-    hashing Gemma-3's 262k-token vocabulary takes about a second per call."""
-    layers, ids, offsets, last_logits = _read(model, tokenizer, text)
-    n = len(ids)
-    return KVState(
-        layers=layers,
-        token_ids=torch.tensor(ids, dtype=torch.long),
-        offsets=offsets,
-        text=text,
-        position_ids=torch.arange(n),
-        next_position=n,
-        last_logits=last_logits,
-        model_fingerprint=model_fp,
-        tokenizer_fingerprint=tokenizer_fp,
-        model=model,
-        tokenizer=tokenizer,
-    )
 
 
 def _sync(model) -> None:
@@ -250,15 +230,13 @@ def main(args) -> int:
 
     empty = "" if tok_b("")["input_ids"] else "\n"
     none_state = capture(model_b, tok_b, empty)
-    # The fingerprints of the pair, checked once here (passages reuse them, see _capture).
-    projector.check(capture(model_a, tok_a, "check"), model_b, tok_b)
     times = {"project": 0.0, "a_prefill": 0.0, "prefill": 0.0}
     losses: dict[str, list[float]] = {"own": [], "none": [], "proj": [], "wrong": []}
     first_proj = prev_proj = None
     rows = []
     for i, (prefix, continuation) in enumerate(splits):
-        own = _capture(model_b, tok_b, prefix, projector.b_model, projector.b_tokenizer)
-        state_a = _capture(model_a, tok_a, prefix, projector.a_model, projector.a_tokenizer)
+        own = capture(model_b, tok_b, prefix)
+        state_a = capture(model_a, tok_a, prefix)
         _sync(model_b)
         t0 = time.perf_counter()
         proj = projector(state_a, model_b, tok_b, own_last=args.own_last)
