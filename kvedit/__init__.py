@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import errors, ops
+from . import errors, ops, testing
 from .blend import BlendReport, blend
 from .models import load_model
 from .project import Projector
@@ -40,5 +40,6 @@ __all__ = [
     "unprepare",
     "strength_for_share",
     "strength_from_pasta_alpha",
+    "testing",
     "__version__",
 ]

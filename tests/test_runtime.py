@@ -235,3 +235,21 @@ def test_a_streamer_thread_started_with_steering_thread_is_steered():
         plain = streamed(lambda fn, kwargs: threading.Thread(target=fn, kwargs=kwargs))
     assert carried == expected
     assert plain != expected  # a plain thread is not steered (this prompt's answer differs)
+
+
+def test_the_public_seams_are_reachable_and_compare_by_identity(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import kvedit; print(kvedit.testing.tiny_model.__name__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "tiny_model"  # no separate `import kvedit.testing` needed
+    model, tok = tiny_model("llama")
+    state = kvedit.capture(model, tok, RECORDS)
+    assert state == state and state != state.copy()  # identity, never "ambiguous tensor"
+    assert state.layers[0] == state.layers[0] and state.layers[0] != state.copy().layers[0]
+    assert state.save(tmp_path / "s.kv") == tmp_path / "s.kv"  # save returns the path
