@@ -81,67 +81,51 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def _llama_config(vocab: int, tok: PreTrainedTokenizerFast):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
-
-
-def _qwen2_config(vocab: int, tok: PreTrainedTokenizerFast):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-    )
-
-
-def _gemma3_config(vocab: int, tok: PreTrainedTokenizerFast):
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(
+def _common(tok: PreTrainedTokenizerFast, vocab: int, **overrides) -> dict:
+    """Keyword arguments most configs share: tiny sizes, the tiny tokenizer's special ids."""
+    kw = dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=TINY_SLIDING_WINDOW,
-        layer_types=[
-            "sliding_attention",
-            "sliding_attention",
-            "full_attention",
-            "sliding_attention",
-        ],
+        num_key_value_heads=2,
         max_position_embeddings=4096,
         initializer_range=0.2,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def _llama_config(vocab: int, tok: PreTrainedTokenizerFast):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common(tok, vocab, num_hidden_layers=3, tie_word_embeddings=False))
+
+
+def _qwen2_config(vocab: int, tok: PreTrainedTokenizerFast):
+    from transformers import Qwen2Config
+
+    sizes = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6)
+    return Qwen2Config(**_common(tok, vocab, tie_word_embeddings=True, **sizes))
+
+
+def _gemma3_config(vocab: int, tok: PreTrainedTokenizerFast):
+    from transformers import Gemma3TextConfig
+
+    layer_types = ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"]
+    return Gemma3TextConfig(
+        **_common(
+            tok,
+            vocab,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=TINY_SLIDING_WINDOW,
+            layer_types=layer_types,
+        )
     )
 
 
@@ -163,25 +147,6 @@ _CONFIGS: dict[str, Callable] = {
 
 # Sliding window of the matrix models that have one.
 MATRIX_SLIDING_WINDOW = 8
-
-
-def _common(tok: PreTrainedTokenizerFast, vocab: int, **overrides) -> dict:
-    """Keyword arguments most configs share: tiny sizes, the tiny tokenizer's special ids."""
-    kw = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    kw.update(overrides)
-    return kw
 
 
 def _config(class_name: str, **fixed) -> Callable:
