@@ -17,7 +17,7 @@ import torch
 
 import kvedit
 from kvedit.evals.litm import build_examples
-from kvedit.evals.methods import ExampleContext, _content_free
+from kvedit.evals.methods import ExampleContext, content_free_question
 from kvedit.readout import _Observer
 from kvedit.state import run_model
 
@@ -73,7 +73,7 @@ def main() -> None:
     hits: dict[str, dict[int, list[bool]]] = defaultdict(lambda: defaultdict(list))
     for ex in examples:
         ctx = ExampleContext(model, tok, ex)
-        calib_q = _content_free(ex.question, ex.documents)
+        calib_q = content_free_question(ex.question, ex.documents)
         real = readings(ctx, ctx.continuation)
         calib = readings(ctx, ctx.continuation.replace(ex.question, calib_q, 1))
         for name, scores in variants(real, calib).items():

@@ -25,9 +25,8 @@ import tempfile
 
 import kvedit.blend  # noqa: F401  (the module, reached through sys.modules below)
 from kvedit.evals.litm import build_examples
-from kvedit.evals.methods import ExampleContext
-from kvedit.evals.methods_reuse import document_parts
-from kvedit.evals.metrics import score
+from kvedit.evals.methods import ExampleContext, document_parts
+from kvedit.evals.schema import score
 from kvedit.models import load_model
 from kvedit.reuse import encode, extend_ids
 from kvedit.state import KVState, capture

@@ -251,10 +251,8 @@ def test_blend_rejects_bad_input(tmp_path, llama):
 
 
 def test_blend_eval_method(llama):
-    import kvedit.evals.methods_reuse  # noqa: F401 - registers the methods
     from kvedit.evals.litm import run
-    from kvedit.evals.methods import ExampleContext, parse_spec
-    from kvedit.evals.methods_reuse import document_parts
+    from kvedit.evals.methods import ExampleContext, document_parts, parse_spec
     from kvedit.evals.tasks import records_examples
 
     model, tok = llama
@@ -265,13 +263,13 @@ def test_blend_eval_method(llama):
     assert parts[1].startswith(examples[0].documents[0])
     method = parse_spec("blend:recompute=1.0")
     answer = method.predict(ctx)
-    report = ctx._cache["blend_report"]
+    report = ctx.notes["blend_report"]
     ids = blended_ids(tok, parts)
     assert answer == reference_generate(model, tok, ids, ctx.continuation, ctx.max_new_tokens)
     assert [p.source for p in report.parts] == ["computed"] * 5
     other = ExampleContext(model, tok, examples[1])  # the same documents, in another order
     method.predict(other)
-    sources = [p.source for p in other._cache["blend_report"].parts]
+    sources = [p.source for p in other.notes["blend_report"].parts]
     assert sources[0] == "memory" and sources.count("memory") >= 3  # the method's store
     records = run(model, tok, examples, ["blend:recompute=0.15"], progress=False)
     assert [r["method"] for r in records] == ["blend:recompute=0.15"] * 2

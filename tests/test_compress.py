@@ -238,19 +238,3 @@ def test_quantize_gemma3_leaves_sliding_layers(tmp_path):
 
 
 # ------------------------------------------------------------------ eval methods
-
-
-def test_compression_eval_methods():
-    import kvedit.evals.methods_reuse  # noqa: F401 - registers the methods
-    from kvedit.evals.litm import run
-    from kvedit.evals.tasks import records_examples
-
-    model, tok = tiny_model("llama")
-    examples = records_examples(n_records=4, positions=(0,), trials=1, seed=0)
-    specs = ["none", "snapkv:keep=0.5", "snapkv:keep=0.25:observe=window", "quantize:bits=8"]
-    records = run(model, tok, examples, specs, progress=False)
-    assert [r["method"] for r in records] == specs
-    by = {r["method"]: r["prediction"] for r in records}
-    assert by["quantize:bits=8"] == by["none"]  # 8 bits: the same greedy answer here
-    with pytest.raises(ValueError, match="observe"):
-        run(model, tok, examples, ["snapkv:observe=both"], progress=False)

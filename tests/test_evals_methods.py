@@ -9,18 +9,21 @@ import torch
 
 from kvedit import ops
 from kvedit.cli import main as cli_main
+from kvedit.errors import InvalidInputError
 from kvedit.evals.litm import build_examples, run
 from kvedit.evals.methods import (
     METHODS,
+    AutoParams,
     ExampleContext,
     Method,
-    _content_free,
+    adaptive_strengths,
+    content_free_question,
     document_scores,
     parse_spec,
+    question_shares,
     register_method,
     split_prompt,
     split_specs,
-    strength_for_share,
 )
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
 from kvedit.readout import attention_share
@@ -32,12 +35,14 @@ def small_examples():
 
 def test_parse_spec_params_and_errors():
     m = parse_spec("auto:strength=3:top_k=2:layers=(0.25,0.75)")
-    assert m.params["strength"] == 3 and m.params["top_k"] == 2
+    assert isinstance(m.params, AutoParams)
+    assert m.params.strength == 3 and m.params.top_k == 2
     assert (
-        m.params["layers"] == (0.25, 0.75)
-        and m.spec == "auto:strength=3:top_k=2:layers=(0.25,0.75)"
+        m.params.layers == (0.25, 0.75) and m.spec == "auto:strength=3:top_k=2:layers=(0.25,0.75)"
     )
-    assert parse_spec("oracle:edit=scale_keys:factor=1.5").params["edit"] == "scale_keys"
+    assert parse_spec("oracle:edit=scale_keys:factor=1.5").params.edit == "scale_keys"
+    assert parse_spec("auto:target=None:strength=3").params.target is None
+    assert parse_spec("oracle:edit=reread:separator='\\t'").params.separator == "\t"
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         parse_spec("nope")
     with pytest.raises(ValueError, match="unknown parameter"):
@@ -51,6 +56,82 @@ def test_parse_spec_params_and_errors():
     ]
 
 
+EDIT_DEFAULTS = {
+    "edit": "emphasize",
+    "strength": 2.0,
+    "factor": 1.5,
+    "copies": 7,
+    "separator": "\n",
+}
+AUTO_DEFAULTS = {**EDIT_DEFAULTS, "strength": 5.0, "top_k": 1, "layers": [0.0, 1.0], "target": 0.2}
+
+# What results.json records under extra.params, and --reuse compares, for specs users type: the
+# same JSON (keys in this order, ints as ints) as when parameters were literal_eval'd dicts.
+RECORDED = {
+    "none": {},
+    "closedbook": {},
+    "repeat": {},
+    "oracle": EDIT_DEFAULTS,
+    "auto": AUTO_DEFAULTS,
+    "reread": {**AUTO_DEFAULTS, "edit": "reread"},
+    "auto:target=0.3": {**AUTO_DEFAULTS, "target": 0.3},
+    "auto:target=None:strength=3": {**AUTO_DEFAULTS, "strength": 3, "target": None},
+    "auto:layers=(0.25,0.75):top_k=2": {**AUTO_DEFAULTS, "top_k": 2, "layers": [0.25, 0.75]},
+    "oracle:edit=scale_keys:factor=1.5": {**EDIT_DEFAULTS, "edit": "scale_keys"},
+    "oracle:edit=duplicate:copies=3": {**EDIT_DEFAULTS, "edit": "duplicate", "copies": 3},
+    "blend:recompute=0.15": {"recompute": 0.15},
+    "snapkv:keep=0.25:observe=window": {
+        "keep": 0.25,
+        "window": 32,
+        "kernel": 5,
+        "observe": "window",
+    },
+    "quantize:bits=4": {"bits": 4, "residual": 32, "group": 32},
+}
+
+
+@pytest.mark.parametrize("spec", RECORDED)
+def test_specs_record_their_resolved_parameters(spec):
+    recorded = json.loads(json.dumps(parse_spec(spec).param_dict()))
+    assert json.dumps(recorded) == json.dumps(RECORDED[spec])
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("auto:top_k=1.5", "'top_k': expected an integer"),
+        ("auto:top_k=0", "top_k must be >= 1"),
+        ("auto:target=1.0", "target share"),
+        ("auto:target=x", "expected a number"),
+        ("auto:target=0.3:strength=-1", "strength"),
+        ("auto:layers=(0.8,0.2)", "lo <= hi"),
+        ("auto:layers=(0.5)", "2 comma-separated values"),
+        ("oracle:edit=bogus", "edit must be one of"),
+        ("oracle:copies=65", "copies must be <= 64"),
+        ("oracle:strength=nan", "finite"),
+        ("snapkv:observe=both", "observe"),
+        ("snapkv:kernel=4", "odd"),
+        ("snapkv:keep=0", "keep must be in"),
+        ("quantize:bits=3", "bits must be one of"),
+        ("blend:recompute=1.5", "recompute must be in"),
+        ("none:x=1", "unknown parameter"),
+    ],
+)
+def test_bad_parameters_are_refused_when_the_spec_is_parsed(spec, problem):
+    with pytest.raises(InvalidInputError, match=problem):
+        parse_spec(spec)
+
+
+def test_parameters_are_checked_when_made_in_python():
+    assert METHODS["auto"](top_k=2).params == AutoParams(top_k=2)
+    with pytest.raises(InvalidInputError, match="top_k must be an int"):
+        AutoParams(top_k="2")
+    with pytest.raises(InvalidInputError, match="unknown parameter"):
+        METHODS["auto"](strenght=2)
+    with pytest.raises(InvalidInputError, match="takes AutoParams"):
+        METHODS["auto"](object())
+
+
 def test_split_prompt_locates_the_documents(llama):
     _, tok = llama
     ex = small_examples()[0]
@@ -62,8 +143,8 @@ def test_split_prompt_locates_the_documents(llama):
 
 def test_content_free_question_drops_distinctive_words():
     docs = tuple(f"{n}'s secret number is {i}." for n, i in [("Ann", 1), ("Bo", 2), ("Cy", 3)])
-    assert _content_free("What is Bo's secret number?", docs) == "What is 's secret number?"
-    assert _content_free("Tell me", docs) == "?"
+    assert content_free_question("What is Bo's secret number?", docs) == "What is 's secret number?"
+    assert content_free_question("Tell me", docs) == "?"
 
 
 def test_runner_scores_every_method_and_is_deterministic(llama):
@@ -85,26 +166,61 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
     assert [r["prediction"] for r in recs] == [r["prediction"] for r in again]
 
 
-def test_document_scores_prefer_a_document_with_the_question_content(llama):
+def test_question_shares_read_the_question_and_its_content_free_version(llama):
     model, tok = llama
     ex = small_examples()[0]
     ctx = ExampleContext(model, tok, ex)
-    scores = document_scores(ctx, {"layers": (0.0, 1.0)})
-    assert scores.shape == (len(ex.documents),)
-    shares = ctx.memo("shares", lambda: None)  # the two attention readouts, computed once
-    assert shares is not None and shares[0].shape == (len(ctx.state.layers), len(ex.documents))
-    assert torch.equal(document_scores(ctx, {"layers": (0.0, 1.0)}), scores)
+    real, calib = question_shares(ctx)
+    free = content_free_question(ex.question, ex.documents)
+    calib_cont = ctx.continuation.replace(ex.question, free, 1)
+    assert free != ex.question and calib_cont != ctx.continuation
+    expected = attention_share(ctx.state, ctx.continuation, ctx.doc_spans).per_layer
+    torch.testing.assert_close(real, expected)
+    expected = attention_share(ctx.state, calib_cont, ctx.doc_spans).per_layer
+    torch.testing.assert_close(calib, expected)
+    assert question_shares(ctx)[0] is real  # read once per example
 
 
-def test_strength_for_share_reaches_the_target_and_clips():
-    share = torch.tensor([0.01, 0.2, 0.5, 0.9])
-    b = strength_for_share(share, target=0.5, max_strength=10.0)
+def test_document_scores_cancel_positional_bias(llama):
+    """A document that draws more attention from the question than from its content-free
+    version wins over one that simply sits where attention goes (here the first)."""
+    model, tok = llama
+    ex = small_examples()[1]  # 4 documents, the gold one last
+    ctx = ExampleContext(model, tok, ex)
+    n_layers, gold = len(ctx.state.layers), ex.gold_index
+    half = n_layers // 2
+    calib = torch.tensor([0.5, 0.1, 0.1, 0.1]).expand(n_layers, 4).clone()
+    real = calib.clone()
+    real[:, 0] *= 1.1  # the positional favourite stays the most attended document
+    real[half:, gold] *= 2.0  # the question's content lifts the gold document in upper layers
+    real[:half, 1] *= 2.0  # ... and document 1 in the lower ones
+    ctx.notes["shares"] = (real, calib)
+    assert int(real.mean(0).argmax()) == 0  # raw attention would pick the first document
+    assert int(document_scores(ctx, (0.5, 1.0)).argmax()) == gold
+    assert int(document_scores(ctx, (0.0, 0.5)).argmax()) == 1
+
+
+def test_document_scores_prefer_a_document_with_the_question_content(smollm2):
+    """On a real model the bias-corrected scores find the record the question asks about, at
+    the start, the middle and the end (raw attention favours the last record)."""
+    model, tok = smollm2
+    for ex in records_examples(n_records=6, positions=(0, 2, 5), trials=2, seed=0):
+        ctx = ExampleContext(model, tok, ex)
+        scores = document_scores(ctx)
+        assert scores.shape == (len(ex.documents),)
+        assert int(scores.argmax()) == ex.gold_index, (ex.id, scores.tolist())
+
+
+def test_adaptive_strengths_reach_the_target_and_clip():
+    share = torch.tensor([0.01, 0.2, 0.5, 0.9, 0.0])
+    b = adaptive_strengths(share, target=0.5, max_strength=20.0)
     moved = share * b.exp() / (share * b.exp() + 1 - share)
     assert torch.allclose(moved[:3], torch.full((3,), 0.5), atol=1e-5)
-    assert b[2] == 0 and b[3] == 0  # at or above the target: no bias
-    assert strength_for_share(share, 0.5, max_strength=2.0)[0] == 2.0
-    with pytest.raises(ValueError, match="target share"):
-        strength_for_share(share, 1.0, 3.0)
+    assert b[2] == 0 and b[3] == 0  # at or above the target: no bias, never a negative one
+    assert 0 < b[4] <= 20.0  # a share of 0 is clamped, not an error
+    assert adaptive_strengths(share, 0.5, max_strength=2.0)[0] == 2.0
+    with pytest.raises(InvalidInputError, match="target share"):
+        parse_spec("auto:target=1.0")
 
 
 def test_auto_with_a_target_biases_each_layer_to_reach_it(llama):
@@ -112,8 +228,8 @@ def test_auto_with_a_target_biases_each_layer_to_reach_it(llama):
     ctx = ExampleContext(model, tok, small_examples()[0], max_new_tokens=2)
     method = parse_spec("auto:target=0.6:strength=50")
     method.predict(ctx)
-    (chosen,) = ctx._cache["auto_choice"]
-    strengths = ctx._cache["auto_strengths"]
+    (chosen,) = ctx.notes["auto_choice"]
+    strengths = ctx.notes["auto_strengths"]
     assert strengths.shape == (len(ctx.state.layers),) and (strengths >= 0).all()
     edited = ctx.state
     for layer, b in enumerate(strengths.tolist()):
@@ -124,6 +240,55 @@ def test_auto_with_a_target_biases_each_layer_to_reach_it(llama):
     assert lifted.any() and (before[lifted] < 0.6).all()
     # the share is a mean over heads and question tokens, so the target is approached, not hit
     assert ((after[lifted] - 0.6).abs() < (before[lifted] - 0.6).abs()).all()
+
+
+class _Answer:
+    """What a spied-on op returns: a state whose answer names the op."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def generate(self, text: str, max_new_tokens: int) -> str:
+        return f"{self.op}|{text}|{max_new_tokens}"
+
+
+def test_compression_methods_answer_from_the_compressed_cache(llama, monkeypatch):
+    """``snapkv`` and ``quantize`` hand their parameters to the op and answer from its state
+    (replaces tests/test_compress.py::test_compression_eval_methods)."""
+    model, tok = llama
+    calls = []
+
+    def spy(op):
+        def edit(state, **kwargs):
+            calls.append((op, state, kwargs))
+            return _Answer(op)
+
+        return edit
+
+    monkeypatch.setattr(ops, "snapkv", spy("snapkv"))
+    monkeypatch.setattr(ops, "quantize", spy("quantize"))
+    ctx = ExampleContext(model, tok, small_examples()[0], max_new_tokens=3)
+    assert parse_spec("snapkv:keep=0.25").predict(ctx) == f"snapkv|{ctx.continuation}|3"
+    op, state, kwargs = calls[-1]
+    assert op == "snapkv" and state is ctx.state
+    assert kwargs == {"keep": 0.25, "query": ctx.continuation, "window": 32, "kernel": 5}
+    parse_spec("snapkv:keep=0.5:observe=window:window=8:kernel=3").predict(ctx)
+    assert calls[-1][2] == {"keep": 0.5, "query": None, "window": 8, "kernel": 3}
+    assert parse_spec("quantize:bits=4:residual=0:group=16").predict(ctx).startswith("quantize|")
+    op, state, kwargs = calls[-1]
+    assert op == "quantize" and state is ctx.state
+    assert kwargs == {"bits": 4, "residual": 0, "group": 16}
+
+
+def test_compression_methods_run_end_to_end(llama):
+    model, tok = llama
+    examples = records_examples(n_records=4, positions=(0,), trials=1, seed=0)
+    specs = ["none", "snapkv:keep=0.5", "snapkv:keep=0.25:observe=window", "quantize:bits=8"]
+    records = run(model, tok, examples, specs, max_new_tokens=4, progress=False)
+    assert [r["method"] for r in records] == specs
+    assert all(isinstance(r["prediction"], str) for r in records)
+    with pytest.raises(InvalidInputError, match="observe"):
+        run(model, tok, examples, ["snapkv:observe=both"], progress=False)
 
 
 def test_custom_method_via_registry(llama):

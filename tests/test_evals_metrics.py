@@ -14,9 +14,8 @@ from kvedit.evals.metrics import (
     extract_numbers,
     first_number_match,
     normalize_answer,
-    score,
 )
-from kvedit.evals.tasks import Example
+from kvedit.evals.schema import Example, score
 
 
 @pytest.mark.parametrize(
@@ -122,9 +121,23 @@ def test_bootstrap_ci_contains_the_mean_and_is_deterministic() -> None:
 
 
 def test_bootstrap_ci_edge_cases() -> None:
+    # Constant data: every resample has the same mean, so the interval is that point.
     assert bootstrap_ci([1.0] * 10) == (1.0, 1.0)
     assert bootstrap_ci([0.25]) == (0.25, 0.25)
-    assert bootstrap_ci([0, 1], n_resamples=1)[0] in (0.0, 0.5, 1.0)
-    for bad in ({"values": []}, {"values": [1], "n_resamples": 0}, {"values": [1], "alpha": 1}):
-        with pytest.raises(ValueError):
+    # One resample: the interval is the mean of that resample, low == high; over seeds it is
+    # each of the possible means of a resample of [0, 1] (so it really resamples, by seed).
+    single = [bootstrap_ci([0, 1], n_resamples=1, seed=seed) for seed in range(40)]
+    assert all(low == high for low, high in single)
+    assert {low for low, _ in single} == {0.0, 0.5, 1.0}
+    # alpha close to 1: the interval shrinks to the median resample mean, the sample mean here.
+    low, high = bootstrap_ci([0, 1] * 50, alpha=0.999)
+    assert low == high == 0.5
+    problems = [
+        ({"values": []}, "at least one value"),
+        ({"values": [1], "n_resamples": 0}, "n_resamples"),
+        ({"values": [1], "alpha": 1}, "alpha"),
+        ({"values": [1], "alpha": 0}, "alpha"),
+    ]
+    for bad, problem in problems:
+        with pytest.raises(ValueError, match=problem):
             bootstrap_ci(**bad)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvedit.evals.metrics import bootstrap_ci
+from kvedit.evals import report
 from kvedit.evals.report import format_table, plot_curves, summarize, write_results
 
 
@@ -38,7 +38,7 @@ def records() -> list[dict]:
     ]
 
 
-def test_summarize_keys_and_values(records: list[dict]) -> None:
+def test_summarize_keys_and_values(records: list[dict], monkeypatch) -> None:
     summary = summarize(records)
     assert list(summary) == ["edited", "baseline", "oracle"]
     for stats in summary.values():
@@ -50,10 +50,24 @@ def test_summarize_keys_and_values(records: list[dict]) -> None:
     assert edited["mean"] == pytest.approx(9 / 12)
     assert edited["worst"] == 0.5
     assert summary["baseline"]["worst"] == 0.25
-    values = [float(r["correct"]) for r in records if r["method"] == "edited"]
-    assert edited["ci95"] == list(bootstrap_ci(values, n_resamples=1000, seed=0))
-    assert edited["ci95"][0] <= edited["mean"] <= edited["ci95"][1]
+    for stats in summary.values():  # a real bootstrap interval around each mean
+        low, high = stats["ci95"]
+        assert 0.0 <= low < stats["mean"] < high <= 1.0
     assert summarize(records) == summary  # deterministic
+
+    # ci95 is the bootstrap of each method's own values, 1,000 resamples, seed 0
+    calls = []
+
+    def fake_ci(values, n_resamples=1000, seed=0, alpha=0.05):
+        calls.append((sorted(values), n_resamples, seed, alpha))
+        return (0.125, 0.875)
+
+    monkeypatch.setattr(report, "bootstrap_ci", fake_ci)
+    again = summarize(records)
+    assert [stats["ci95"] for stats in again.values()] == [[0.125, 0.875]] * 3
+    edited_values = sorted(float(r["correct"]) for r in records if r["method"] == "edited")
+    assert calls[0] == (edited_values, 1000, 0, 0.05)
+    assert [len(c[0]) for c in calls] == [12, 12, 12]
 
 
 def test_summarize_accepts_fractional_scores_and_numpy_values() -> None:

@@ -12,10 +12,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .methods import ExampleContext, Method, parse_spec, split_specs
-from .metrics import score
-from .report import format_table, plot_curves, summarize, write_results
-from .tasks import Example, load_jsonl, nq_examples, records_examples
+from kvedit.errors import InvalidInputError
+from kvedit.evals.jsonl import load_jsonl
+from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
+from kvedit.evals.report import format_table, plot_curves, summarize, write_results
+from kvedit.evals.schema import Example, score
+from kvedit.evals.tasks import nq_examples, records_examples
+from kvedit.models import load_model
 
 
 def build_examples(
@@ -47,7 +50,7 @@ def build_examples(
             kwargs["positions"] = tuple(positions)
         examples = nq_examples(**kwargs)
     else:
-        raise ValueError(f"unknown task {task!r}; choose records or nq, or give --data FILE")
+        raise InvalidInputError(f"unknown task {task!r}; choose records or nq, or give --data FILE")
     examples = interleave_positions(examples)
     return examples[:limit] if limit is not None else examples
 
@@ -91,7 +94,7 @@ def run(
         for method in methods:
             if method.needs_documents and not example.documents:
                 continue
-            spec = getattr(method, "spec", method.name)
+            spec = method.spec
             if (example.id, spec) in done:
                 records.append(done[(example.id, spec)])
                 continue
@@ -137,13 +140,11 @@ def evaluate(
     (see :func:`_reused`). Answers are deterministic, so such a run writes what a full run
     would.
     """
-    from ..models import load_model
-
     for spec in methods:  # fail on a bad spec before loading anything
         parse_spec(spec)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     task_name = f"data:{Path(data).name}" if data else task
-    params = {spec: json.loads(json.dumps(parse_spec(spec).params)) for spec in methods}
+    params = {spec: json.loads(json.dumps(parse_spec(spec).param_dict())) for spec in methods}
     reused = _reused(reuse, model_name, task_name, seed, params) if reuse is not None else {}
     model, tokenizer = load_model(model_name)
     out = Path(out)
@@ -192,7 +193,7 @@ def _reused(
     extra = res.get("extra", {})
     theirs = (res.get("model"), res.get("task"), extra.get("seed"))
     if theirs != (model, task, seed):
-        raise ValueError(
+        raise InvalidInputError(
             f"--reuse {path}: made with model/task/seed {theirs}, not {(model, task, seed)}"
         )
     recorded = extra.get("params", {})

@@ -1,7 +1,7 @@
 """Scoring of model answers for the lost-in-the-middle evaluation suite.
 
-Two metrics, looked up by name in :data:`METRICS` (an :class:`~kvedit.evals.tasks.Example`
-names its metric):
+Two metrics, looked up by name in :data:`METRICS` (an :class:`~kvedit.evals.schema.Example`
+names its metric, and :func:`kvedit.evals.schema.score` applies it):
 
 ``"subspan_em"`` (:func:`best_subspan_em`)
     The metric of Liu et al. (2024) for NQ: correct when a normalized gold answer occurs
@@ -19,12 +19,8 @@ import re
 import string
 from collections.abc import Callable, Iterable, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvedit.evals.tasks import Example
 
 __all__ = [
     "METRICS",
@@ -33,7 +29,6 @@ __all__ = [
     "extract_numbers",
     "first_number_match",
     "normalize_answer",
-    "score",
 ]
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -109,11 +104,6 @@ METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
     "first_number": first_number_match,
 }
 """Metric name -> ``metric(prediction, answers) -> float`` (1.0 correct, 0.0 wrong)."""
-
-
-def score(example: Example, prediction: str) -> float:
-    """Score ``prediction`` against ``example.answers`` with the example's metric."""
-    return METRICS[example.metric](prediction, example.answers)
 
 
 def bootstrap_ci(

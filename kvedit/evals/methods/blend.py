@@ -1,0 +1,97 @@
+"""``blend``: every document cached on its own, then blended after the instruction.
+
+``blend:recompute=0.15``: each document is cached alone in a store (one temporary store per
+method object, so documents shared by examples are computed once), then blended after the
+instruction prefix with :func:`kvedit.blend`, which recomputes that fraction of the tokens; the
+question follows as usual.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+
+from kvedit.blend import blend
+from kvedit.evals.methods.context import ExampleContext
+from kvedit.evals.methods.params import check_fraction
+from kvedit.evals.methods.registry import Method, register_method
+from kvedit.store import KVStore
+
+__all__ = [
+    "BLEND_STORE_DISK_BYTES",
+    "BLEND_STORE_MEMORY_BYTES",
+    "Blend",
+    "BlendParams",
+    "document_parts",
+]
+
+# Budget of each blend method's temporary store: documents are reused across examples while
+# they fit, least recently used ones are evicted beyond.
+BLEND_STORE_DISK_BYTES = 2 * 2**30
+BLEND_STORE_MEMORY_BYTES = 512 * 2**20
+
+
+def document_parts(ctx: ExampleContext) -> list[str]:
+    """The example's prefix cut into blend parts: instruction, then one part per document.
+
+    Part 0 runs from the start of the prompt (chat template and instruction) to the first
+    document; each document part holds the document and the separator after it, so the parts
+    join to exactly :attr:`ExampleContext.prefix`.
+    """
+    prefix, spans = ctx.prefix, ctx.doc_spans
+    if not spans:
+        return [prefix]
+    starts = [a for a, _ in spans] + [len(prefix)]
+    parts = [prefix[: starts[0]]] + [prefix[a:b] for a, b in zip(starts, starts[1:])]
+    return [p for p in parts if p]
+
+
+@dataclass(frozen=True)
+class BlendParams:
+    """The parameters of ``blend``.
+
+    Attributes:
+        recompute: The fraction of the tokens :func:`kvedit.blend` recomputes, in ``[0, 1]``.
+    """
+
+    recompute: float = 0.15
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", check_fraction("recompute", self.recompute))
+
+
+@register_method("blend")
+class Blend(Method):
+    """Documents cached alone, blended after the instruction with selective recompute.
+
+    Leaves ``ctx.notes["blend_report"]`` (where each part came from).
+    """
+
+    Params = BlendParams
+    needs_documents = True
+
+    def __init__(self, params: BlendParams | None = None, /, **values: float) -> None:
+        super().__init__(params, **values)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._kvstore: KVStore | None = None
+
+    def _store(self) -> KVStore:
+        if self._kvstore is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvedit-blend-")
+            self._kvstore = KVStore(
+                self._tmp.name,
+                max_bytes=BLEND_STORE_DISK_BYTES,
+                memory_bytes=BLEND_STORE_MEMORY_BYTES,
+            )
+        return self._kvstore
+
+    def predict(self, ctx: ExampleContext) -> str:
+        state, report = blend(
+            ctx.model,
+            ctx.tokenizer,
+            document_parts(ctx),
+            self._store(),
+            recompute=float(self.params.recompute),
+        )
+        ctx.notes["blend_report"] = report
+        return state.generate(ctx.continuation, ctx.max_new_tokens)

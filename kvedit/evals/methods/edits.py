@@ -1,0 +1,71 @@
+"""The edits ``oracle``, ``auto`` and ``reread`` apply to the documents they choose.
+
+:class:`EditParams` are the parameters every such method takes (``edit`` and the edit's own
+settings); :func:`apply_edit` answers with some documents edited that way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvedit import checks, ops
+from kvedit.evals.methods.context import ExampleContext
+from kvedit.evals.methods.params import check_choice, check_count, check_real
+from kvedit.steer import steer
+
+__all__ = ["EDITS", "EditParams", "apply_edit"]
+
+EDITS = ("emphasize", "steer", "scale_keys", "duplicate", "reread")
+"""The edits :func:`apply_edit` knows."""
+
+
+@dataclass(frozen=True)
+class EditParams:
+    """How to edit the chosen documents.
+
+    Attributes:
+        edit: One of :data:`EDITS`.
+        strength: Bias in nats of ``emphasize`` and ``steer``.
+        factor: Key scale of ``scale_keys``.
+        copies: Extra copies of ``duplicate`` (at most ``MAX_DUPLICATE_COPIES``).
+        separator: Text ``reread`` puts before the re-read documents.
+    """
+
+    edit: str = "emphasize"
+    strength: float = 2.0
+    factor: float = 1.5
+    copies: int = 7
+    separator: str = "\n"
+
+    def __post_init__(self) -> None:
+        check_choice("edit", self.edit, EDITS)
+        object.__setattr__(
+            self, "strength", check_real("strength", self.strength, cap=checks.MAX_STRENGTH)
+        )
+        object.__setattr__(
+            self, "factor", check_real("factor", self.factor, cap=checks.MAX_SCALE_FACTOR)
+        )
+        object.__setattr__(
+            self,
+            "copies",
+            check_count("copies", self.copies, maximum=checks.MAX_DUPLICATE_COPIES),
+        )
+        checks.text("separator", self.separator)
+
+
+def apply_edit(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams) -> str:
+    """Answer with ``spans`` (character ranges of the prefix) edited as ``params.edit`` says."""
+    edit = params.edit
+    if edit == "emphasize":
+        state = ops.emphasize(ctx.state, spans, params.strength)
+    elif edit == "steer":
+        return steer(
+            ctx.model, ctx.tokenizer, emphasize=spans, strength=params.strength, scope="all"
+        ).generate(ctx.prompt, max_new_tokens=ctx.max_new_tokens)
+    elif edit == "scale_keys":
+        state = ops.scale_keys(ctx.state, spans, params.factor)
+    elif edit == "duplicate":
+        state = ops.duplicate(ctx.state, spans, params.copies)
+    else:  # "reread"; EditParams refuses anything outside EDITS
+        state = ops.reread(ctx.state, spans, separator=params.separator)
+    return state.generate(ctx.continuation, ctx.max_new_tokens)

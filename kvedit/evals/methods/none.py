@@ -1,0 +1,16 @@
+"""``none``: the captured cache as is (the baseline every edit is compared to)."""
+
+from __future__ import annotations
+
+from kvedit.evals.methods.context import ExampleContext
+from kvedit.evals.methods.registry import Method, register_method
+
+__all__ = ["NoEdit"]
+
+
+@register_method("none")
+class NoEdit(Method):
+    """The captured cache as is."""
+
+    def predict(self, ctx: ExampleContext) -> str:
+        return ctx.state.generate(ctx.continuation, ctx.max_new_tokens)

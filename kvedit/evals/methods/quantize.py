@@ -1,0 +1,51 @@
+"""``quantize``: the captured documents quantized KIVI-style with :func:`kvedit.ops.quantize`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvedit import ops
+from kvedit.errors import InvalidInputError
+from kvedit.evals.methods.context import ExampleContext
+from kvedit.evals.methods.params import check_count
+from kvedit.evals.methods.registry import Method, register_method
+
+__all__ = ["QUANTIZE_BITS", "Quantize", "QuantizeParams"]
+
+QUANTIZE_BITS = (2, 4, 8)
+"""The bit widths :func:`kvedit.ops.quantize` packs."""
+
+
+@dataclass(frozen=True)
+class QuantizeParams:
+    """The parameters of ``quantize``.
+
+    Attributes:
+        bits: 2, 4 or 8.
+        residual: The most recent tokens kept in full precision (>= 0).
+        group: Tokens (keys) and channels (values) per quantization group (>= 1).
+    """
+
+    bits: int = 8
+    residual: int = 32
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        bits = check_count("bits", self.bits)
+        if bits not in QUANTIZE_BITS:
+            raise InvalidInputError(f"bits must be one of {QUANTIZE_BITS}, not {bits}")
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "residual", check_count("residual", self.residual))
+        object.__setattr__(self, "group", check_count("group", self.group, minimum=1))
+
+
+@register_method("quantize")
+class Quantize(Method):
+    """The documents' cache quantized KIVI-style."""
+
+    Params = QuantizeParams
+
+    def predict(self, ctx: ExampleContext) -> str:
+        p = self.params
+        state = ops.quantize(ctx.state, bits=p.bits, residual=p.residual, group=p.group)
+        return state.generate(ctx.continuation, ctx.max_new_tokens)

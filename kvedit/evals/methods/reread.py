@@ -1,0 +1,33 @@
+"""``reread``: like ``auto``, but the chosen documents are re-read at the end of the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvedit.evals.methods.auto import AutoParams
+from kvedit.evals.methods.context import ExampleContext
+from kvedit.evals.methods.edits import apply_edit
+from kvedit.evals.methods.focus import choose_documents
+from kvedit.evals.methods.registry import Method, register_method
+
+__all__ = ["Reread", "RereadParams"]
+
+
+@dataclass(frozen=True)
+class RereadParams(AutoParams):
+    """:class:`~kvedit.evals.methods.auto.AutoParams` with ``edit="reread"``."""
+
+    edit: str = "reread"
+
+
+@register_method("reread")
+class Reread(Method):
+    """Like ``auto``, but the chosen documents are re-read at the end of the cache."""
+
+    Params = RereadParams
+    needs_documents = True
+
+    def predict(self, ctx: ExampleContext) -> str:
+        p = self.params
+        chosen = choose_documents(ctx, p.layers, p.top_k)
+        return apply_edit(ctx, [ctx.doc_spans[i] for i in chosen], p)
