@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import errors, ops, testing
 from .blend import BlendReport, blend
+from .focus import Focus, focus, focus_text
 from .models import load_model
 from .project import Projector
 from .readout import AttentionShare, attention_share
@@ -24,6 +25,9 @@ __all__ = [
     "capture",
     "chat_prefix",
     "errors",
+    "focus",
+    "Focus",
+    "focus_text",
     "KVState",
     "KVStore",
     "LayerKV",

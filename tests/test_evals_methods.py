@@ -18,9 +18,7 @@ from kvedit.evals.methods import (
     Method,
     adaptive_strengths,
     content_free_question,
-    document_scores,
     parse_spec,
-    question_shares,
     register_method,
     split_prompt,
     split_specs,
@@ -166,49 +164,27 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
     assert [r["prediction"] for r in recs] == [r["prediction"] for r in again]
 
 
-def test_question_shares_read_the_question_and_its_content_free_version(llama):
+def test_auto_calls_kvedit_focus_on_the_documents(llama, monkeypatch):
+    """``auto`` is a thin call of :func:`kvedit.focus`: the documents are the passages, the
+    example's question the calibration query (the scoring is tested in tests/test_focus.py)."""
+    from kvedit.evals.methods import focus as example_focus_module
+
     model, tok = llama
     ex = small_examples()[0]
-    ctx = ExampleContext(model, tok, ex)
-    real, calib = question_shares(ctx)
-    free = content_free_question(ex.question, ex.documents)
-    calib_cont = ctx.continuation.replace(ex.question, free, 1)
-    assert free != ex.question and calib_cont != ctx.continuation
-    expected = attention_share(ctx.state, ctx.continuation, ctx.doc_spans).per_layer
-    torch.testing.assert_close(real, expected)
-    expected = attention_share(ctx.state, calib_cont, ctx.doc_spans).per_layer
-    torch.testing.assert_close(calib, expected)
-    assert question_shares(ctx)[0] is real  # read once per example
+    ctx = ExampleContext(model, tok, ex, max_new_tokens=2)
+    calls = []
+    real_focus = example_focus_module.focus
 
+    def spy(state, question, passages, **kw):
+        calls.append((question, passages, kw))
+        return real_focus(state, question, passages, **kw)
 
-def test_document_scores_cancel_positional_bias(llama):
-    """A document that draws more attention from the question than from its content-free
-    version wins over one that simply sits where attention goes (here the first)."""
-    model, tok = llama
-    ex = small_examples()[1]  # 4 documents, the gold one last
-    ctx = ExampleContext(model, tok, ex)
-    n_layers, gold = len(ctx.state.layers), ex.gold_index
-    half = n_layers // 2
-    calib = torch.tensor([0.5, 0.1, 0.1, 0.1]).expand(n_layers, 4).clone()
-    real = calib.clone()
-    real[:, 0] *= 1.1  # the positional favourite stays the most attended document
-    real[half:, gold] *= 2.0  # the question's content lifts the gold document in upper layers
-    real[:half, 1] *= 2.0  # ... and document 1 in the lower ones
-    ctx.notes["shares"] = (real, calib)
-    assert int(real.mean(0).argmax()) == 0  # raw attention would pick the first document
-    assert int(document_scores(ctx, (0.5, 1.0)).argmax()) == gold
-    assert int(document_scores(ctx, (0.0, 0.5)).argmax()) == 1
-
-
-def test_document_scores_prefer_a_document_with_the_question_content(smollm2):
-    """On a real model the bias-corrected scores find the record the question asks about, at
-    the start, the middle and the end (raw attention favours the last record)."""
-    model, tok = smollm2
-    for ex in records_examples(n_records=6, positions=(0, 2, 5), trials=2, seed=0):
-        ctx = ExampleContext(model, tok, ex)
-        scores = document_scores(ctx)
-        assert scores.shape == (len(ex.documents),)
-        assert int(scores.argmax()) == ex.gold_index, (ex.id, scores.tolist())
+    monkeypatch.setattr(example_focus_module, "focus", spy)
+    parse_spec("auto").predict(ctx)
+    ((question, passages, kw),) = calls
+    assert question == ctx.continuation and passages == ctx.doc_spans
+    assert kw["query"] == ex.question and kw["target"] == 0.2 and kw["max_strength"] == 5.0
+    assert list(kw["layers"]) == list(range(len(ctx.state.layers))) and kw["top_k"] == 1
 
 
 def test_adaptive_strengths_reach_the_target_and_clip():

@@ -37,17 +37,12 @@ Add a method: a new module here, imported below, with::
 
 from __future__ import annotations
 
-from kvedit.evals.methods.auto import Auto, AutoParams, adaptive_strengths, auto_hit_rate
+from kvedit.evals.methods.auto import Auto, AutoParams, auto_hit_rate
 from kvedit.evals.methods.blend import Blend, BlendParams, document_parts
 from kvedit.evals.methods.closedbook import ClosedBook
 from kvedit.evals.methods.context import ExampleContext, split_prompt
 from kvedit.evals.methods.edits import EDITS, EditParams, apply_edit
-from kvedit.evals.methods.focus import (
-    choose_documents,
-    content_free_question,
-    document_scores,
-    question_shares,
-)
+from kvedit.evals.methods.focus import example_focus
 from kvedit.evals.methods.gold_only import GoldOnly
 from kvedit.evals.methods.none import NoEdit
 from kvedit.evals.methods.oracle import Oracle
@@ -63,8 +58,7 @@ from kvedit.evals.methods.registry import (
 from kvedit.evals.methods.repeat import RepeatQuestion
 from kvedit.evals.methods.reread import Reread, RereadParams
 from kvedit.evals.methods.snapkv import SnapKV, SnapKVParams
-
-# The old private name, for benchmarks/auto_retrieval.py until it imports content_free_question.
+from kvedit.focus import adaptive_strengths, content_free_question  # moved to kvedit.focus
 
 __all__ = [
     "EDITS",
@@ -91,12 +85,10 @@ __all__ = [
     "adaptive_strengths",
     "apply_edit",
     "auto_hit_rate",
-    "choose_documents",
     "content_free_question",
     "document_parts",
-    "document_scores",
+    "example_focus",
     "parse_spec",
-    "question_shares",
     "register_method",
     "split_prompt",
     "split_specs",

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvedit import ops
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import EditParams, apply_edit
-from kvedit.evals.methods.focus import choose_documents, question_shares
+from kvedit.evals.methods.focus import example_focus
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.steer import strength_for_share
 
-__all__ = ["Auto", "AutoParams", "adaptive_strengths", "auto_hit_rate"]
-
-SHARE_EPS = 1e-6
-"""Shares are clamped to ``[SHARE_EPS, 1 - SHARE_EPS]`` before sizing a bias (a share of 0
-or 1 has no finite bias)."""
+__all__ = ["Auto", "AutoParams", "auto_hit_rate"]
 
 
 # Chosen on seed 1 of `records` (benchmarks/auto_retrieval.py and a strength sweep); reported on
@@ -71,26 +66,12 @@ class AutoParams(EditParams):
                 )
 
 
-def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:
-    """Per layer, the bias that lifts a span's attention share ``shares[l]`` to ``target``.
-
-    Each bias is :func:`kvedit.steer.strength_for_share` of the share (clamped to
-    ``[SHARE_EPS, 1 - SHARE_EPS]``), clipped to ``[0, max_strength]``: a span that already gets
-    ``target`` (often the one next to the question) is left alone, never suppressed.
-    """
-    out = []
-    for share in shares.double().tolist():
-        share = min(max(share, SHARE_EPS), 1.0 - SHARE_EPS)
-        out.append(min(max(strength_for_share(share, target), 0.0), max_strength))
-    return torch.tensor(out, dtype=torch.float32)
-
-
 @register_method("auto")
 class Auto(Method):
     """Emphasize the documents the question's bias-corrected attention points at.
 
     With ``target`` (default 0.2), each layer's bias is the one that lifts the chosen
-    documents' attention share to ``target`` (:func:`adaptive_strengths`, at most
+    documents' attention share to ``target`` (:func:`kvedit.focus.adaptive_strengths`, at most
     ``strength``); ``target=None`` adds ``strength`` everywhere instead. Parameters:
     :class:`AutoParams`. Leaves ``ctx.notes["auto_choice"]`` (the chosen documents) and, with
     a target, ``ctx.notes["auto_strengths"]`` (the bias of each layer).
@@ -101,24 +82,19 @@ class Auto(Method):
 
     def predict(self, ctx: ExampleContext) -> str:
         p = self.params
-        chosen = choose_documents(ctx, p.layers, p.top_k)
-        ctx.notes["auto_choice"] = chosen
-        spans = [ctx.doc_spans[i] for i in chosen]
-        if p.target is None or p.edit != "emphasize":
-            return apply_edit(ctx, spans, p)
-        # adaptive: per layer, the bias that lifts the chosen documents' share to `target`
-        real, _ = question_shares(ctx)
-        strengths = adaptive_strengths(real[:, chosen].sum(-1), p.target, p.strength)
-        ctx.notes["auto_strengths"] = strengths
-        state = ctx.state
-        for layer, b in enumerate(strengths.tolist()):
-            if b > 0:
-                state = ops.emphasize(state, spans, b, layers=[layer])
-        return state.generate(ctx.continuation, ctx.max_new_tokens)
+        if p.edit != "emphasize":
+            found = example_focus(ctx, p, edit=False)
+            ctx.notes["auto_choice"] = found.chosen
+            return apply_edit(ctx, [found.passages[i] for i in found.chosen], p)
+        found = example_focus(ctx, p)
+        ctx.notes["auto_choice"] = found.chosen
+        if p.target is not None:
+            ctx.notes["auto_strengths"] = torch.tensor(found.strengths)
+        return found.generate(ctx.max_new_tokens)
 
 
 def auto_hit_rate(contexts: list[ExampleContext], params: AutoParams | None = None) -> float:
     """Fraction of examples whose top-scored document is the gold one (a retrieval check)."""
-    layers = (params or AutoParams()).layers
-    hits = [choose_documents(c, layers, 1)[0] == c.example.gold_index for c in contexts]
+    p = dataclasses.replace(params or AutoParams(), top_k=1)
+    hits = [example_focus(c, p, edit=False).chosen[0] == c.example.gold_index for c in contexts]
     return sum(hits) / max(1, len(hits))

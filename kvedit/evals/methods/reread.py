@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvedit.evals.methods.auto import AutoParams
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit
-from kvedit.evals.methods.focus import choose_documents
+from kvedit.evals.methods.focus import example_focus
 from kvedit.evals.methods.registry import Method, register_method
 
 __all__ = ["Reread", "RereadParams"]
@@ -29,5 +29,5 @@ class Reread(Method):
 
     def predict(self, ctx: ExampleContext) -> str:
         p = self.params
-        chosen = choose_documents(ctx, p.layers, p.top_k)
-        return apply_edit(ctx, [ctx.doc_spans[i] for i in chosen], p)
+        found = example_focus(ctx, p, edit=False)
+        return apply_edit(ctx, [found.passages[i] for i in found.chosen], p)

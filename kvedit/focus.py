@@ -1,0 +1,272 @@
+"""Automatic focus: emphasize the passages a question points at.
+
+The question is run on top of a captured state twice, as asked and with its distinctive words
+removed (:func:`content_free_question`: a calibration query that keeps the question's form and
+position). Each passage's score is the log ratio of the attention shares the two give it,
+averaged over layers: positional bias (lost in the middle, recency, the sink) appears in both
+and cancels, the question's content does not. The best passages are then emphasized with a
+per-layer bias that lifts their share of the question's attention to ``target``
+(:func:`adaptive_strengths`), applied with :func:`kvedit.ops.emphasize` (the last token is
+recomputed, so the next token sees the edit).
+
+This is the evaluation method ``auto`` (``kvedit eval litm --methods auto``) as a library call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import checks, ops
+from .errors import InvalidInputError
+from .passages import Range, split_passages, template_ranges
+from .readout import attention_share
+from .state import KVState, capture, chat_prefix
+from .steer import strength_for_share
+
+__all__ = [
+    "SHARE_EPS",
+    "Focus",
+    "adaptive_strengths",
+    "choose",
+    "content_free_question",
+    "focus",
+    "focus_text",
+    "passage_scores",
+    "passage_shares",
+]
+
+SHARE_EPS = 1e-6
+"""Shares are clamped to ``[SHARE_EPS, 1 - SHARE_EPS]`` before sizing a bias (a share of 0
+or 1 has no finite bias)."""
+QUESTION_MARK = "\n\nQuestion:"
+"""Where :func:`focus_text` cuts the prompt: the context is captured, the question asked after."""
+
+
+def content_free_question(question: str, documents: Sequence[str]) -> str:
+    """The question with its *distinctive* words removed: words that occur in some documents
+    but not most of them (names, entities). What is left keeps the question's form and
+    position, and serves as a calibration query for positional bias. Task-agnostic: it uses
+    only the question and the documents, never the task's wording. ``"?"`` when nothing was
+    removed.
+    """
+    words = re.findall(r"\w+|\W+", question)
+    lowered = [d.lower() for d in documents]
+    n = max(1, len(documents))
+    kept = []
+    for w in words:
+        if w.strip() and w[0].isalnum():
+            df = sum(1 for d in lowered if re.search(r"\b" + re.escape(w.lower()) + r"\b", d))
+            if 0 < df <= max(1, n // 2):
+                continue
+        kept.append(w)
+    out = "".join(kept)
+    out = re.sub(r"\s+", " ", out).strip()
+    return out if out != question.strip() else "?"
+
+
+def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:
+    """Per layer, the bias that lifts a span's attention share ``shares[l]`` to ``target``.
+
+    Each bias is :func:`kvedit.steer.strength_for_share` of the share (clamped to
+    ``[SHARE_EPS, 1 - SHARE_EPS]``), clipped to ``[0, max_strength]``: a span that already gets
+    ``target`` (often the one next to the question) is left alone, never suppressed.
+    """
+    out = []
+    for share in shares.double().tolist():
+        share = min(max(share, SHARE_EPS), 1.0 - SHARE_EPS)
+        out.append(min(max(strength_for_share(share, target), 0.0), max_strength))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _default_query(state: KVState, question: str) -> str:
+    """The asking text of a continuation: up to its first chat-template token, stripped."""
+    cut = min([a for a, _ in template_ranges(question, state.tokenizer)] or [len(question)])
+    return question[:cut].strip() or question
+
+
+def passage_shares(
+    state: KVState,
+    question: str,
+    passages: Sequence[Range],
+    *,
+    query: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, calib)``: ``[layers, n_passages]`` attention shares of each passage, from
+    ``question`` and from ``question`` with ``query`` (a part of it; default: the text up to
+    the chat template) replaced by its :func:`content_free_question`."""
+    if query is None:
+        query = _default_query(state, question)
+    if not query or query not in question:
+        raise InvalidInputError(f"query {query!r} is not part of the question {question!r}")
+    texts = [state.text[a:b] for a, b in passages]
+    calib_question = question.replace(query, content_free_question(query, texts), 1)
+    real = attention_share(state, question, list(passages)).per_layer
+    calib = attention_share(state, calib_question, list(passages)).per_layer
+    return real, calib
+
+
+def passage_scores(
+    real: torch.Tensor, calib: torch.Tensor, layers: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``[n_passages]``: ``log share(question) - log share(content-free question)``, averaged
+    over ``layers`` (default: all)."""
+    eps = 1e-6
+    lift = torch.log(real + eps) - torch.log(calib + eps)  # [L, n]
+    if layers is not None:
+        lift = lift[list(layers)]
+    return lift.mean(0)
+
+
+@dataclass
+class Focus:
+    """What :func:`focus` did.
+
+    Attributes:
+        state: the edited state (the input state itself when nothing was edited).
+        passages: ``(start, end)`` character ranges of the passages in ``state.text``.
+        scores: one relevance score per passage (higher: the question points at it more).
+        chosen: indices into ``passages`` of the emphasized passages, best first.
+        strengths: the bias (nats) each layer's chosen passages got.
+        question: the continuation :meth:`generate` asks.
+    """
+
+    state: KVState
+    passages: list[Range]
+    scores: list[float]
+    chosen: list[int]
+    strengths: list[float]
+    question: str
+
+    def explain(self, width: int = 40) -> str:
+        """A table: passage index, its first ``width`` characters, score, ``*`` if chosen."""
+        lines = [f"{'#':>3}  {'passage':<{width}}  {'score':>7}  chosen"]
+        for i, ((a, b), score) in enumerate(zip(self.passages, self.scores, strict=True)):
+            text = " ".join(self.state.text[a:b].split())
+            if len(text) > width:
+                text = text[: width - 3] + "..."
+            mark = "*" if i in self.chosen else ""
+            lines.append(f"{i:>3}  {text:<{width}}  {score:>7.3f}  {mark}")
+        return "\n".join(lines)
+
+    def generate(self, max_new_tokens: int = 32, **kw) -> str:
+        """Continue the edited state with :attr:`question` (see :meth:`KVState.generate`)."""
+        return self.state.generate(self.question, max_new_tokens, **kw)
+
+
+def _layer_indices(state: KVState, layers) -> list[int] | None:
+    chosen = checks.layers(layers, len(state.layers))
+    return None if chosen is None else list(chosen)
+
+
+def _score(state, question, passages, top_k, layers, query, region):
+    question = checks.text("question", question, allow_empty=False)
+    spans = split_passages(state, passages, region)
+    top_k = checks.count("top_k", top_k, minimum=1, maximum=len(spans))
+    layer_idx = _layer_indices(state, layers)
+    real, calib = passage_shares(state, question, spans, query=query)
+    scores = passage_scores(real, calib, layer_idx)
+    chosen = scores.topk(top_k).indices.tolist()
+    found = Focus(state, spans, scores.tolist(), chosen, [0.0] * len(state.layers), question)
+    return found, real
+
+
+def choose(
+    state: KVState,
+    question: str,
+    passages=None,
+    *,
+    top_k: int = 1,
+    layers: Sequence[int] | None = None,
+    query: str | None = None,
+    region: Range | None = None,
+) -> Focus:
+    """Score the passages and choose the ``top_k`` best, without editing (see :func:`focus`).
+
+    The returned :class:`Focus` holds the input state and zero strengths.
+    """
+    return _score(state, question, passages, top_k, layers, query, region)[0]
+
+
+def focus(
+    state: KVState,
+    question: str,
+    passages=None,
+    *,
+    top_k: int = 1,
+    target: float | None = 0.2,
+    max_strength: float = 5.0,
+    layers: Sequence[int] | None = None,
+    query: str | None = None,
+    region: Range | None = None,
+) -> Focus:
+    """Emphasize the passages of ``state`` that ``question`` points at.
+
+    Args:
+        state: a captured state (not modified).
+        question: the continuation that asks (what :meth:`Focus.generate` continues with).
+        passages: a list of spans (substrings, regexes, ``(start, end)`` ranges), a splitter
+            name (``"paragraphs"``, ``"lines"``, ``"sentences"``), an int (windows of that many
+            tokens), or ``None``: paragraphs, multi-line paragraphs cut into lines, long pieces
+            into sentences (:func:`kvedit.passages.split_passages`).
+        top_k: how many passages are emphasized (1 to the number of passages).
+        target: the share of the question's attention each layer's bias lifts the chosen
+            passages to, in ``(0, 1)``; ``None`` adds ``max_strength`` on every layer instead.
+        max_strength: the most bias (nats) a layer may get (with ``target``, at least 0).
+        layers: the layers whose attention scores the passages (default: all). The bias is
+            sized on every layer.
+        query: the part of ``question`` whose distinctive words the calibration removes
+            (default: ``question`` up to its first chat-template token, stripped).
+        region: the character range of ``state.text`` a splitter cuts (default: all).
+
+    Returns:
+        A :class:`Focus`: the edited state, the passages, their scores, the chosen ones and
+        each layer's bias.
+    """
+    if target is not None:
+        target = checks.real("target", target)
+        if not 0.0 < target < 1.0:
+            raise InvalidInputError(f"target share must be in (0, 1), not {target!r}")
+    max_strength = checks.strength("max_strength", max_strength)
+    if target is not None and max_strength < 0:
+        raise InvalidInputError(f"max_strength must be >= 0 with a target, not {max_strength}")
+    found, real = _score(state, question, passages, top_k, layers, query, region)
+    spans = [found.passages[i] for i in found.chosen]
+    if target is None:
+        found.state = ops.emphasize(state, spans, max_strength)
+        found.strengths = [max_strength] * len(state.layers)
+        return found
+    strengths = adaptive_strengths(real[:, found.chosen].sum(-1), target, max_strength)
+    found.strengths = strengths.tolist()
+    edited = state
+    for layer, b in enumerate(found.strengths):
+        if b > 0:
+            edited = ops.emphasize(edited, spans, b, layers=[layer])
+    found.state = edited
+    return found
+
+
+def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
+    """Capture ``context`` in the chat template and :func:`focus` it for ``question``.
+
+    The user message is ``context + "\\n\\nQuestion: " + question`` (the prompt of the
+    evaluation suite); the cache holds the templated prompt up to the question, passages are
+    cut from the context only, and :meth:`Focus.generate` asks the question. ``kw`` goes to
+    :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``, ``layers``).
+    """
+    context = checks.text("context", context, allow_empty=False)
+    question = checks.text("question", question, allow_empty=False)
+    if QUESTION_MARK in context:
+        raise InvalidInputError(
+            f"context must not contain {QUESTION_MARK!r}: the prompt is cut there"
+        )
+    prefix, continuation = chat_prefix(
+        tokenizer, context + QUESTION_MARK + " " + question, QUESTION_MARK
+    )
+    state = capture(model, tokenizer, prefix)
+    start = prefix.rfind(context.strip())
+    region = (start, start + len(context.strip())) if start >= 0 else None
+    return focus(state, continuation, query=question, region=region, **kw)

@@ -1,0 +1,190 @@
+"""kvedit.focus: passages, scoring, the adaptive edit, explain, and bad inputs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import kvedit
+from kvedit import ops
+from kvedit.errors import EmptySelectionError, InvalidInputError, InvalidTypeError
+from kvedit.evals.tasks import records_examples
+from kvedit.focus import (
+    adaptive_strengths,
+    content_free_question,
+    passage_scores,
+    passage_shares,
+)
+from kvedit.passages import split_passages
+from kvedit.readout import attention_share
+
+CONTEXT = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
+
+
+def _state(llama, text=CONTEXT):
+    model, tok = llama
+    prefix, _ = kvedit.chat_prefix(tok, text + "\n\nQuestion: x", "\n\nQuestion:")
+    return kvedit.capture(model, tok, prefix)
+
+
+def _texts(state, ranges):
+    return [state.text[a:b] for a, b in ranges]
+
+
+def test_default_split_gives_the_instruction_and_one_passage_per_record(llama):
+    state = _state(llama)
+    texts = _texts(state, split_passages(state))
+    # the template's "<|im_start|>user" line is never a passage
+    assert texts == [
+        "Read the records.",
+        "Ann's number is 11.",
+        "Bo's number is 22.",
+        "Cy's number is 33.",
+    ]
+
+
+def test_named_splitters_and_windows(llama):
+    state = _state(llama, "One. Two!\nThree\n\n  \n\nFour? Five.")
+    assert _texts(state, split_passages(state, "paragraphs")) == ["One. Two!\nThree", "Four? Five."]
+    assert _texts(state, split_passages(state, "lines")) == ["One. Two!", "Three", "Four? Five."]
+    assert _texts(state, split_passages(state, "sentences")) == [
+        "One.",
+        "Two!",
+        "Three",
+        "Four?",
+        "Five.",
+    ]
+    windows = split_passages(state, 3)
+    tokens = [int(state.token_indices([r]).numel()) for r in windows]
+    assert all(n <= 3 for n in tokens) and max(tokens) == 3
+    joined = "".join(_texts(state, windows)).replace(" ", "").replace("\n", "")
+    assert joined == "One.Two!ThreeFour?Five."  # the windows cover the text, template left out
+
+
+def test_long_pieces_are_cut_into_sentences(llama):
+    long = " ".join(f"Sentence number {i} is here." for i in range(60))
+    state = _state(llama, "Intro.\n\n" + long)
+    assert state.token_indices(long).numel() > 200
+    texts = _texts(state, split_passages(state))
+    assert texts[0] == "Intro." and texts[1] == "Sentence number 0 is here." and len(texts) == 61
+
+
+def test_a_list_of_spans(llama):
+    state = _state(llama)
+    start = state.text.index("Bo's")
+    got = split_passages(state, ["Ann's number is 11.", (start, start + 18), re.compile(r"Cy\S*")])
+    assert _texts(state, got) == ["Ann's number is 11.", "Bo's number is 22.", "Cy's"]
+
+
+def test_focus_equals_the_ops_applied_by_hand(llama):
+    state = _state(llama)
+    question = "\n\nQuestion: What is Bo's number?<|im_end|>\n<|im_start|>assistant\n"
+    found = kvedit.focus(state, question, target=0.6, max_strength=50.0)
+    assert len(found.scores) == len(found.passages) == 4 and len(found.chosen) == 1
+    assert len(found.strengths) == len(state.layers) and any(b > 0 for b in found.strengths)
+    spans = [found.passages[i] for i in found.chosen]
+    by_hand = state
+    for layer, b in enumerate(found.strengths):
+        if b > 0:
+            by_hand = ops.emphasize(by_hand, spans, b, layers=[layer])
+    assert torch.equal(found.state.last_logits, by_hand.last_logits)
+    assert not torch.equal(found.state.last_logits, state.last_logits)
+    assert found.generate(3) == by_hand.generate(question, 3)
+    # the strengths are the adaptive bias from the chosen passage's shares
+    real, calib = passage_shares(state, question, found.passages, query="What is Bo's number?")
+    assert found.scores == passage_scores(real, calib).tolist()
+    expected = adaptive_strengths(real[:, found.chosen].sum(-1), 0.6, 50.0).tolist()
+    assert found.strengths == expected
+
+
+def test_calibration_removes_the_questions_distinctive_words(llama):
+    state = _state(llama)
+    question = "\n\nQuestion: What is Bo's number?<|im_end|>\n"
+    ranges = split_passages(state)
+    free = content_free_question("Question: What is Bo's number?", _texts(state, ranges))
+    assert free == "Question: What is 's number?"
+    real, calib = passage_shares(state, question, ranges)
+    expected = attention_share(state, question.replace("Bo", "", 1), ranges).per_layer
+    torch.testing.assert_close(calib, expected)
+    torch.testing.assert_close(real, attention_share(state, question, ranges).per_layer)
+
+
+def test_scores_cancel_positional_bias():
+    calib = torch.tensor([0.5, 0.1, 0.1, 0.1]).expand(4, 4).clone()
+    real = calib.clone()
+    real[:, 0] *= 1.1  # the positional favourite stays the most attended passage
+    real[2:, 3] *= 2.0  # the question lifts passage 3 in the upper layers
+    real[:2, 1] *= 2.0  # ... and passage 1 in the lower ones
+    assert int(passage_scores(real, calib, [2, 3]).argmax()) == 3
+    assert int(passage_scores(real, calib, [0, 1]).argmax()) == 1
+
+
+def test_fixed_strength_without_a_target(llama):
+    state = _state(llama)
+    found = kvedit.focus(state, "\n\nQuestion: Bo?", target=None, max_strength=3.0)
+    assert found.strengths == [3.0] * len(state.layers)
+    by_hand = ops.emphasize(state, [found.passages[found.chosen[0]]], 3.0)
+    assert torch.equal(found.state.last_logits, by_hand.last_logits)
+
+
+def test_explain_is_a_readable_table(llama):
+    state = _state(
+        llama, "Intro.\n\n" + "A very long record that goes on and on and on and on.\nShort."
+    )
+    found = kvedit.focus(state, "\n\nQuestion: Short?", top_k=2)
+    text = found.explain()
+    lines = text.splitlines()
+    assert len(lines) == 1 + len(found.passages) and "score" in lines[0]
+    assert "A very long record that goes on and o..." in text  # 40 characters at most
+    for i, line in enumerate(lines[1:]):
+        assert line.split()[0] == str(i) and f"{found.scores[i]:.3f}" in line
+        assert line.rstrip().endswith("*") == (i in found.chosen)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(passages="words"), InvalidInputError, "unknown splitter"),
+        (dict(passages=0), InvalidInputError, "passages"),
+        (dict(passages=1.5), InvalidTypeError, "spans must be"),
+        (dict(top_k=0), InvalidInputError, "top_k"),
+        (dict(top_k=5), InvalidInputError, "top_k"),
+        (dict(target=1.0), InvalidInputError, "target share"),
+        (dict(target=0.0), InvalidInputError, "target share"),
+        (dict(max_strength=-1.0), InvalidInputError, "max_strength"),
+        (dict(layers=[99]), InvalidInputError, "out of range"),
+        (dict(query="absent"), InvalidInputError, "query"),
+    ],
+)
+def test_bad_inputs_raise_named_errors(llama, kwargs, error, match):
+    state = _state(llama)
+    with pytest.raises(error, match=match):
+        kvedit.focus(state, "\n\nQuestion: Bo?", **kwargs)
+
+
+def test_empty_inputs(llama):
+    state = _state(llama)
+    with pytest.raises(InvalidInputError, match="question"):
+        kvedit.focus(state, "")
+    blank = _state(llama, "   ")
+    with pytest.raises(EmptySelectionError):
+        kvedit.focus(blank, "\n\nQuestion: Bo?")
+    model, tok = llama
+    with pytest.raises(InvalidInputError, match="must not contain"):
+        kvedit.focus_text(model, tok, "a\n\nQuestion: b", "c")
+
+
+def test_focus_text_chooses_the_gold_record(smollm2):
+    """The records task through focus_text: the passage chosen is the gold record (after the
+    instruction), and the prompt is the evaluation suite's."""
+    model, tok = smollm2
+    for ex in records_examples(n_records=8, positions=(1, 6), trials=1, seed=0):
+        context = ex.instruction + "\n\n" + ex.separator.join(ex.documents)
+        assert context + "\n\nQuestion: " + ex.question == ex.user_message()
+        found = kvedit.focus_text(model, tok, context, ex.question)
+        texts = _texts(found.state, found.passages)
+        assert texts == [ex.instruction, *ex.documents]
+        assert found.chosen == [ex.gold_index + 1], found.explain()
+        assert ex.answers[0] in found.generate(12)
