@@ -88,7 +88,8 @@ def _scalar(value):
     return value
 
 
-def _describe(value) -> str:
+def describe(value) -> str:
+    """``repr(value)`` (cut at 80 characters) and its type, for error messages."""
     text = repr(value)
     if len(text) > 80:
         text = text[:77] + "..."
@@ -106,7 +107,7 @@ def real(name: str, value, *, cap: float | None = None) -> float:
     plain = _scalar(value)
     if isinstance(plain, bool) or not isinstance(plain, numbers.Real):
         raise InvalidTypeError(
-            f"{name} must be a finite number (int or float), not {_describe(value)}"
+            f"{name} must be a finite number (int or float), not {describe(value)}"
         )
     try:
         number = float(plain)
@@ -152,7 +153,7 @@ def count(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> 
         raise InvalidTypeError(f"{name} must be an int, not {value!r}")
     plain = _scalar(value)
     if isinstance(plain, bool) or not isinstance(plain, numbers.Integral):
-        raise InvalidTypeError(f"{name} must be an int, not {_describe(value)}")
+        raise InvalidTypeError(f"{name} must be an int, not {describe(value)}")
     number = int(plain)
     if number < minimum:
         raise InvalidInputError(f"{name} must be >= {minimum}, not {number}")
@@ -175,7 +176,7 @@ def text(name: str, value, *, allow_empty: bool = True) -> str:
                 f"{name} must be one str, not a {type(value).__name__} of {len(value)} items "
                 "(kvedit captures and continues one text per call)"
             )
-        raise InvalidTypeError(f"{name} must be a str, not {_describe(value)}")
+        raise InvalidTypeError(f"{name} must be a str, not {describe(value)}")
     if not allow_empty and not value:
         raise InvalidInputError(f"{name} is empty: give a non-empty str")
     return value
@@ -196,7 +197,7 @@ def layers(value, n_layers: int, *, name: str = "layers") -> tuple[int, ...] | N
         value = value.tolist()
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, set, range)):
         raise InvalidTypeError(
-            f"{name} must be None (all layers) or a list of layer indices, not {_describe(value)}"
+            f"{name} must be None (all layers) or a list of layer indices, not {describe(value)}"
         )
     chosen = [count(f"{name}[{i}]", item, minimum=-(2**63)) for i, item in enumerate(value)]
     if not chosen:
@@ -230,7 +231,7 @@ def save_dtype(dtype) -> torch.dtype | None:
     if dtype is None:
         return None
     if not isinstance(dtype, torch.dtype):
-        raise InvalidTypeError(f"dtype must be a torch.dtype or None, not {_describe(dtype)}")
+        raise InvalidTypeError(f"dtype must be a torch.dtype or None, not {describe(dtype)}")
     if dtype not in _STORAGE_DTYPES:
         names = ", ".join(str(d) for d in _STORAGE_DTYPES)
         raise InvalidInputError(

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from .checks import describe
 from .errors import InvalidInputError, InvalidTypeError, SpanNotFoundError
 
 Span = str | re.Pattern | tuple[int, int]
@@ -62,7 +63,7 @@ def as_span_list(spans: Spans) -> list[Span]:
     else:
         raise InvalidTypeError(
             "spans must be a str, a compiled regex, a (start, end) tuple, or a list of them, "
-            f"not {_describe(spans)}"
+            f"not {describe(spans)}"
         )
     out: list[Span] = []
     for span in items:
@@ -84,16 +85,9 @@ def as_span_list(spans: Spans) -> list[Span]:
             out.append(bounds)
         else:
             raise InvalidTypeError(
-                f"a span is a str, a compiled regex or a (start, end) tuple, not {_describe(span)}"
+                f"a span is a str, a compiled regex or a (start, end) tuple, not {describe(span)}"
             )
     return out
-
-
-def _describe(value) -> str:
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} (a {type(value).__name__})"
 
 
 def char_ranges(text: str, spans: Spans) -> list[tuple[int, int]]:
