@@ -241,11 +241,7 @@ def focus(
         return found
     strengths = adaptive_strengths(real[:, found.chosen].sum(-1), target, max_strength)
     found.strengths = strengths.tolist()
-    edited = state
-    for layer, b in enumerate(found.strengths):
-        if b > 0:
-            edited = ops.emphasize(edited, spans, b, layers=[layer])
-    found.state = edited
+    found.state = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
     return found
 
 

@@ -13,7 +13,7 @@ from helpers import same, snapshot
 import kvedit
 import kvedit.attention as ka
 from kvedit import ops, runtime
-from kvedit.errors import EmptySelectionError, SpanNotFoundError
+from kvedit.errors import EmptySelectionError, InvalidInputError, SpanNotFoundError
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
 QUESTION = " Question: What is Carol's secret number? Answer:"
@@ -417,3 +417,22 @@ def test_ops_reject_bad_arguments(llama, call):
     with pytest.raises(ValueError):
         call(state)
     assert same(snapshot(state), before)
+
+
+def test_emphasize_takes_one_strength_per_layer(llama):
+    model, tok = llama
+    state = capture_records(model, tok)
+    strengths = [0.5, 0.0, 2.5]
+    once = ops.emphasize(state, SPAN, strengths)
+    by_layer = state
+    for i, s in enumerate(strengths):
+        if s:
+            by_layer = ops.emphasize(by_layer, SPAN, s, layers=[i])
+    tokens = state.token_indices(SPAN)
+    for i, (a, b) in enumerate(zip(once.layers, by_layer.layers, strict=True)):
+        entries = a.entries_for(tokens)
+        assert torch.all(a.dense_bias()[..., entries] == strengths[i])
+        close(a.dense_bias(), b.dense_bias(), atol=0, rtol=0)
+    close(once.last_logits, by_layer.last_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InvalidInputError, match="2 per-layer strengths for a 3-layer state"):
+        ops.emphasize(state, SPAN, [1.0, 2.0])

@@ -31,10 +31,10 @@ def edit_entries(
     state: KVState,
     spans: Spans,
     layers: Sequence[int] | None,
-    edit: Callable[[LayerKV, torch.Tensor], LayerKV],
+    edit: Callable[[int, LayerKV, torch.Tensor], LayerKV],
 ) -> KVState:
-    """A new state with ``edit(layer, entries)`` applied to every chosen layer holding a token of
-    ``spans`` (``entries``: the layer's entry indices of those tokens, on the layer's device),
+    """A new state with ``edit(i, layer, entries)`` applied to every chosen layer ``i`` holding a
+    token of ``spans`` (``entries``: the layer's entry indices of those tokens, on its device),
     then the last token recomputed over the edited cache (:func:`~kvedit.state.recompute_last`),
     so the edit reaches the next token. Layers holding none of the tokens (e.g. sliding-window
     layers past the span) are kept as they are; an edit that changes nothing returns at once.
@@ -49,7 +49,7 @@ def edit_entries(
             if i not in chosen or entries.numel() == 0:
                 new_layers.append(layer)
             else:
-                new_layers.append(edit(layer, entries.to(layer.keys.device)))
+                new_layers.append(edit(i, layer, entries.to(layer.keys.device)))
         return st.replace(layers=new_layers)
 
     trial = apply(state, tokens)
@@ -61,5 +61,5 @@ def edit_entries(
     if body.numel() == tokens.numel():
         return recompute_last(edited)
     return recompute_last(
-        edited, lambda i, layer, entries: edit(layer, entries) if i in chosen else layer
+        edited, lambda i, layer, entries: edit(i, layer, entries) if i in chosen else layer
     )

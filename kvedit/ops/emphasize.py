@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import checks
+from ..errors import InvalidInputError
 from ..spans import Spans
 from ..state import KVState, LayerKV
 from ._select import edit_entries
@@ -21,33 +22,30 @@ from ._select import edit_entries
 def emphasize(
     state: KVState,
     spans: Spans,
-    strength: float = 2.0,
+    strength: float | Sequence[float] = 2.0,
     layers: Sequence[int] | None = None,
 ) -> KVState:
     """A new state whose ``spans`` keys get ``+strength`` nats in every later query's logits.
 
-    Biases add up with earlier edits. Only entries a layer holds are touched (sliding-window
-    layers hold their last ``window - 1`` tokens). The input state is not modified.
+    ``strength`` is one number for every layer, or one per layer (a sequence as long as
+    ``state.layers``; :func:`kvedit.focus` sizes the bias per layer). Biases add up with earlier
+    edits. Only entries a layer holds are touched (sliding-window layers hold their last
+    ``window`` tokens). The last token is recomputed once over the edited cache. The input
+    state is not modified.
     """
-    strength = checks.strength("strength", strength)
+    n = len(state.layers)
+    if isinstance(strength, Sequence) and not isinstance(strength, str):
+        if len(strength) != n:
+            raise InvalidInputError(f"{len(strength)} per-layer strengths for a {n}-layer state")
+        per_layer = [checks.strength(f"strength[{i}]", s) for i, s in enumerate(strength)]
+    else:
+        per_layer = [checks.strength("strength", strength)] * n
 
-    def add_bias(layer: LayerKV, entries: torch.Tensor) -> LayerKV:
-        if strength == 0.0:
+    def add_bias(i: int, layer: LayerKV, entries: torch.Tensor) -> LayerKV:
+        if per_layer[i] == 0.0:
             return layer
         bias = layer.dense_bias().clone()
-        bias[:, :, entries] += strength
+        bias[:, :, entries] += per_layer[i]
         return dataclasses.replace(layer, bias=bias)
 
     return edit_entries(state, spans, layers, add_bias)
-
-
-def bias_entries(state: KVState, per_layer: Sequence[torch.Tensor | None]) -> KVState:
-    """A new state with ``per_layer[i]`` (``[batch, heads, n_i]`` or None) added to layer i's bias."""
-    new_layers = []
-    for layer, add in zip(state.layers, per_layer, strict=True):
-        if add is None:
-            new_layers.append(layer)
-            continue
-        bias = layer.dense_bias(add.shape[1] if add.shape[1] > 1 else None) + add.to(torch.float32)
-        new_layers.append(dataclasses.replace(layer, bias=bias))
-    return state.replace(layers=new_layers)

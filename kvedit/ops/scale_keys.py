@@ -27,7 +27,7 @@ def scale_keys(
     """A new state with the keys ``[batch, kv_heads, entries, dim]`` of ``spans`` times ``factor``."""
     factor = checks.real("factor", factor, cap=checks.MAX_SCALE_FACTOR)
 
-    def scale(layer: LayerKV, entries: torch.Tensor) -> LayerKV:
+    def scale(i: int, layer: LayerKV, entries: torch.Tensor) -> LayerKV:
         if factor == 1.0:
             return layer
         keys = layer.keys.clone()
