@@ -32,7 +32,6 @@ from transformers import DynamicCache, PreTrainedModel
 from . import checks
 from .cache import LayerKV
 from .errors import (
-    CacheMismatchError,
     InvalidInputError,
     ModelNotAttachedError,
     StateAlteredError,
@@ -217,9 +216,10 @@ class KVState:
         Greedy by default; stops at EOS. Returns only the new tokens, decoded with
         ``skip_special_tokens=True``. The state itself is never mutated.
         """
-        model, tok = self.checked_model()
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
         ids = self.encode(continuation)
+        # run() checks the state against its model; without a continuation, check here
+        model, tok = self.require_model() if ids else self.checked_model()
         eos = _eos_ids(model, tok, eos_token_id)
         new_tokens: list[int] = []
         layers = self.layers
@@ -283,20 +283,9 @@ class KVState:
         return save_state(self, path, dtype=dtype)
 
     def check_compatible(self, model: PreTrainedModel, tokenizer) -> None:
-        """Raise :class:`CacheMismatchError` unless ``model``/``tokenizer`` made this state."""
-        problems = []
-        if model_fingerprint(model) != self.model_fingerprint:
-            problems.append(
-                f"model fingerprint {model_fingerprint(model)} != state's {self.model_fingerprint} "
-                f"(model {getattr(model, 'name_or_path', '?')!r})"
-            )
-        if tokenizer_fingerprint(tokenizer) != self.tokenizer_fingerprint:
-            problems.append(
-                f"tokenizer fingerprint {tokenizer_fingerprint(tokenizer)} != state's "
-                f"{self.tokenizer_fingerprint}"
-            )
-        if problems:
-            raise CacheMismatchError("this cache was made by another model: " + "; ".join(problems))
+        """Raise :class:`CacheMismatchError` unless ``model``/``tokenizer`` made this state and
+        its cache fits the model (:func:`kvedit.checks.state_fits_model`)."""
+        checks.state_fits_model(self, model, tokenizer)
 
 
 # -------------------------------------------------------------------- helpers
