@@ -67,20 +67,21 @@ class KeyMover:
 def _rotate(
     keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
+    """Rotate the first ``2 * len(inv_freq)`` head dimensions of ``keys`` by ``delta``
+    positions (half-split pairs through :func:`move_keys`, or interleaved pairs)."""
     delta = delta.to(device=keys.device, dtype=torch.long)
     inv_freq = inv_freq.to(device=keys.device, dtype=torch.float32)
     rot = 2 * inv_freq.numel()
-    if not interleaved and rot == keys.shape[-1]:
-        return move_keys(keys, delta, inv_freq)
+    if not interleaved:
+        if rot == keys.shape[-1]:
+            return move_keys(keys, delta, inv_freq)
+        moved = move_keys(keys[..., :rot].contiguous(), delta, inv_freq)
+        return torch.cat([moved, keys[..., rot:]], dim=-1)
     angle = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [n, r/2]
     cos, sin = angle.cos(), angle.sin()
     x = keys[..., :rot].float()
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        x1, x2 = x[..., : rot // 2], x[..., rot // 2 :]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
 
 
