@@ -16,7 +16,7 @@ order, from caches of each part computed on its own:
    most from a real prefill are found at one early layer and recomputed. kvedit runs the real
    forward over the whole blend up to the *deviation layer*, the first global layer after layer
    0 (layer 1 on Llama/Qwen2/SmolLM2; on Gemma-3 the first full-attention layer, because a
-   sliding layer of a stored part holds only its last ``window - 1`` tokens). Layer 0 cannot
+   sliding layer of a stored part holds only its last ``window`` tokens). Layer 0 cannot
    be used: its keys and values depend only on the token and its position, so after
    re-rotation they match exactly. The deviation of token ``t`` is
    ``|dK_t|^2 / mean |K|^2 + |dV_t|^2 / mean |V|^2`` over heads and dimensions at that layer.
@@ -32,9 +32,9 @@ order, from caches of each part computed on its own:
 hides every reused entry). ``recompute=0`` is naive concatenation: nothing is recomputed and the
 last logits are those of the last part on its own.
 
-Sliding-window layers (Gemma-3): each stored part keeps the last ``window - 1`` tokens of its
+Sliding-window layers (Gemma-3): each stored part keeps the last ``window`` tokens of its
 sliding layers, so the blend's sliding layers hold, for every part, its last tokens, which
-always include the blend's last ``window - 1`` tokens (all that the final state keeps there).
+always include the blend's last ``window`` tokens (all that the final state keeps there).
 A recomputed token deep inside a part longer than the window sees, on sliding layers, only the
 reused entries that part still holds plus the recomputed ones, a further approximation that
 ``recompute=1.0`` removes.

@@ -15,7 +15,7 @@ state (``generate``, ``extend``, the other ops) works unchanged and ``state.nbyt
 packed bytes. Continuing from a quantized state keeps the packed part and appends new entries
 to the full-precision residual (which is not re-quantized as it grows; quantize again to
 compress it). Saving a quantized state writes the packed data (its file is its packed size). Sliding-window
-layers (Gemma-3) are left in full precision: they hold at most ``window - 1`` entries.
+layers (Gemma-3) are left in full precision: they hold at most ``window`` entries.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ bias (a ``[batch, kv_heads, n]`` stored bias): attention is exactly per-head Sna
 other op and the storage format keep working. The memory it really saves is
 ``1 - union / n`` (plus the bias, 4 bytes per entry and KV head), less than the nominal
 ``1 - keep`` when heads disagree; compare ``state.nbytes`` before and after. Sliding-window
-layers (Gemma-3) are kept whole: they hold at most ``window - 1`` entries already.
+layers (Gemma-3) are kept whole: they hold at most ``window`` entries already.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The prompt's ids are hashed chunk by chunk (:func:`~kvedit.store.keys.chunk_hash
 whose ids are all a prefix of the prompt is used whole; otherwise an entry that shares the
 prompt's first ``j`` chunks is cut to ``chunk * j`` tokens, which needs every layer to hold
 every token (a state of a model with sliding-window layers, such as Gemma-3, holds only the
-last ``window - 1`` tokens there, so it can be used whole but not cut). Two entries with a
+last ``window`` tokens there, so it can be used whole but not cut). Two entries with a
 common prefix both hold it: entries are whole states, never deduplicated per chunk.
 """
 
