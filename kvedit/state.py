@@ -37,8 +37,8 @@ from .errors import (
     StateAlteredError,
 )
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .runtime import activate, forward, layer_windows
-from .spans import Spans, char_ranges, tokens_in_ranges
+from .runtime import forward, layer_windows
+from .spans import Spans, char_ranges, token_offsets, tokens_in_ranges
 from .statefile import save_state
 
 
@@ -58,6 +58,24 @@ class StateBias:
 
     def unbiased_queries(self, q_len: int, total_len: int) -> int:
         return 0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A decoded continuation: ``text`` (special tokens skipped), the new ``token_ids``, the
+    model's ``logprobs`` of each (one float per token, EOS excluded), and whether it
+    ``finished`` at EOS (``False``: cut at the length limit)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+
+    def confidence(self, n: int | None = None) -> float:
+        """Mean log-probability of the first ``n`` tokens (all by default); ``0.0`` when the
+        answer is empty."""
+        lps = self.logprobs if n is None else self.logprobs[:n]
+        return sum(lps) / len(lps) if lps else 0.0
 
 
 @dataclass(eq=False)
@@ -199,6 +217,23 @@ class KVState:
         return torch.cat(rows, dim=0)
 
     @torch.no_grad()
+    def token_logprobs(self, continuation: str, token_ids: Sequence[int]) -> list[float]:
+        """The log-probability of each of ``token_ids`` when they follow the state and
+        ``continuation``: how likely the model finds a given answer (e.g. another state's
+        :class:`Answer`). One forward pass over ``continuation`` and the tokens."""
+        prompt = self.encode(continuation)
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            return []
+        ids = prompt + token_ids[:-1]
+        rows = [self.last_logits.float()[None]] if not prompt else []
+        if ids:
+            logits, _ = self.run(ids)
+            rows.append(logits.float())
+        logp = torch.cat(rows, dim=0)[-len(token_ids) :].log_softmax(-1)
+        return logp[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+
+    @torch.no_grad()
     def generate(
         self,
         continuation: str = "",
@@ -214,41 +249,56 @@ class KVState:
         """Continue from the state with ``continuation`` and decode up to ``max_new_tokens``.
 
         Greedy by default; stops at EOS. Returns only the new tokens, decoded with
-        ``skip_special_tokens=True``. The state itself is never mutated.
+        ``skip_special_tokens=True``. The state itself is never mutated. :meth:`answer` does
+        the same and also returns each token's log-probability.
         """
+        return self.answer(
+            continuation,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+            eos_token_id=eos_token_id,
+        ).text
+
+    @torch.no_grad()
+    def answer(
+        self,
+        continuation: str = "",
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> Answer:
+        """:meth:`generate`, returning an :class:`Answer`: the text, the new token ids and the
+        log-probability the model gave each of them (under its unscaled distribution)."""
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
-        ids = self.encode(continuation)
-        # run() checks the state against its model; without a continuation, check here
-        model, tok = self.require_model() if ids else self.checked_model()
-        eos = _eos_ids(model, tok, eos_token_id)
+        dec = self.decoder(continuation)
+        eos = _eos_ids(dec.model, dec.tokenizer, eos_token_id)
         new_tokens: list[int] = []
-        layers = self.layers
-        pos = self.next_position
-        if ids:
-            logits, full_kv = self.run(ids, logits_to_keep=1)
-            layers = appended_layers(layers, full_kv, ids, pos)
-            pos += len(ids)
-            next_logits = logits[-1]
-        else:
-            next_logits = self.last_logits
-        cache = dynamic_cache(layers)
-        plan = StateBias(layers)
-        with activate(model, plan):
-            for step in range(max_new_tokens):
-                token = _sample(next_logits, do_sample, temperature, top_k, top_p, generator)
-                if token in eos:
-                    break
-                new_tokens.append(token)
-                if step == max_new_tokens - 1:
-                    break
-                next_logits = forward(
-                    model,
-                    torch.tensor([[token]], device=self.device),
-                    torch.tensor([[pos]], device=self.device),
-                    cache,
-                )[0, -1]
-                pos += 1
-        return tok.decode(new_tokens, skip_special_tokens=True)
+        logprobs: list[float] = []
+        finished = False
+        for step in range(max_new_tokens):
+            token = _sample(dec.next_logits, do_sample, temperature, top_k, top_p, generator)
+            if token in eos:
+                finished = True
+                break
+            new_tokens.append(token)
+            logprobs.append(float(dec.next_logits.float().log_softmax(-1)[token]))
+            if step < max_new_tokens - 1:
+                dec.push(token)
+        text = dec.tokenizer.decode(new_tokens, skip_special_tokens=True)
+        return Answer(text, new_tokens, logprobs, finished)
+
+    def decoder(self, continuation: str = "") -> Decoder:
+        """A :class:`Decoder` over the state followed by ``continuation`` (run once, now)."""
+        return Decoder(self, continuation)
 
     @torch.no_grad()
     def extend(self, text: str) -> KVState:
@@ -289,6 +339,49 @@ class KVState:
 
 
 # -------------------------------------------------------------------- helpers
+
+
+class Decoder:
+    """Token-by-token decoding from a state, for loops that choose their own tokens (two
+    states in lockstep, say). The state is never mutated.
+
+    ``Decoder(state, continuation)`` runs the continuation over the state; then
+    :attr:`next_logits` ``[vocab]`` predicts the next token and :meth:`push` feeds one token
+    (one forward pass over the cache, with the state's stored bias).
+    """
+
+    @torch.no_grad()
+    def __init__(self, state: KVState, continuation: str = "") -> None:
+        ids = state.encode(continuation)
+        # run() checks the state against its model; without a continuation, check here
+        self.model, self.tokenizer = state.require_model() if ids else state.checked_model()
+        self.device = state.device
+        self.eos_ids = _eos_ids(self.model, self.tokenizer, None)
+        """The token ids that end an answer (the model's and tokenizer's EOS)."""
+        layers = state.layers
+        self.position = state.next_position
+        if ids:
+            logits, full_kv = state.run(ids, logits_to_keep=1)
+            layers = appended_layers(layers, full_kv, ids, self.position)
+            self.position += len(ids)
+            self.next_logits = logits[-1]
+        else:
+            self.next_logits = state.last_logits
+        self._cache = dynamic_cache(layers)
+        self._plan = StateBias(layers)
+
+    @torch.no_grad()
+    def push(self, token: int) -> torch.Tensor:
+        """Feed ``token``; returns (and keeps in :attr:`next_logits`) the next prediction."""
+        self.next_logits = forward(
+            self.model,
+            torch.tensor([[int(token)]], device=self.device),
+            torch.tensor([[self.position]], device=self.device),
+            self._cache,
+            plan=self._plan,
+        )[0, -1]
+        self.position += 1
+        return self.next_logits
 
 
 def _eos_ids(model, tok, override) -> set[int]:
@@ -379,9 +472,22 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     Raises :class:`~kvedit.errors.UnsupportedModelError` for caches kvedit cannot hold.
     """
     text = checks.text("text", text)
-    windows = layer_windows(model)  # the gate: refuses what kvedit cannot run exactly
     enc = tokenizer(text, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
+    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+    return _capture(model, tokenizer, list(enc["input_ids"]), text, offsets)
+
+
+def capture_tokens(model: PreTrainedModel, tokenizer, token_ids: Sequence[int]) -> KVState:
+    """:func:`capture` of a token sequence as given (e.g. ``model.generate``'s ``input_ids``,
+    special tokens included). ``state.text`` is the ids decoded with their special tokens, and
+    each token's character range comes from :func:`kvedit.spans.token_offsets`."""
+    ids = [int(t) for t in token_ids]
+    text, offsets = token_offsets(tokenizer, ids)
+    return _capture(model, tokenizer, ids, text, offsets)
+
+
+def _capture(model, tokenizer, ids: list[int], text: str, offsets: torch.Tensor) -> KVState:
+    windows = layer_windows(model)  # the gate: refuses what kvedit cannot run exactly
     if not ids:
         raise InvalidInputError("capture: the text tokenizes to nothing")
     device = next(model.parameters()).device
@@ -398,7 +504,7 @@ def capture(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     return KVState(
         layers=layers,
         token_ids=torch.tensor(ids, dtype=torch.long),
-        offsets=torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2),
+        offsets=offsets,
         text=text,
         position_ids=torch.arange(n),
         next_position=n,
