@@ -12,6 +12,7 @@ from kvedit import ops
 from kvedit.errors import EmptySelectionError, InvalidInputError, InvalidTypeError
 from kvedit.evals.tasks import records_examples
 from kvedit.focus import (
+    DEFAULT_GUARD,
     adaptive_strengths,
     content_free_question,
     passage_scores,
@@ -81,7 +82,8 @@ def test_a_list_of_spans(llama):
 def test_focus_equals_the_ops_applied_by_hand(llama):
     state = _state(llama)
     question = "\n\nQuestion: What is Bo's number?<|im_end|>\n<|im_start|>assistant\n"
-    found = kvedit.focus(state, question, target=0.6, max_strength=50.0)
+    found = kvedit.focus(state, question, target=0.6, max_strength=50.0, guard=None)
+    assert found.kept and found.verdict is None
     assert len(found.scores) == len(found.passages) == 4 and len(found.chosen) == 1
     assert len(found.strengths) == len(state.layers) and any(b > 0 for b in found.strengths)
     spans = [found.passages[i] for i in found.chosen]
@@ -123,7 +125,7 @@ def test_scores_cancel_positional_bias():
 
 def test_fixed_strength_without_a_target(llama):
     state = _state(llama)
-    found = kvedit.focus(state, "\n\nQuestion: Bo?", target=None, max_strength=3.0)
+    found = kvedit.focus(state, "\n\nQuestion: Bo?", target=None, max_strength=3.0, guard=None)
     assert found.strengths == [3.0] * len(state.layers)
     by_hand = ops.emphasize(state, [found.passages[found.chosen[0]]], 3.0)
     assert torch.equal(found.state.last_logits, by_hand.last_logits)
@@ -137,6 +139,9 @@ def test_explain_is_a_readable_table(llama):
     text = found.explain()
     lines = text.splitlines()
     assert len(lines) == 1 + len(found.passages) and "score" in lines[0]
+    guarded = kvedit.focus(state, "\n\nQuestion: Short?", top_k=2, guard=DEFAULT_GUARD)
+    last = guarded.explain().splitlines()[-1]
+    assert last.startswith("edit kept" if guarded.kept else "edit dropped")
     assert "A very long record that goes on and o..." in text  # 40 characters at most
     for i, line in enumerate(lines[1:]):
         assert line.split()[0] == str(i) and f"{found.scores[i]:.3f}" in line
@@ -188,3 +193,26 @@ def test_focus_text_chooses_the_gold_record(smollm2):
         assert texts == [ex.instruction, *ex.documents]
         assert found.chosen == [ex.gold_index + 1], found.explain()
         assert ex.answers[0] in found.generate(12)
+
+
+def test_the_first_record_does_not_lose_to_a_neighbour(smollm2):
+    """Do no harm at an edge (records seed 1, a tuning example): the model already answers
+    the first record right. Unsmoothed scores (1e-6) chose record 2, from tiny shares in the
+    attention trough, and emphasizing it broke the answer; the smoothed scores choose the
+    first record, and the edit keeps the right answer."""
+    from kvedit.evals.methods import ExampleContext
+    from kvedit.focus import passage_scores
+
+    model, tok = smollm2
+    ex = records_examples(positions=(0,), trials=4, seed=1)[3]
+    assert ex.id == "records-s1-t3-p0" and ex.answers == ("5181",)
+    ctx = ExampleContext(model, tok, ex)
+    assert "5181" in ctx.state.generate(ctx.continuation, 16)  # right without any edit
+    real, calib = passage_shares(ctx.state, ctx.continuation, ctx.doc_spans, query=ex.question)
+    unsmoothed = int(passage_scores(real, calib, smoothing=1e-6).argmax())
+    assert unsmoothed == 2
+    found = kvedit.focus(ctx.state, ctx.continuation, ctx.doc_spans, query=ex.question)
+    assert found.chosen == [0]
+    assert "5181" in found.generate(16)
+    harmed = ops.emphasize(ctx.state, [ctx.doc_spans[unsmoothed]], found.strengths)
+    assert "5181" not in harmed.generate(ctx.continuation, 16)  # the edit that would hurt

@@ -10,10 +10,11 @@ import torch
 
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.edits import EditParams, apply_edit
-from kvedit.evals.methods.focus import example_focus
+from kvedit.evals.methods.edits import EditParams
+from kvedit.evals.methods.focus import example_focus, focused_answer
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
+from kvedit.focus import SCORE_SMOOTHING
 
 __all__ = ["Auto", "AutoParams", "auto_hit_rate"]
 
@@ -37,16 +38,28 @@ class AutoParams(EditParams):
         target: The attention share each layer's bias lifts the chosen documents to, in
             ``(0, 1)``; ``None`` adds ``strength`` everywhere instead. Only ``emphasize``
             uses it.
+        guard: Apply :data:`kvedit.focus.DEFAULT_GUARD` (:class:`kvedit.guard.AgreementGuard`):
+            keep the edit only where, at the first answer token where the answers with and
+            without it differ, the edit's token is the likelier under both states. Off by
+            default (it hurt NQ on the tuning seed). Not with ``edit="steer"``.
+        smoothing: The share added to both sides of each score's log ratio
+            (:data:`kvedit.focus.SCORE_SMOOTHING`; recorded, so results made with another
+            value are never reused for this one).
     """
 
     strength: float = 5.0
     top_k: int = 1
     layers: tuple[float, float] = (0.0, 1.0)
     target: float | None = 0.2
+    guard: bool = False
+    smoothing: float = SCORE_SMOOTHING
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, minimum=1))
+        object.__setattr__(self, "smoothing", check_fraction("smoothing", self.smoothing))
+        if not isinstance(self.guard, bool):
+            raise InvalidInputError(f"guard must be True or False, not {self.guard!r}")
         layers = self.layers
         if isinstance(layers, str) or not isinstance(layers, Sequence) or len(layers) != 2:
             raise InvalidInputError(f"layers must be a pair (lo, hi), not {layers!r}")
@@ -82,15 +95,13 @@ class Auto(Method):
 
     def predict(self, ctx: ExampleContext) -> str:
         p = self.params
-        if p.edit != "emphasize":
-            found = example_focus(ctx, p, edit=False)
-            ctx.notes["auto_choice"] = found.chosen
-            return apply_edit(ctx, [found.passages[i] for i in found.chosen], p)
-        found = example_focus(ctx, p)
+        answer, found = focused_answer(ctx, p)
         ctx.notes["auto_choice"] = found.chosen
-        if p.target is not None:
+        if found.verdict is not None:
+            ctx.notes["auto_verdict"] = found.verdict
+        if p.edit == "emphasize" and p.target is not None:
             ctx.notes["auto_strengths"] = torch.tensor(found.strengths)
-        return found.generate(ctx.max_new_tokens)
+        return answer
 
 
 def auto_hit_rate(contexts: list[ExampleContext], params: AutoParams | None = None) -> float:

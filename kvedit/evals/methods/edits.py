@@ -13,7 +13,7 @@ from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_count, check_real
 from kvedit.steer import steer
 
-__all__ = ["EDITS", "EditParams", "apply_edit"]
+__all__ = ["EDITS", "EditParams", "apply_edit", "edited_state"]
 
 EDITS = ("emphasize", "steer", "scale_keys", "duplicate", "reread")
 """The edits :func:`apply_edit` knows."""
@@ -53,19 +53,27 @@ class EditParams:
         checks.text("separator", self.separator)
 
 
-def apply_edit(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams) -> str:
-    """Answer with ``spans`` (character ranges of the prefix) edited as ``params.edit`` says."""
+def edited_state(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams):
+    """The captured state with ``spans`` edited as ``params.edit`` says (``None`` for
+    ``steer``, which edits no cache: it steers a fresh run of the prompt)."""
     edit = params.edit
     if edit == "emphasize":
-        state = ops.emphasize(ctx.state, spans, params.strength)
-    elif edit == "steer":
+        return ops.emphasize(ctx.state, spans, params.strength)
+    if edit == "steer":
+        return None
+    if edit == "scale_keys":
+        return ops.scale_keys(ctx.state, spans, params.factor)
+    if edit == "duplicate":
+        return ops.duplicate(ctx.state, spans, params.copies)
+    # "reread"; EditParams refuses anything outside EDITS
+    return ops.reread(ctx.state, spans, separator=params.separator)
+
+
+def apply_edit(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams) -> str:
+    """Answer with ``spans`` (character ranges of the prefix) edited as ``params.edit`` says."""
+    state = edited_state(ctx, spans, params)
+    if state is None:
         return steer(
             ctx.model, ctx.tokenizer, emphasize=spans, strength=params.strength, scope="all"
         ).generate(ctx.prompt, max_new_tokens=ctx.max_new_tokens)
-    elif edit == "scale_keys":
-        state = ops.scale_keys(ctx.state, spans, params.factor)
-    elif edit == "duplicate":
-        state = ops.duplicate(ctx.state, spans, params.copies)
-    else:  # "reread"; EditParams refuses anything outside EDITS
-        state = ops.reread(ctx.state, spans, separator=params.separator)
     return state.generate(ctx.continuation, ctx.max_new_tokens)

@@ -8,9 +8,11 @@ and ``layers`` (fractions of the depth) become layer indices.
 from __future__ import annotations
 
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.focus import Focus, choose, focus
+from kvedit.evals.methods.edits import apply_edit, edited_state
+from kvedit.focus import DEFAULT_GUARD, Focus, choose, focus
+from kvedit.guard import AgreementGuard
 
-__all__ = ["example_focus", "layer_slice"]
+__all__ = ["example_focus", "focused_answer", "layer_slice"]
 
 
 def layer_slice(layers: tuple[float, float], n_layers: int) -> slice:
@@ -19,23 +21,43 @@ def layer_slice(layers: tuple[float, float], n_layers: int) -> slice:
     return slice(int(lo * n_layers), max(int(lo * n_layers) + 1, int(hi * n_layers)))
 
 
+def guard_of(params, ctx: ExampleContext) -> AgreementGuard | None:
+    """The guard ``params.guard`` asks for, answering up to ``ctx.max_new_tokens`` tokens."""
+    if not params.guard:
+        return None
+    if ctx.max_new_tokens == DEFAULT_GUARD.max_new_tokens:
+        return DEFAULT_GUARD
+    return AgreementGuard(DEFAULT_GUARD.margin, ctx.max_new_tokens)
+
+
+def focused_answer(ctx: ExampleContext, params) -> tuple[str, Focus]:
+    """The answer of ``auto``/``reread``: the documents :func:`kvedit.focus.choose` picks,
+    edited as ``params.edit`` says, kept only if the guard agrees (``params.guard``)."""
+    if params.edit == "emphasize":
+        found = example_focus(ctx, params)
+        return found.generate(ctx.max_new_tokens), found
+    found = example_focus(ctx, params, edit=False)
+    spans = [found.passages[i] for i in found.chosen]
+    guard = guard_of(params, ctx)
+    edited = edited_state(ctx, spans, params)
+    if guard is None or edited is None:
+        return apply_edit(ctx, spans, params), found
+    found.verdict = guard.decide(ctx.state, edited, ctx.continuation)
+    found.state = edited if found.verdict.kept else ctx.state
+    return found.generate(ctx.max_new_tokens), found
+
+
 def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
     """:func:`kvedit.focus` (or, without ``edit``, :func:`kvedit.focus.choose`) of ``ctx``'s
     documents for its question, with ``params`` (an ``AutoParams``: ``top_k``, ``layers``,
-    ``target``, ``strength``)."""
+    ``target``, ``strength``, ``guard``)."""
     n_layers = len(ctx.state.layers)
     kw = dict(
         top_k=min(params.top_k, len(ctx.doc_spans)),
         layers=range(n_layers)[layer_slice(params.layers, n_layers)],
         query=ctx.example.question,
     )
+    kw.update(target=params.target, max_strength=params.strength, smoothing=params.smoothing)
     if not edit:
         return choose(ctx.state, ctx.continuation, ctx.doc_spans, **kw)
-    return focus(
-        ctx.state,
-        ctx.continuation,
-        ctx.doc_spans,
-        target=params.target,
-        max_strength=params.strength,
-        **kw,
-    )
+    return focus(ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), **kw)

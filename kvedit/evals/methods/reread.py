@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from kvedit.evals.methods.auto import AutoParams
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.edits import apply_edit
-from kvedit.evals.methods.focus import example_focus
+from kvedit.evals.methods.focus import focused_answer
 from kvedit.evals.methods.registry import Method, register_method
 
 __all__ = ["Reread", "RereadParams"]
@@ -28,6 +27,4 @@ class Reread(Method):
     needs_documents = True
 
     def predict(self, ctx: ExampleContext) -> str:
-        p = self.params
-        found = example_focus(ctx, p, edit=False)
-        return apply_edit(ctx, [found.passages[i] for i in found.chosen], p)
+        return focused_answer(ctx, self.params)[0]
