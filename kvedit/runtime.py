@@ -144,6 +144,21 @@ def activate(
         _PLANS.reset(token)
 
 
+@contextlib.contextmanager
+def detached(model: PreTrainedModel) -> Iterator[None]:
+    """Inside the block, ``model`` has no active plan in the current context: kvedit's own
+    runs of it (a capture, a readout) may activate theirs. For work a plan does before the
+    forward it steers (``steer(focus=True)`` reads the prompt's cache first); the outer plan
+    is active again when the block ends."""
+    key = _config_key(model)
+    plans = _PLANS.get(_NO_PLANS)
+    token = _PLANS.set({k: v for k, v in plans.items() if k != key})
+    try:
+        yield
+    finally:
+        _PLANS.reset(token)
+
+
 def forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,24 +31,33 @@ from transformers import PreTrainedModel
 
 from . import checks
 from .errors import InvalidInputError
-from .runtime import activate
+from .focus import focus as run_focus
+from .runtime import activate, detached
 from .spans import Spans, as_span_list, char_ranges, token_offsets, tokens_in_ranges
+from .state import capture_tokens
+from .strengths import strength_for_share, strength_from_pasta_alpha
+
+__all__ = [
+    "SCOPES",
+    "SpanPlan",
+    "SteerConfig",
+    "Steering",
+    "steer",
+    "strength_for_share",
+    "strength_from_pasta_alpha",
+]
 
 SCOPES = ("all", "decode")
 
 
-def strength_for_share(current: float, target: float) -> float:
-    """The strength (nats) that moves a span's attention share from ``current`` to ``target``."""
-    if not (0 < current < 1 and 0 < target < 1):
-        raise InvalidInputError("shares must be strictly between 0 and 1")
-    return math.log(target * (1 - current) / (current * (1 - target)))
+@dataclass(frozen=True)
+class FocusRequest:
+    """``steer(focus=True)``: the question :func:`kvedit.focus` is asked at each prompt, and
+    how its passages are cut (``passages`` as :func:`kvedit.focus` takes them)."""
 
-
-def strength_from_pasta_alpha(alpha: float) -> float:
-    """PASTA's scaling coefficient α for non-emphasized tokens, as a strength in nats."""
-    if not 0 < alpha <= 1:
-        raise InvalidInputError("alpha must be in (0, 1]")
-    return -math.log(alpha)
+    question: str
+    passages: object = None
+    top_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class SteerConfig:
     heads: Mapping[int, tuple[int, ...]] | None
     scope: str
     protect_special: bool
+    focus: FocusRequest | None = None
 
 
 class SpanPlan:
@@ -72,9 +81,19 @@ class SpanPlan:
     the prompt (generated tokens) get none.
     """
 
-    def __init__(self, config: SteerConfig, tokenizer, n_layers: int, n_heads: int):
+    def __init__(
+        self, config: SteerConfig, tokenizer, n_layers: int, n_heads: int, model=None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.model = model  # needed by focus, which reads the prompt's cache to bind
+        # focus: the bias of each layer; token_bias then holds 1.0 on the chosen tokens
+        self.layer_strengths: torch.Tensor | None = None
+        self.found = None  # focus: the kvedit.focus.Focus of the latest bound prompt
+        # scope "decode": the first query (absolute index) the bias applies to; default the
+        # prompt's last token. Focus sets the last token before the question (the cache edit
+        # recomputes it, and the question is read over the edited cache).
+        self.first_biased: int | None = None
         self.n_layers = n_layers
         self.n_heads = n_heads
         self.token_bias: torch.Tensor | None = None
@@ -92,6 +111,8 @@ class SpanPlan:
     def bind_text(self, text: str, offsets: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
         """Bias per token ``[n_tokens]`` for one sequence, from its text and token offsets."""
         cfg = self.config
+        if cfg.focus is not None:
+            return self._focus_bias(text, offsets, ids)
         bias = torch.zeros(len(ids), dtype=torch.float32)
         emph = (
             tokens_in_ranges(offsets, char_ranges(text, cfg.emphasize)) if cfg.emphasize else None
@@ -117,9 +138,53 @@ class SpanPlan:
             bias[0] = 0.0  # the attention sink
         return bias
 
+    def _focus_bias(self, text: str, offsets: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+        """Run :func:`kvedit.focus` on the prompt up to its question; ``1.0`` on the chosen
+        passages' tokens (none when focus's guard dropped the edit), the layer strengths in
+        :attr:`layer_strengths`. The prompt's own pass is never biased (scope ``decode``), so
+        the answer equals :meth:`kvedit.focus.Focus.generate` on the same cut."""
+        request = self.config.focus
+        cut = text.rfind(request.question)
+        if cut < 0:
+            raise InvalidInputError(
+                f"steer(focus=True): the question {request.question!r} is not in the prompt"
+            )
+        n_prefix = int((offsets[:, 1] <= cut).sum()) if cut > 0 else 0
+        if n_prefix == 0:
+            raise InvalidInputError(
+                "steer(focus=True): the prompt has no context before its question"
+            )
+        tok, model = self.tokenizer, self.model
+        with detached(model):
+            state = capture_tokens(model, tok, list(ids)[:n_prefix])
+            continuation = tok.decode(list(ids)[n_prefix:], skip_special_tokens=False)
+            found = run_focus(
+                state,
+                continuation,
+                request.passages,
+                top_k=request.top_k,
+                query=request.question,
+            )
+        self.found = found
+        self.first_biased = n_prefix - 1
+        bias = torch.zeros(len(ids), dtype=torch.float32)
+        self.layer_strengths = torch.tensor(found.strengths, dtype=torch.float32)
+        if found.kept:
+            for i in found.chosen:
+                bias[state.token_indices(found.passages[i])] = 1.0
+        if self.config.protect_special:
+            special = set(tok.all_special_ids)
+            for i, tid in enumerate(ids):
+                if int(tid) in special:
+                    bias[i] = 0.0
+            bias[0] = 0.0
+        return bias
+
     def bind_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Find the spans in the decoded ``input_ids [batch, seq]`` (left padding skipped)."""
         B, T = input_ids.shape
+        if self.config.focus is not None and B != 1:
+            raise InvalidInputError(f"steer(focus=True) binds one prompt at a time, not {B}")
         token_bias = torch.zeros(B, T, dtype=torch.float32)
         for b in range(B):
             keep = (
@@ -189,6 +254,8 @@ class SpanPlan:
                 bias[:, lo - first : hi - first] = tb[:, lo:hi]
             self._memo_key, self._memo = key, bias
         bias = self._memo
+        if self.layer_strengths is not None:
+            bias = bias * float(self.layer_strengths[layer_idx])
         B = bias.shape[0]
         if heads is None:
             return bias[:, None, :]
@@ -202,8 +269,8 @@ class SpanPlan:
         total_len = self.seq_len if self.seq_len is not None else total_len
         # The prompt's own pass is unbiased, except its last query: it predicts the first
         # generated token (as after a cache edit, which recomputes the last token).
-        prompt_len = self.token_bias.shape[1]
-        return max(0, min(q_len, prompt_len - 1 - (total_len - q_len)))
+        first = self.token_bias.shape[1] - 1 if self.first_biased is None else self.first_biased
+        return max(0, min(q_len, first - (total_len - q_len)))
 
 
 class Steering:
@@ -227,11 +294,12 @@ class Steering:
 
     @property
     def plan(self) -> SpanPlan | None:
-        """The plan of this thread's latest ``with`` block (its bound spans), if any."""
+        """The plan of this thread's latest ``with`` block or :meth:`generate` call (its bound
+        spans; with focus, ``plan.found``), if any."""
         return getattr(self._local, "plan", None)
 
     def _new_plan(self) -> SpanPlan:
-        return SpanPlan(self.config, self.tokenizer, self._n_layers, self._n_heads)
+        return SpanPlan(self.config, self.tokenizer, self._n_layers, self._n_heads, self.model)
 
     def __enter__(self) -> Steering:
         stacks = getattr(self._local, "stacks", None)
@@ -275,6 +343,7 @@ class Steering:
         bias = plan.bind_text(prompt, enc["offset_mapping"][0], ids[0].tolist())
         plan.token_bias = bias[None].to(self.model.device)
         plan.fixed = True
+        self._local.plan = plan  # readable afterwards, e.g. ``plan.found`` with focus
         gen_kwargs.setdefault("max_new_tokens", 32)
         gen_kwargs.setdefault("do_sample", False)
         if tok.pad_token_id is None:
@@ -297,8 +366,13 @@ def steer(
     strength: float = 2.0,
     layers: Sequence[int] | None = None,
     heads: Mapping[int, Sequence[int]] | None = None,
-    scope: str = "all",
+    scope: str | None = None,
     protect_special: bool = True,
+    *,
+    focus: bool = False,
+    question: str | None = None,
+    passages=None,
+    top_k: int = 1,
 ) -> Steering:
     """Steer ``model``'s attention toward ``emphasize`` and away from ``suppress``.
 
@@ -311,22 +385,48 @@ def steer(
         layers: layer indices to steer (default all).
         heads: ``{layer: [query head, ...]}``; when given only those heads are steered (on the
             layers of ``layers`` too, when both are given).
-        scope: ``"all"`` also steers the prompt's own pass (as PASTA does); ``"decode"`` only
-            the queries that predict new tokens (the prompt's last token and the generated
-            ones), which is what the cache edits of :mod:`kvedit.ops` do.
+        scope: ``"all"`` (the default without ``focus``) also steers the prompt's own pass (as
+            PASTA does); ``"decode"`` only the queries that predict new tokens (the prompt's
+            last token and the generated ones), which is what the cache edits of
+            :mod:`kvedit.ops` do.
         protect_special: never bias special tokens (BOS, chat-template markers) or token 0,
             the attention sink.
+        focus: choose the spans automatically: at each prompt, :func:`kvedit.focus` reads the
+            prompt's cache up to ``question`` (its last occurrence) and the chosen passages
+            get its per-layer bias, in scope ``"decode"``, unless its guard dropped the edit.
+            The answer is the one :meth:`kvedit.focus.Focus.generate` gives on that cut. Not
+            combined with ``emphasize``/``suppress``/``layers``/``heads``; one prompt at a
+            time. ``plan.found`` holds the latest :class:`~kvedit.focus.Focus`.
+        question: with ``focus``, the question's text as it appears in the prompt.
+        passages, top_k: with ``focus``, as :func:`kvedit.focus` takes them.
 
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
     """
     strength = checks.strength("strength", strength)
+    if focus:
+        return _focus_steering(
+            model,
+            tokenizer,
+            emphasize,
+            suppress,
+            layers,
+            heads,
+            scope,
+            protect_special,
+            question,
+            passages,
+            top_k,
+        )
+    scope = "all" if scope is None else scope
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, not {scope!r}")
     emph = tuple(as_span_list(emphasize)) if emphasize not in ((), [], None) else ()
     supp = tuple(as_span_list(suppress)) if suppress not in ((), [], None) else ()
     if not emph and not supp:
-        raise InvalidInputError("nothing to steer: give emphasize and/or suppress spans")
+        raise InvalidInputError(
+            "nothing to steer: give emphasize and/or suppress spans, or focus=True"
+        )
     text_cfg = model.config.get_text_config()
     n_layers, n_heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
     layers = checks.layers(layers, n_layers)
@@ -343,4 +443,34 @@ def steer(
                     f"heads {{{layer}: {list(hs)}}} out of range ({n_heads} heads)"
                 )
     config = SteerConfig(emph, supp, float(strength), layers, head_map, scope, protect_special)
+    return Steering(model, tokenizer, config)
+
+
+def _focus_steering(
+    model,
+    tokenizer,
+    emphasize,
+    suppress,
+    layers,
+    heads,
+    scope,
+    protect_special,
+    question,
+    passages,
+    top_k,
+) -> Steering:
+    if emphasize not in ((), [], None) or suppress not in ((), [], None):
+        raise InvalidInputError(
+            "steer(focus=True) chooses the spans itself: drop emphasize/suppress"
+        )
+    if layers is not None or heads is not None:
+        raise InvalidInputError("steer(focus=True) sizes every layer's bias: drop layers/heads")
+    if scope not in (None, "decode"):
+        raise InvalidInputError(f"steer(focus=True) steers in scope 'decode', not {scope!r}")
+    if question is None:
+        raise InvalidInputError("steer(focus=True) needs question=: the question's text")
+    question = checks.text("question", question, allow_empty=False)
+    top_k = checks.count("top_k", top_k, minimum=1)
+    request = FocusRequest(question, passages, top_k)
+    config = SteerConfig((), (), 1.0, None, None, "decode", protect_special, request)
     return Steering(model, tokenizer, config)
