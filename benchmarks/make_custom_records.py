@@ -5,6 +5,8 @@ than the built-in ``records`` task, so ``auto`` is checked on wording it was not
 
     python benchmarks/make_custom_records.py --out runs/lockers.jsonl
     kvedit eval litm --data runs/lockers.jsonl --methods none,auto,oracle,repeat
+    python benchmarks/make_custom_records.py --kind containers --seed 11 --trials 10 \
+        --out runs/containers-seed11.jsonl
 """
 
 from __future__ import annotations
@@ -94,14 +96,95 @@ def lockers(n_records: int, positions: list[int], trials: int, seed: int) -> lis
     return examples
 
 
+CITIES = [
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Quito",
+    "Tallinn",
+    "Valparaiso",
+    "Windhoek",
+    "Yerevan",
+    "Zagreb",
+    "Accra",
+    "Bergen",
+    "Cusco",
+    "Dakar",
+    "Esbjerg",
+    "Fukuoka",
+    "Gdansk",
+    "Hobart",
+    "Izmir",
+    "Jaipur",
+    "Kigali",
+    "Leipzig",
+    "Mombasa",
+    "Nantes",
+    "Oulu",
+    "Porto",
+    "Recife",
+    "Salta",
+    "Tromso",
+    "Utrecht",
+    "Varna",
+    "Wellington",
+    "Xiamen",
+    "Yokohama",
+    "Zurich",
+    "Antwerp",
+    "Bilbao",
+    "Chennai",
+    "Durban",
+    "Eindhoven",
+    "Florence",
+]
+
+
+def containers(n_records: int, positions: list[int], trials: int, seed: int) -> list[Example]:
+    """Another kind of record: shipping containers keyed by destination city (no person's
+    name), seven-digit numbers, one per line."""
+    rng = random.Random(seed)
+    examples = []
+    for t in range(trials):
+        cities = rng.sample(CITIES, n_records)
+        numbers = rng.sample(range(1_000_000, 9_999_999), n_records)
+        docs = [f"Shipment to {c}: container number {n}." for c, n in zip(cities, numbers)]
+        target = t % n_records
+        for pos in positions:
+            idx = [i for i in range(n_records) if i != target]
+            idx.insert(pos, target)
+            examples.append(
+                Example(
+                    id=f"containers-n{n_records}-s{seed}-t{t}-p{pos}",
+                    instruction="This is the harbour's shipping manifest. Use it to answer.",
+                    documents=tuple(docs[i] for i in idx),
+                    separator="\n",
+                    question=f"What is the container number of the shipment to {cities[target]}?",
+                    answers=(str(numbers[target]),),
+                    gold_index=pos,
+                    metric="first_number",
+                )
+            )
+    return examples
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/lockers.jsonl")
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--kind",
+        default="lockers",
+        choices=["lockers", "containers"],
+        help="lockers: 15 and 25 people's locker codes; containers: 20 shipments by city",
+    )
     args = p.parse_args()
-    examples = lockers(15, [0, 4, 7, 11, 14], args.trials, args.seed)
-    examples += lockers(25, [0, 6, 12, 18, 24], args.trials, args.seed + 1)
+    if args.kind == "containers":
+        examples = containers(20, [0, 5, 10, 15, 19], args.trials, args.seed)
+    else:
+        examples = lockers(15, [0, 4, 7, 11, 14], args.trials, args.seed)
+        examples += lockers(25, [0, 6, 12, 18, 24], args.trials, args.seed + 1)
     write_jsonl(examples, args.out)
     print(f"wrote {len(examples)} examples to {args.out}")
 
