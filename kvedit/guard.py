@@ -74,7 +74,7 @@ class AgreementGuard:
     def __post_init__(self) -> None:
         object.__setattr__(self, "margin", checks.real("margin", self.margin))
         object.__setattr__(
-            self, "max_new_tokens", checks.count("max_new_tokens", self.max_new_tokens)
+            self, "max_new_tokens", checks.count("max_new_tokens", self.max_new_tokens, minimum=1)
         )
 
     @torch.no_grad()

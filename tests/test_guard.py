@@ -1,0 +1,99 @@
+"""Answers with log-probabilities, lockstep decoding, and the answer guard (kvedit.guard)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvedit
+from kvedit import ops
+from kvedit.errors import InvalidInputError
+from kvedit.guard import AgreementGuard
+
+CONTEXT = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
+QUESTION = "\n\nQuestion: What is Bo's number?"
+
+
+def _state(llama):
+    model, tok = llama
+    return kvedit.capture(model, tok, CONTEXT)
+
+
+def test_answer_is_generate_with_log_probs(llama):
+    state = _state(llama)
+    ans = state.answer(QUESTION, 7)
+    assert ans.text == state.generate(QUESTION, 7)
+    assert len(ans.token_ids) == len(ans.logprobs) <= 7
+    torch.testing.assert_close(
+        torch.tensor(ans.logprobs), torch.tensor(state.token_logprobs(QUESTION, ans.token_ids))
+    )
+    assert all(lp <= 0 for lp in ans.logprobs)
+    assert ans.confidence() == pytest.approx(sum(ans.logprobs) / len(ans.logprobs))
+    assert ans.confidence(1) == pytest.approx(ans.logprobs[0])
+
+
+def test_finished_tells_eos_from_the_length_limit(llama):
+    state = _state(llama)
+    cut = state.answer(QUESTION, 3, eos_token_id=[])
+    assert not cut.finished and len(cut.token_ids) == 3
+    eos = cut.token_ids[1]
+    ended = state.answer(QUESTION, 3, eos_token_id=eos)
+    assert ended.finished and ended.token_ids == cut.token_ids[: cut.token_ids.index(eos)]
+
+
+def _guard_case(llama, strength):
+    state = _state(llama)
+    start = state.text.index("Ann's")
+    return state, ops.emphasize(state, [(start, start + 19)], strength)
+
+
+def test_an_identity_edit_agrees(llama):
+    state, edited = _guard_case(llama, 0.0)
+    verdict = AgreementGuard(max_new_tokens=6).decide(state, edited, QUESTION)
+    assert verdict.kept and verdict.reason == "agree" and verdict.step is None
+    assert verdict.answer.text == state.generate(QUESTION, 6)
+
+
+@pytest.mark.parametrize("strength", [3.0, 8.0, 20.0])
+def test_the_verdict_is_the_joint_log_prob_where_the_answers_first_differ(llama, strength):
+    state, edited = _guard_case(llama, strength)
+    guard = AgreementGuard(max_new_tokens=8)
+    verdict = guard.decide(state, edited, QUESTION)
+    a = state.answer(QUESTION, 8, eos_token_id=[]).token_ids
+    b = edited.answer(QUESTION, 8, eos_token_id=[]).token_ids
+    step = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    assert verdict.step == step
+    if step is None:
+        return
+    common = a[:step]
+    # joint log-prob of the edit's token minus the original's, after the common prefix
+    margin = (
+        state.token_logprobs(QUESTION, [*common, b[step]])[-1]
+        + edited.token_logprobs(QUESTION, [*common, b[step]])[-1]
+        - state.token_logprobs(QUESTION, [*common, a[step]])[-1]
+        - edited.token_logprobs(QUESTION, [*common, a[step]])[-1]
+    )
+    assert verdict.margin == pytest.approx(margin, abs=1e-4)
+    assert verdict.kept == (margin > guard.margin)
+    chosen = edited if verdict.kept else state
+    assert verdict.answer.text == chosen.generate(QUESTION, 8)
+
+
+def test_margin_extremes_keep_or_drop_every_differing_edit(llama):
+    state, edited = _guard_case(llama, 20.0)
+    keep = AgreementGuard(margin=-1e9, max_new_tokens=8).decide(state, edited, QUESTION)
+    drop = AgreementGuard(margin=1e9, max_new_tokens=8).decide(state, edited, QUESTION)
+    assert keep.reason != "agree", "the strong edit must change the answer for this test"
+    assert keep.kept and keep.answer.text == edited.generate(QUESTION, 8)
+    assert not drop.kept and drop.answer.text == state.generate(QUESTION, 8)
+    with pytest.raises(InvalidInputError):
+        AgreementGuard(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 12])
+def test_focus_generate_reuses_the_guards_answer_exactly(llama, n):
+    state = _state(llama)
+    found = kvedit.focus(state, QUESTION, guard=AgreementGuard(max_new_tokens=8))
+    assert found.verdict is not None
+    assert found.generate(n) == found.state.generate(QUESTION, n)
+    assert found.state is (found.state if found.kept else state)
