@@ -141,3 +141,48 @@ def test_plot_curves_writes_a_png(tmp_path: Path, records: list[dict]) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["curves.png"]
     with pytest.raises(ValueError):
         plot_curves({}, tmp_path / "empty.png")
+
+
+def test_summary_reports_seconds_and_the_hit_rate_of_chosen_documents():
+    records = [
+        {
+            "id": "a",
+            "method": "auto",
+            "prediction": "",
+            "gold_index": 0,
+            "correct": True,
+            "seconds": 1.0,
+            "chosen": [0],
+        },
+        {
+            "id": "b",
+            "method": "auto",
+            "prediction": "",
+            "gold_index": 0,
+            "correct": False,
+            "seconds": 3.0,
+            "chosen": [2],
+        },
+        {
+            "id": "c",
+            "method": "auto",
+            "prediction": "",
+            "gold_index": 4,
+            "correct": True,
+            "seconds": 2.0,
+            "chosen": [1, 4],
+        },
+        {
+            "id": "a",
+            "method": "none",
+            "prediction": "",
+            "gold_index": 0,
+            "correct": True,
+            "seconds": 0.5,
+        },
+    ]
+    summary = summarize(records)
+    assert summary["auto"]["seconds"] == 2.0 and summary["none"]["seconds"] == 0.5
+    assert summary["auto"]["hit_by_position"] == {"0": 0.5, "4": 1.0}
+    assert summary["auto"]["hit_rate"] == 2 / 3
+    assert "hit_rate" not in summary["none"]

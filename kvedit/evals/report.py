@@ -48,7 +48,9 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     """Per-method accuracy: overall, by gold position, worst position, and its 95% CI.
 
     Returns ``{method: {"mean", "worst", "by_position", "n", "ci95"}}`` with methods in the
-    order they first appear, where
+    order they first appear (plus ``"seconds"``, the mean seconds per example, when records
+    have them, and ``"hit_rate"`` / ``"hit_by_position"``, how often the gold document was
+    among the ``"chosen"`` ones, for methods that record a choice), where
 
     - ``by_position`` maps the gold position, as a string (``"0"``, ``"5"``, ...; sorted
       numerically), to the mean ``correct`` of that method's examples at that position;
@@ -67,6 +69,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             number in [0, 1], or repeats the ``(method, id)`` of an earlier record.
     """
     by_method: dict[str, list[tuple[int, float]]] = {}
+    seconds: dict[str, list[float]] = {}
+    hits: dict[str, dict[int, list[float]]] = {}
     seen: set[tuple[str, str]] = set()
     for number, record in enumerate(records):
         missing = [key for key in REQUIRED_KEYS if key not in record]
@@ -81,6 +85,11 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
         by_method.setdefault(key[0], []).append(
             (int(record["gold_index"]), _correctness(record, number))
         )
+        if "seconds" in record:
+            seconds.setdefault(key[0], []).append(float(record["seconds"]))
+        if "chosen" in record:
+            hit = float(int(record["gold_index"]) in record["chosen"])
+            hits.setdefault(key[0], {}).setdefault(int(record["gold_index"]), []).append(hit)
 
     summary: dict[str, dict[str, Any]] = {}
     for method, results in by_method.items():
@@ -100,6 +109,13 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             "n": len(values),
             "ci95": [low, high],
         }
+        if method in seconds:
+            summary[method]["seconds"] = math.fsum(seconds[method]) / len(seconds[method])
+        if method in hits:
+            by_hit = {str(p): math.fsum(v) / len(v) for p, v in sorted(hits[method].items())}
+            every = [h for v in hits[method].values() for h in v]
+            summary[method]["hit_rate"] = math.fsum(every) / len(every)
+            summary[method]["hit_by_position"] = by_hit
     return summary
 
 

@@ -27,4 +27,6 @@ class Reread(Method):
     needs_documents = True
 
     def predict(self, ctx: ExampleContext) -> str:
-        return focused_answer(ctx, self.params)[0]
+        answer, found = focused_answer(ctx, self.params)
+        ctx.notes["auto_choice"] = found.chosen
+        return answer
