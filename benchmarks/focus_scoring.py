@@ -2,22 +2,25 @@
 
 For each example the per-layer attention shares of the documents are read once, from the
 question and from its content-free calibration (:func:`kvedit.focus.passage_shares`), and
-saved (``--out``, a ``.pt`` file of tensors). Each variant then scores documents from those
+saved (``--out``, a safetensors file). Each variant then scores documents from those
 readings. Use it on tuning seeds to choose :func:`kvedit.focus.passage_scores`'s smoothing,
 then report the suite on other seeds.
 
 Usage::
 
-    python benchmarks/focus_scoring.py --data runs/lockers-seed3.jsonl --out runs/shares-lockers-s3.pt
-    python benchmarks/focus_scoring.py --analyze runs/shares-*.pt
+    python benchmarks/focus_scoring.py --data runs/lockers-seed3.jsonl --out runs/shares-lockers-s3.safetensors
+    python benchmarks/focus_scoring.py --analyze runs/shares-*.safetensors
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections import defaultdict
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
@@ -34,7 +37,9 @@ def collect(args) -> None:
         real, calib = passage_shares(ctx.state, ctx.continuation, ctx.doc_spans, query=ex.question)
         rows.append({"id": ex.id, "gold": ex.gold_index, "real": real, "calib": calib})
         print(ex.id, flush=True)
-    torch.save(rows, args.out)  # tensors and plain values only: read with weights_only=True
+    tensors = {f"{i}.{k}": r[k].contiguous() for i, r in enumerate(rows) for k in ("real", "calib")}
+    meta = {"rows": json.dumps([{"id": r["id"], "gold": r["gold"]} for r in rows])}
+    save_file(tensors, args.out, metadata=meta)  # safetensors: no pickle
 
 
 def variants(real: torch.Tensor, calib: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -50,7 +55,12 @@ def variants(real: torch.Tensor, calib: torch.Tensor) -> dict[str, torch.Tensor]
 
 def analyze(paths: list[str]) -> None:
     for path in paths:
-        rows = torch.load(path, weights_only=True)
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["rows"])
+            rows = [
+                {**m, "real": f.get_tensor(f"{i}.real"), "calib": f.get_tensor(f"{i}.calib")}
+                for i, m in enumerate(meta)
+            ]
         hits: dict[str, dict[int, list[bool]]] = defaultdict(lambda: defaultdict(list))
         for r in rows:
             for name, s in variants(r["real"].double(), r["calib"].double()).items():
@@ -71,7 +81,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--out", default="runs/shares.pt")
+    p.add_argument("--out", default="runs/shares.safetensors")
     p.add_argument("--analyze", nargs="*", default=None)
     args = p.parse_args()
     if args.analyze:
