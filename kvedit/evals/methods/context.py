@@ -1,8 +1,8 @@
 """The per-example context every method answers from.
 
-An :class:`ExampleContext` builds the chat-templated prompt, captures the cache of the
-documents once (shared by every method on that example) and knows where each document sits
-in the captured text.
+An :class:`ExampleContext` builds the prompt (in the ``"chat"`` or ``"plain"`` format, see
+:data:`kvedit.evals.prompts.PROMPT_FORMATS`), captures the cache of the documents once (shared
+by every method on that example) and knows where each document sits in the captured text.
 """
 
 from __future__ import annotations
@@ -12,23 +12,64 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvedit.errors import InvalidInputError
+from kvedit.evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from kvedit.evals.schema import Example
 from kvedit.state import KVState, capture, templated_prompt
 
-__all__ = ["ExampleContext", "split_prompt"]
+__all__ = ["ExampleContext", "check_prompt", "format_prompt", "split_prompt"]
 
 
-def split_prompt(tokenizer, example: Example) -> tuple[str, str, list[tuple[int, int]]]:
-    """``(prefix, continuation, document spans)`` of an example's chat-templated prompt.
+def check_prompt(tokenizer, prompt: str) -> str:
+    """``prompt`` if ``tokenizer`` can be prompted in that format; else InvalidInputError.
+
+    An unknown format, and ``"chat"`` with a tokenizer that has no chat template, are errors
+    (``"plain"`` is never chosen silently instead).
+    """
+    if prompt not in PROMPT_FORMATS:
+        raise InvalidInputError(
+            f"unknown prompt format {prompt!r}; choose one of {', '.join(PROMPT_FORMATS)}"
+        )
+    if prompt == "chat" and not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise InvalidInputError(
+            f"prompt format 'chat' needs a chat template, and the tokenizer {name!r} has none; "
+            "use the 'plain' format (kvedit eval litm --prompt plain) for a base model"
+        )
+    return prompt
+
+
+def format_prompt(tokenizer, user_message: str, prompt: str = "chat") -> str:
+    """The full prompt text of ``user_message`` in the format ``prompt``.
+
+    ``"chat"``: :func:`kvedit.state.templated_prompt` (the chat template with one user turn and
+    the generation prompt); ``"plain"``: ``user_message + ANSWER_CUE``. Either way the BOS text
+    is left out when the tokenizer adds BOS itself (capturing adds it).
+    """
+    check_prompt(tokenizer, prompt)
+    if prompt == "chat":
+        return templated_prompt(tokenizer, user_message)
+    return user_message + ANSWER_CUE
+
+
+def split_prompt(
+    tokenizer, example: Example, prompt: str = "chat"
+) -> tuple[str, str, list[tuple[int, int]]]:
+    """``(prefix, continuation, document spans)`` of an example's prompt in format ``prompt``.
 
     The prefix ends where the documents end (the captured context); the continuation asks the
-    question and opens the answer. Spans are character ranges of the documents in the prefix.
+    question and opens the answer (it contains ``example.question``). Spans are character
+    ranges of the documents in the prefix. A chat template that does not keep the user
+    message verbatim is an error.
     """
     user = example.user_message()
-    full = templated_prompt(tokenizer, user)
+    full = format_prompt(tokenizer, user, prompt)
     start = full.find(user)
-    if start < 0:  # the template rewrote the message; fall back to the raw text
-        full, start = user, 0
+    if start < 0:
+        raise InvalidInputError(
+            f"example {example.id!r}: the chat template rewrote the user message, so the "
+            "documents cannot be located in the prompt; use the 'plain' prompt format"
+        )
     cut = start + example.documents_end()
     spans = [(start + a, start + b) for a, b in example.document_spans()]
     return full[:cut], full[cut:], spans
@@ -37,6 +78,9 @@ def split_prompt(tokenizer, example: Example) -> tuple[str, str, list[tuple[int,
 @dataclass
 class ExampleContext:
     """Everything a method needs for one example; the capture is made once and shared.
+
+    ``prompt_format`` is ``"chat"`` or ``"plain"`` (:func:`split_prompt`); :attr:`prompt` is
+    the full prompt text in that format.
 
     ``notes`` holds what is computed once per example (:meth:`memo`: the attention shares
     ``auto`` and ``reread`` share) and what methods leave for inspection (``"auto_choice"``,
@@ -47,11 +91,12 @@ class ExampleContext:
     tokenizer: object
     example: Example
     max_new_tokens: int = 32
+    prompt_format: str = "chat"
     notes: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def _split(self) -> tuple[str, str, list[tuple[int, int]]]:
-        return split_prompt(self.tokenizer, self.example)
+        return split_prompt(self.tokenizer, self.example, self.prompt_format)
 
     @property
     def prefix(self) -> str:
@@ -68,6 +113,7 @@ class ExampleContext:
 
     @property
     def prompt(self) -> str:
+        """The full prompt: :attr:`prefix` + :attr:`continuation`."""
         return self.prefix + self.continuation
 
     @functools.cached_property
@@ -80,7 +126,7 @@ class ExampleContext:
 
     def generate_prompt(self, example: Example) -> str:
         """Answer another variant of the example from scratch (baselines)."""
-        prefix, cont, _ = split_prompt(self.tokenizer, example)
+        prefix, cont, _ = split_prompt(self.tokenizer, example, self.prompt_format)
         return capture(self.model, self.tokenizer, prefix).generate(cont, self.max_new_tokens)
 
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
