@@ -1,11 +1,13 @@
-"""The highlight app (``apps/highlight/``): request parsing, the steering itself, the
-``/steer`` endpoint of a server started with ``kvedit app`` and called with ``gradio_client``,
-and the app in the wheel (installed as ``kvedit_apps.highlight``)."""
+"""The highlight app (``apps/highlight/``): request parsing, the steering itself,
+Auto-highlight, the ``/steer`` and ``/focus`` endpoints of a server started with ``kvedit app``
+and called with ``gradio_client``, and the app in the wheel (installed as
+``kvedit_apps.highlight``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import html
 import inspect
 import os
@@ -24,6 +26,7 @@ from gradio_client import Client
 import kvedit
 from apps import highlight
 from apps.highlight import Highlighter, InputError, Limits, span_lines, split_prompt, strip_markers
+from kvedit.focus import choose
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,6 +199,130 @@ def test_render_attention_escapes_text_between_and_around_tokens():
 def test_zero_strength_leaves_the_answer_alone(app):
     result = app.run(CONTEXT, "Carol", "", 0.0, QUESTION)
     assert result.steered == result.baseline
+
+
+# ------------------------------------------------------------------------- auto-highlight
+
+RECORDS = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
+
+
+def test_focus_picks_a_sentence_the_run_accepts(app, llama):
+    # One line of four sentences: the passages are the sentences.
+    result = app.focus(CONTEXT, QUESTION)
+    sentences = re.findall(r"[^.]+\.", CONTEXT)
+    got = [p["passage"] for p in result.passages]
+    assert got == [s.strip() for s in sentences]
+    for p in result.passages:
+        assert CONTEXT[p["start"] : p["end"]] == p["passage"]
+        assert isinstance(p["score"], float) and isinstance(p["chosen"], bool)
+    scores = [p["score"] for p in result.passages]
+    best = max(range(len(scores)), key=scores.__getitem__)
+    assert [p["chosen"] for p in result.passages] == [i == best for i in range(len(scores))]
+    assert result.emphasize == got[best]
+    assert highlight.locate(CONTEXT, span_lines(result.emphasize), "emphasize")
+    app.run(CONTEXT, result.emphasize, "", 2.0, QUESTION)  # the Emphasize box text is accepted
+    assert result.status.startswith("**Auto-highlight** in")
+    assert "picked 1 of 4 passages" in result.status
+    assert "Press **Run** to steer" in result.status
+    assert "<ol" in result.scores_html and result.scores_html.count("<li") == 4
+
+    # The scores are kvedit.focus's for the question asked after the context in the template.
+    model, tok = llama
+    split = split_prompt(tok, CONTEXT, QUESTION)
+    state = kvedit.capture(model, tok, split.prefix)
+    ranges = [split.shift([(p["start"], p["end"])])[0] for p in result.passages]
+    want = choose(state, split.continuation, ranges, query=QUESTION)
+    assert scores == pytest.approx(want.scores, abs=1e-6)
+
+
+def test_focus_keeps_to_the_context_and_orders_the_picks(app):
+    result = app.focus(RECORDS, "What is Bo's number?", top_k=2)
+    texts = [p["passage"] for p in result.passages]
+    assert texts == [
+        "Read the records.",
+        "Ann's number is 11.",
+        "Bo's number is 22.",
+        "Cy's number is 33.",
+    ]
+    assert not any("im_start" in t or "Question" in t for t in texts)
+    chosen = sorted(
+        (p for p in result.passages if p["chosen"]), key=lambda p: p["score"], reverse=True
+    )
+    assert len(chosen) == 2
+    assert result.emphasize == "\n".join(p["passage"] for p in chosen)  # best first
+    assert min(p["score"] for p in chosen) >= max(
+        p["score"] for p in result.passages if not p["chosen"]
+    )
+    # More passages asked for than there are: all of them, and the status says so.
+    every = app.focus(RECORDS, "What is Bo's number?", top_k=10)
+    assert all(p["chosen"] for p in every.passages)
+    assert "picked 4 of 4 passages (asked for 10; the context has only 4)" in every.status
+
+
+def test_focus_never_scores_the_template_text(llama):
+    # A chat template with a system message: its text is in the captured prompt, not a passage.
+    model, tok = llama
+    tok = copy.deepcopy(tok)
+    tok.chat_template = tok.chat_template.replace(
+        "{% for message in messages %}",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% for message in messages %}",
+    )
+    result = Highlighter(model, tok, "tiny-llama").focus(RECORDS, "What is Bo's number?")
+    assert "You are a helpful assistant." in split_prompt(tok, RECORDS, "x").prefix
+    assert [p["passage"] for p in result.passages] == RECORDS.replace("\n\n", "\n").split("\n")
+
+
+def test_focus_reads_the_context_without_markers(app):
+    marked = RECORDS.replace("Bo's number is 22.", "[[Bo's number is 22.]]")
+    plain = app.focus(RECORDS, "What is Cy's number?")
+    got = app.focus(marked, "What is Cy's number?")
+    assert got.passages == plain.passages and got.emphasize == plain.emphasize
+    assert "[[" not in got.emphasize
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("", QUESTION), "context is empty"),
+        (("  \n ", QUESTION), "context is empty"),
+        ((CONTEXT, " "), "Ask a question"),
+        ((CONTEXT, QUESTION, 0), "Passages to pick must be a whole number from 1 to 32, not 0"),
+        ((CONTEXT, QUESTION, 33), "from 1 to 32"),
+        ((CONTEXT, QUESTION, 1.5), "whole number"),
+        ((CONTEXT, QUESTION, None), "whole number"),
+        ((CONTEXT, QUESTION, "many"), "whole number"),
+        (("a [[b", QUESTION), "Unmatched `[[`"),
+        (("x" * 12_001, QUESTION), "too long: 12,001 characters"),
+        ((CONTEXT, "?" * 501), "question is too long"),
+    ],
+)
+def test_invalid_focus_requests_get_clear_messages(app, args, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        app.focus(*args)
+
+
+def test_focus_token_limit_is_reported(llama):
+    model, tok = llama
+    small = Highlighter(model, tok, "tiny-llama", Limits(max_context_tokens=20))
+    with pytest.raises(InputError, match=r"too long: \d+ tokens with the chat template \(max 20\)"):
+        small.focus(CONTEXT, QUESTION)
+
+
+def test_render_scores_draws_bars_and_escapes_html():
+    passages = [
+        {"passage": "<b>low</b>", "start": 0, "end": 10, "score": -1.0, "chosen": False},
+        {"passage": "high & " + "y" * 80, "start": 11, "end": 98, "score": 1.0, "chosen": True},
+        {"passage": "mid", "start": 99, "end": 102, "score": 0.0, "chosen": False},
+    ]
+    view = highlight.render_scores(passages)
+    assert "<b>" not in view and "&lt;b&gt;low&lt;/b&gt;" in view
+    rows = re.findall(r'<li class="([^"]*)".*?</li>', view)
+    assert rows == ["kvedit-passage", "kvedit-passage chosen", "kvedit-passage"]
+    assert re.findall(r"width:([\d.]+)%", view) == ["0.0", "100.0", "50.0"]
+    assert "+1.000" in view and "-1.000" in view and "✓" in view
+    assert ". high &amp; " + "y" * 52 + "…<" in view  # the first 60 characters of the passage
+    same = highlight.render_scores([{**p, "score": 0.5} for p in passages])
+    assert re.findall(r"width:([\d.]+)%", same) == ["100.0"] * 3
 
 
 def test_samples_are_middle_records_with_the_gold_hint():
@@ -381,7 +508,20 @@ def test_steer_endpoint_is_documented(client):
         "question",
     ]
     assert [r["label"] for r in steer["returns"]][:2] == ["Baseline answer", "Steered answer"]
-    assert set(info["named_endpoints"]) == {"/steer"}  # the UI helpers stay private
+    assert set(info["named_endpoints"]) == {"/steer", "/focus"}  # the UI helpers stay private
+
+
+def test_focus_endpoint_is_documented(client):
+    focus = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/focus"]
+    params = focus["parameters"]
+    assert [p["parameter_name"] for p in params] == ["context", "question", "top_k"]
+    assert (params[2]["parameter_has_default"], params[2]["parameter_default"]) == (True, 1)
+    assert [r["label"] for r in focus["returns"]] == [
+        "Emphasize (one span per line)",
+        "Passage scores",
+        "Passages",
+        "Status",
+    ]
 
 
 def test_steer_endpoint_returns_both_answers_and_the_cache(client, llama, app):
@@ -399,6 +539,37 @@ def test_steer_endpoint_returns_both_answers_and_the_cache(client, llama, app):
     loaded = kvedit.load_state(cache, model, tok)
     assert loaded.has_bias
     assert loaded.generate(split.continuation, app.limits.max_new_tokens).strip() == steered
+
+
+def test_focus_endpoint_picks_passages_for_steer(client, app):
+    emphasize, scores, passages, status = client.predict(CONTEXT, QUESTION, api_name="/focus")
+    expected = app.focus(CONTEXT, QUESTION)  # same model, in this process
+    assert emphasize == expected.emphasize and emphasize in CONTEXT
+    assert [{**p, "score": pytest.approx(p["score"], abs=1e-5)} for p in expected.passages] == (
+        passages
+    )
+    assert sum(p["chosen"] for p in passages) == 1
+    assert "Passage scores" in scores and status.startswith("**Auto-highlight** in")
+    *_, status = client.predict(CONTEXT, emphasize, "", 2.0, QUESTION, api_name="/steer")
+    assert status.startswith("**Done** in")
+    emphasize, *_ = client.predict(CONTEXT, QUESTION, 2, api_name="/focus")
+    assert len(span_lines(emphasize)) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("", QUESTION, 1), "**Not run:** The context is empty"),
+        ((CONTEXT, "", 1), "**Not run:** Ask a question"),
+        ((CONTEXT, QUESTION, 0), "**Not run:** Passages to pick must be a whole number"),
+    ],
+)
+def test_bad_focus_request_is_a_message_not_a_trace(client, args, message):
+    emphasize, scores, passages, status = client.predict(*args, api_name="/focus")
+    assert status.startswith(message), status
+    assert (scores, passages) == ("", [])
+    assert not emphasize
+    assert "Traceback" not in status
 
 
 def test_missing_span_is_a_message_not_a_trace(client):
@@ -429,7 +600,7 @@ def test_concurrent_requests_keep_their_own_spans(client, app):
     assert got == want
 
 
-def test_build_app_registers_the_steer_endpoint(app):
+def test_build_app_registers_the_steer_and_focus_endpoints(app):
     demo = highlight.build_app(app)
     named = {fn.api_name: fn for fn in demo.fns.values() if fn.api_name}
     assert [c.elem_id for c in named["steer"].inputs] == [
@@ -447,3 +618,26 @@ def test_build_app_registers_the_steer_endpoint(app):
         "cache",
         "status",
     ]
+
+    assert [c.elem_id for c in named["focus"].inputs] == ["context", "question", "top-k"]
+    assert [c.elem_id for c in named["focus"].outputs] == [
+        "emphasize",
+        "focus-scores",
+        "focus-passages",
+        "status",
+    ]
+
+
+def test_auto_highlight_button_keeps_typed_spans_on_error(app):
+    demo = highlight.build_app(app)
+    (auto,) = [b for b in demo.blocks.values() if b.elem_id == "auto-highlight"]
+    (button,) = [f for f in demo.fns.values() if f.targets == [(auto._id, "click")]]
+    endpoint = next(f for f in demo.fns.values() if f.api_name == "focus")
+    assert [c.elem_id for c in button.inputs] == [c.elem_id for c in endpoint.inputs]
+    assert [c.elem_id for c in button.outputs] == [c.elem_id for c in endpoint.outputs]
+    kept, scores, passages, status = button.fn(CONTEXT, "", 1)
+    assert kept == {"__type__": "update"}  # gr.skip(): the Emphasize box is left alone
+    assert (scores, passages) == ("", []) and status.startswith("**Not run:** Ask a question")
+    assert endpoint.fn(CONTEXT, "", 1)[0] == ""
+    picked, *_ = button.fn(CONTEXT, QUESTION, 1)
+    assert picked == app.focus(CONTEXT, QUESTION).emphasize

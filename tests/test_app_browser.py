@@ -104,8 +104,13 @@ def value(driver, elem_id: str) -> str:
 
 
 def type_into(driver, elem_id: str, text: str) -> None:
+    """Replace a box's text by typing, as a user would (``clear()`` alone fires no input event,
+    so Gradio would keep the old value when ``text`` is empty)."""
+    from selenium.webdriver.common.keys import Keys
+
     box = field(driver, elem_id)
     box.clear()
+    box.send_keys(" ", Keys.BACKSPACE)
     box.send_keys(text)
 
 
@@ -240,3 +245,41 @@ def test_sample_run_and_screenshot(page):
     page.execute_script("window.scrollTo(0, 0)")
     path = screenshot(page, "highlight.png")
     assert path.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def test_auto_highlight_fills_the_emphasize_box(page):
+    from selenium.webdriver.common.by import By
+
+    old = value(page, "context")
+    click(page, "load-sample")
+    wait_for(page, lambda d: value(d, "context") not in ("", old), timeout=30)
+    context, question = value(page, "context"), value(page, "question")
+    type_into(page, "emphasize", "My own span")
+    type_into(page, "question", "")
+    # An error leaves the typed spans alone.
+    click(page, "auto-highlight")
+    wait_for(page, lambda d: "Ask a question" in text_of(d, "status"))
+    assert value(page, "emphasize") == "My own span"
+
+    type_into(page, "emphasize", "")
+    type_into(page, "question", question)
+
+    def rows(d):
+        return d.find_elements(By.CSS_SELECTOR, "#focus-scores li")
+
+    click(page, "auto-highlight")
+    wait_for(page, lambda d: value(d, "emphasize").strip() and rows(d))
+    status = text_of(page, "status")
+    assert status.startswith("Auto-highlight in") and "picked 1 of" in status, status
+    picked = value(page, "emphasize")
+    lines = [line for line in context.split("\n") if line.strip()]
+    assert picked in lines  # one record (or the instruction), as the Emphasize box takes it
+    assert len(rows(page)) == len(lines)  # a row per passage: the instruction and each record
+    (chosen,) = page.find_elements(By.CSS_SELECTOR, "#focus-scores li.chosen")
+    assert chosen.get_attribute("title") == picked and "✓" in chosen.text
+    assert "Passage scores" in text_of(page, "focus-scores")
+
+    status = run_and_wait(page)  # the picked passage steers like a typed one
+    assert status.startswith("Done in"), status
+    page.execute_script("window.scrollTo(0, 0)")
+    screenshot(page, "highlight-auto.png")

@@ -11,6 +11,12 @@ keys. That is the decode scope of :func:`kvedit.steer`: the context's own encodi
 the question and answer tokens see the bias. The edited cache can be downloaded and reloaded
 with :func:`kvedit.load_state`.
 
+Auto-highlight picks the spans for you: the context is captured in the same prompt, cut into
+passages (paragraphs, the lines of multi-line ones; sentences when that gives one passage) and
+:func:`kvedit.focus.choose` scores each by the attention the question gives it against a
+content-free version of the question. The best ``top_k`` go into the Emphasize box and the
+scores are drawn as bars; nothing is steered until Run.
+
 Prompt: the model's chat template around ``<context>\\n\\nQuestion: <question>``, cut where the
 context ends. The captured state is everything up to the end of the context (template header
 included); the continuation is the question, the end of the user turn and the assistant header.
@@ -19,10 +25,13 @@ Modules:
 
 - :mod:`.parse`: spans from the boxes and the ``[[emphasize]]`` / ``{{suppress}}`` markup,
   validation and limits (no model, no Gradio);
-- :mod:`.steer`: :class:`Highlighter`, the model side (capture, edit, answer, attention shares);
-- :mod:`.render`: the attention-coloured HTML of the context and the status line;
+- :mod:`.steer`: :class:`Highlighter`, the model side (capture, edit, answer, attention shares,
+  Auto-highlight's passage scores);
+- :mod:`.render`: the attention-coloured HTML of the context, the passage-score bars and the
+  status lines;
 - :mod:`.samples`: the lost-in-the-middle samples;
-- :mod:`.ui`: the Gradio page, the ``/steer`` endpoint, :func:`serve` and :func:`main`.
+- :mod:`.ui`: the Gradio page, the ``/steer`` and ``/focus`` endpoints, :func:`serve` and
+  :func:`main`.
 
 In a checkout this package is ``apps.highlight``; the wheel installs the same files as
 ``kvedit_apps.highlight``, which ``kvedit app`` imports. Start it with
@@ -34,6 +43,18 @@ to 127.0.0.1 unless told otherwise. Scripts call the ``/steer`` endpoint with
     baseline, steered, *_ = Client("http://127.0.0.1:7860/").predict(
         context, "span to emphasize", "", 2.0, "the question?", api_name="/steer")
 
+and the ``/focus`` endpoint (Auto-highlight: context, question, ``top_k`` passages to pick,
+default 1) returns the Emphasize-box text, the scores as HTML, one
+``{"passage", "start", "end", "score", "chosen"}`` dict per passage (``start``/``end``:
+characters of the context, inline markers removed) and a status line; on bad input the text is
+empty and the status says why::
+
+    client = Client("http://127.0.0.1:7860/")
+    emphasize, _, passages, status = client.predict(
+        context, "the question?", 1, api_name="/focus")
+    baseline, steered, *_ = client.predict(
+        context, emphasize, "", 2.0, "the question?", api_name="/steer")
+
 Every request is handled on its own: the model and tokenizer are shared read-only, and nothing
 module-level changes per request (kvedit keeps each thread's attention plan apart).
 """
@@ -42,6 +63,7 @@ from __future__ import annotations
 
 from .parse import (
     QUESTION_SEPARATOR,
+    FocusRequest,
     InputError,
     Limits,
     Marked,
@@ -49,12 +71,22 @@ from .parse import (
     Range,
     Request,
     locate,
+    parse_focus_request,
     parse_request,
     span_lines,
     split_prompt,
     strip_markers,
 )
-from .render import GroupShare, Piece, context_pieces, legend, render_attention, render_status
+from .render import (
+    GroupShare,
+    Piece,
+    context_pieces,
+    legend,
+    render_attention,
+    render_focus_status,
+    render_scores,
+    render_status,
+)
 from .samples import (
     SAMPLE_POSITION,
     SAMPLE_RECORDS,
@@ -62,7 +94,7 @@ from .samples import (
     sample_examples,
     sample_fields,
 )
-from .steer import Highlighter, SteerResult
+from .steer import FocusResult, Highlighter, SteerResult
 from .ui import (
     DEFAULT_HOST,
     DEFAULT_MODEL,
@@ -86,6 +118,8 @@ __all__ = [
     "SAMPLE_POSITION",
     "SAMPLE_RECORDS",
     "SAMPLE_TRIALS",
+    "FocusRequest",
+    "FocusResult",
     "GroupShare",
     "Highlighter",
     "InputError",
@@ -103,8 +137,11 @@ __all__ = [
     "legend",
     "locate",
     "main",
+    "parse_focus_request",
     "parse_request",
     "render_attention",
+    "render_focus_status",
+    "render_scores",
     "render_status",
     "sample_examples",
     "sample_fields",

@@ -2,7 +2,9 @@
 
 Nothing here touches the model: a request (context, span lists, strength, question) becomes a
 :class:`Request` of character ranges, or an :class:`InputError` whose message is written for the
-page. :func:`split_prompt` cuts the chat-templated prompt where the context ends.
+page; :func:`parse_focus_request` does the same for an Auto-highlight request (context,
+question, how many passages to pick). :func:`split_prompt` cuts the chat-templated prompt where
+the context ends.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QUESTION_SEPARATOR",
+    "FocusRequest",
     "InputError",
     "Limits",
     "Marked",
@@ -28,6 +31,7 @@ __all__ = [
     "Request",
     "locate",
     "overlap",
+    "parse_focus_request",
     "parse_request",
     "span_lines",
     "split_prompt",
@@ -101,6 +105,21 @@ class Request:
     suppress: tuple[Range, ...]
     strength: float
     question: str
+
+
+@dataclass(frozen=True)
+class FocusRequest:
+    """A validated Auto-highlight request.
+
+    Attributes:
+        context: the context, markers removed (what the model reads).
+        question: the question, stripped.
+        top_k: how many passages to pick (at least 1).
+    """
+
+    context: str
+    question: str
+    top_k: int
 
 
 @dataclass(frozen=True)
@@ -210,6 +229,31 @@ def overlap(a: Sequence[Range], b: Sequence[Range]) -> Range | None:
     return None
 
 
+def _context_and_question(context: str, question: str, lim: Limits) -> tuple[Marked, str]:
+    """The context without its markers and the stripped question, both checked.
+
+    Raises:
+        InputError: an empty or too long context or question, or bad markers.
+    """
+    if not context or not context.strip():
+        raise InputError("The context is empty: paste a text or load a sample.")
+    marked = strip_markers(context)
+    if len(marked.context) > lim.max_context_chars:
+        raise InputError(
+            f"The context is too long: {len(marked.context):,} characters "
+            f"(max {lim.max_context_chars:,})."
+        )
+    question = (question or "").strip()
+    if not question:
+        raise InputError("Ask a question about the context.")
+    if len(question) > lim.max_question_chars:
+        raise InputError(
+            f"The question is too long: {len(question):,} characters "
+            f"(max {lim.max_question_chars:,})."
+        )
+    return marked, question
+
+
 def parse_request(
     context: str,
     emphasize: str,
@@ -232,22 +276,7 @@ def parse_request(
         InputError: with a message for the page.
     """
     lim = limits or Limits()
-    if not context or not context.strip():
-        raise InputError("The context is empty: paste a text or load a sample.")
-    marked = strip_markers(context)
-    if len(marked.context) > lim.max_context_chars:
-        raise InputError(
-            f"The context is too long: {len(marked.context):,} characters "
-            f"(max {lim.max_context_chars:,})."
-        )
-    question = (question or "").strip()
-    if not question:
-        raise InputError("Ask a question about the context.")
-    if len(question) > lim.max_question_chars:
-        raise InputError(
-            f"The question is too long: {len(question):,} characters "
-            f"(max {lim.max_question_chars:,})."
-        )
+    marked, question = _context_and_question(context, question, lim)
     try:
         nats = float(strength)
     except (TypeError, ValueError):
@@ -272,6 +301,29 @@ def parse_request(
             "suppress; a token can only be one."
         )
     return Request(marked.context, tuple(emph), tuple(supp), nats, question)
+
+
+def parse_focus_request(
+    context: str, question: str, top_k: int | float | str = 1, limits: Limits | None = None
+) -> FocusRequest:
+    """Validate an Auto-highlight request (context and question as for :func:`parse_request`).
+
+    ``top_k`` is how many passages to pick: a whole number from 1 to ``limits.max_spans``.
+
+    Raises:
+        InputError: with a message for the page.
+    """
+    lim = limits or Limits()
+    marked, question = _context_and_question(context, question, lim)
+    try:
+        k = float(top_k)
+    except (TypeError, ValueError):
+        k = math.nan
+    if not math.isfinite(k) or k != int(k) or not 1 <= k <= lim.max_spans:
+        raise InputError(
+            f"Passages to pick must be a whole number from 1 to {lim.max_spans}, not {top_k!r}."
+        )
+    return FocusRequest(marked.context, question, int(k))
 
 
 def split_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str) -> PromptSplit:

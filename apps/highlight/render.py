@@ -2,7 +2,8 @@
 
 The context is drawn token by token, each token's background as strong as its share of the
 question's attention; emphasized spans are underlined in green, suppressed ones dashed in red.
-All text from the request is HTML-escaped. The status line is Markdown.
+All text from the request is HTML-escaped. The status line is Markdown. Auto-highlight's
+passage scores are drawn as a list of bars (:func:`render_scores`), picked passages in green.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = [
     "context_pieces",
     "legend",
     "render_attention",
+    "render_focus_status",
+    "render_scores",
     "render_status",
     "render_views",
 ]
@@ -34,6 +37,7 @@ __all__ = [
 _HEAT_RGB = "234, 88, 12"  # orange
 _EMPHASIZE_COLOR = "#16a34a"  # green underline
 _SUPPRESS_COLOR = "#dc2626"  # red dashed underline
+_OTHER_BAR_COLOR = "#9ca3af"  # grey: a passage not picked
 
 
 @dataclass(frozen=True)
@@ -174,4 +178,66 @@ def render_status(
         f"strength {strength:g} nats). Share of the question's attention, before → after: "
         + "; ".join(lines)
         + "."
+    )
+
+
+def _short(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def render_scores(passages: Sequence[dict], width: int = 60) -> str:
+    """HTML of Auto-highlight's passage scores: one row per passage, in context order.
+
+    ``passages`` are dicts with ``passage``, ``score`` and ``chosen`` (as in
+    :class:`.steer.FocusResult`). A row shows the passage's first ``width`` characters, its
+    score and a bar as long as the score (from the lowest score, empty, to the highest, full);
+    picked passages are green, bold and marked ✓ (the row's class is ``chosen``).
+    """
+    scores = [float(p["score"]) for p in passages]
+    lo, hi = min(scores, default=0.0), max(scores, default=0.0)
+    rows = []
+    for i, p in enumerate(passages):
+        score = float(p["score"])
+        fill = 100.0 if hi <= lo else 100.0 * (score - lo) / (hi - lo)
+        chosen = bool(p["chosen"])
+        color = _EMPHASIZE_COLOR if chosen else _OTHER_BAR_COLOR
+        weight = "font-weight:600;" if chosen else ""
+        rows.append(
+            f'<li class="kvedit-passage{" chosen" * chosen}" style="display:grid;'
+            "grid-template-columns:1.5em minmax(0,1fr) 110px 4.5em;gap:6px;align-items:center;"
+            f'{weight}" title="{html.escape(p["passage"])}">'
+            f'<span style="color:{_EMPHASIZE_COLOR}">{"✓" if chosen else ""}</span>'
+            '<span style="overflow:hidden;text-overflow:ellipsis;white-space:nowrap">'
+            f"{i + 1}. {html.escape(_short(p['passage'], width))}</span>"
+            '<span style="background:#f3f4f6;border-radius:3px;height:10px">'
+            f'<span style="display:block;height:10px;border-radius:3px;width:{fill:.1f}%;'
+            f'background:{color}"></span></span>'
+            f'<span class="score" style="text-align:right;font-variant-numeric:tabular-nums">'
+            f"{score:+.3f}</span></li>"
+        )
+    return (
+        '<div class="kvedit-scores" style="padding:2px 4px">'
+        '<div style="font-weight:600;margin-bottom:4px">Passage scores</div>'
+        '<ol style="list-style:none;margin:0;padding:8px;font-size:13px;line-height:1.7;'
+        'max-height:420px;overflow-y:auto;border:1px solid #d1d5db;border-radius:8px">'
+        + "".join(rows)
+        + "</ol>"
+        '<div style="font-size:12px;opacity:.8;margin-top:4px">Score: log of the attention '
+        "share the question gives a passage over the share a content-free version of the "
+        "question gives it, averaged over layers (position bias cancels). Green ✓: picked, "
+        "now in the Emphasize box.</div></div>"
+    )
+
+
+def render_focus_status(
+    model_name: str, seconds: float, n_tokens: int, n_passages: int, picked: int, asked: int
+) -> str:
+    """The Markdown status of an Auto-highlight: what was picked, and that Run steers."""
+    noun = "passage" if n_passages == 1 else "passages"
+    fewer = f" (asked for {asked}; the context has only {n_passages})" if picked < asked else ""
+    return (
+        f"**Auto-highlight** in {seconds:.1f} s on `{model_name}` ({n_tokens:,} context tokens): "
+        f"picked {picked} of {n_passages} {noun}{fewer}, now in the Emphasize box. "
+        "Press **Run** to steer."
     )

@@ -4,6 +4,10 @@ The context is captured once with :func:`kvedit.capture`; :func:`kvedit.ops.emph
 :func:`kvedit.ops.suppress` store a ±strength bias on the spans' keys (the decode scope of
 :func:`kvedit.steer`). Both answers are greedy and come from the same captured cache; the
 attention views come from :func:`kvedit.attention_share` on each cache.
+
+Auto-highlight (:meth:`Highlighter.focus`, a :class:`FocusResult`) scores the context's passages
+with :func:`kvedit.focus.choose` (the scoring half of :func:`kvedit.focus.focus`, no edit) and
+returns the best ones as Emphasize-box text; the steering is left to :meth:`Highlighter.run`.
 """
 
 from __future__ import annotations
@@ -16,15 +20,33 @@ from typing import TYPE_CHECKING
 import torch
 
 import kvedit
+from kvedit.focus import choose
+from kvedit.passages import split_passages
 from kvedit.spans import tokens_in_ranges
 
-from .parse import InputError, Limits, Request, parse_request, split_prompt
-from .render import GroupShare, context_pieces, render_status, render_views
+from .parse import (
+    FocusRequest,
+    InputError,
+    Limits,
+    PromptSplit,
+    Request,
+    parse_focus_request,
+    parse_request,
+    split_prompt,
+)
+from .render import (
+    GroupShare,
+    context_pieces,
+    render_focus_status,
+    render_scores,
+    render_status,
+    render_views,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["Highlighter", "SteerResult"]
+__all__ = ["FocusResult", "Highlighter", "SteerResult"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +58,26 @@ class SteerResult:
     before_html: str
     after_html: str
     cache_path: str | None
+    status: str
+
+
+@dataclass(frozen=True)
+class FocusResult:
+    """What Auto-highlight shows: the passages picked, every passage's score, a status.
+
+    Attributes:
+        emphasize: the picked passages' text, one per line, best first (what the Emphasize box
+            takes).
+        passages: one dict per passage, in context order: ``passage`` (its text), ``start`` and
+            ``end`` (characters of the context, inline markers removed), ``score`` (higher:
+            the question points at it more) and ``chosen``.
+        scores_html: the passages' scores as a bar list (HTML).
+        status: a Markdown status line.
+    """
+
+    emphasize: str
+    passages: list[dict]
+    scores_html: str
     status: str
 
 
@@ -68,6 +110,77 @@ class Highlighter:
         """
         return parse_request(context, emphasize, suppress, strength, question, self.limits)
 
+    def _prefix_offsets(self, split: PromptSplit) -> torch.Tensor:
+        """``[n_tokens, 2]`` character offsets of the captured prompt's tokens.
+
+        Raises:
+            InputError: the prompt has more tokens than ``limits.max_context_tokens``.
+        """
+        enc = self.tokenizer(split.prefix, return_offsets_mapping=True)
+        n_tokens = len(enc["input_ids"])
+        if n_tokens > self.limits.max_context_tokens:
+            raise InputError(
+                f"The context is too long: {n_tokens:,} tokens with the chat template "
+                f"(max {self.limits.max_context_tokens:,})."
+            )
+        return torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+
+    def parse_focus(self, context: str, question: str, top_k: int | float | str) -> FocusRequest:
+        """Validate an Auto-highlight request (see :func:`.parse.parse_focus_request`).
+
+        Raises:
+            InputError: with a message for the page.
+        """
+        return parse_focus_request(context, question, top_k, self.limits)
+
+    def focus(self, context: str, question: str, top_k: int | float | str = 1) -> FocusResult:
+        """Auto-highlight: pick the ``top_k`` passages of the context the question points at.
+
+        The context is captured in the same chat-templated prompt as :meth:`run` and cut into
+        passages (:func:`kvedit.passages.split_passages`, default rule, inside the context
+        only: paragraphs, the lines of multi-line ones; sentences when that gives a single
+        passage). :func:`kvedit.focus.choose` scores them (the attention the question gives
+        each, against a content-free version of the question) without editing the cache;
+        nothing is steered. Inline markers are removed first.
+
+        Raises:
+            InputError: the request is invalid (the message says why).
+        """
+        t0 = time.perf_counter()
+        req = self.parse_focus(context, question, top_k)
+        split = split_prompt(self.tokenizer, req.context, req.question)
+        n_tokens = len(self._prefix_offsets(split))
+        state = kvedit.capture(self.model, self.tokenizer, split.prefix)
+        region = (split.context_start, len(split.prefix))
+        ranges = split_passages(state, None, region)
+        if len(ranges) < 2:  # one paragraph of one line: its sentences are the passages
+            ranges = split_passages(state, "sentences", region)
+        k = min(req.top_k, len(ranges))
+        found = choose(state, split.continuation, ranges, top_k=k, query=req.question)
+
+        lo = split.context_start
+        chosen = set(found.chosen)
+        passages = [
+            {
+                "passage": req.context[a - lo : b - lo],
+                "start": a - lo,
+                "end": b - lo,
+                "score": float(score),
+                "chosen": i in chosen,
+            }
+            for i, ((a, b), score) in enumerate(zip(found.passages, found.scores, strict=True))
+        ]
+        emphasize = "\n".join(passages[i]["passage"] for i in found.chosen)
+        seconds = time.perf_counter() - t0
+        return FocusResult(
+            emphasize=emphasize,
+            passages=passages,
+            scores_html=render_scores(passages),
+            status=render_focus_status(
+                self.model_name, seconds, n_tokens, len(passages), k, req.top_k
+            ),
+        )
+
     def run(
         self,
         context: str,
@@ -92,14 +205,8 @@ class Highlighter:
         split = split_prompt(tok, req.context, req.question)
         emph, supp = split.shift(req.emphasize), split.shift(req.suppress)
 
-        enc = tok(split.prefix, return_offsets_mapping=True)
-        n_tokens = len(enc["input_ids"])
-        if n_tokens > lim.max_context_tokens:
-            raise InputError(
-                f"The context is too long: {n_tokens:,} tokens with the chat template "
-                f"(max {lim.max_context_tokens:,})."
-            )
-        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+        offsets = self._prefix_offsets(split)
+        n_tokens = len(offsets)
         emph_tokens = tokens_in_ranges(offsets, emph) if emph else torch.empty(0, dtype=torch.long)
         supp_tokens = tokens_in_ranges(offsets, supp) if supp else torch.empty(0, dtype=torch.long)
         shared = set(emph_tokens.tolist()) & set(supp_tokens.tolist())

@@ -1,10 +1,12 @@
-"""The Gradio side of the highlight app: the page, the ``/steer`` API endpoint, the server.
+"""The Gradio side of the highlight app: the page, the ``/steer`` and ``/focus`` API endpoints,
+the server.
 
 :func:`build_app` lays out the page (context, span lists, strength, question, both answers, the
-attention views, the edited cache to download); its Run button is the ``/steer`` endpoint, the
-only public one. The selection buttons run in the browser; "Load a sample" is a private
-endpoint. :func:`serve` loads a model and launches the app; :func:`main` is ``python -m
-apps.highlight`` (``kvedit app`` in the installed package).
+attention views, the edited cache to download); its Run button is the ``/steer`` endpoint and
+its Auto-highlight button the ``/focus`` endpoint, the only public ones. The selection buttons
+run in the browser; "Load a sample" is a private endpoint. :func:`serve` loads a model and
+launches the app; :func:`main` is ``python -m apps.highlight`` (``kvedit app`` in the installed
+package).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ compare the model's answer before and after editing its KV cache.
 Mark spans by listing them (one per line), by selecting text in the context and pressing
 **Emphasize selection** / **Suppress selection**, or inline: `[[emphasize this]]`,
 `{{suppress this}}` (the markers are removed before the model reads the context).
+Or press **Auto-highlight**: the passages the question points at go into the Emphasize box
+(`kvedit.focus` scores every passage), then press **Run**.
 """
 
 
@@ -80,7 +84,7 @@ def build_app(
     concurrency: int = 2,
     delete_cache: tuple[int, int] | None = (600, 3600),
 ) -> gr.Blocks:
-    """The Gradio Blocks of the app; the Run button is the ``/steer`` API endpoint.
+    """The Gradio Blocks of the app; Run is the ``/steer`` API endpoint, Auto-highlight ``/focus``.
 
     Args:
         highlighter: answers the requests.
@@ -129,7 +133,19 @@ def build_app(
                 question = gr.Textbox(
                     label="Question", placeholder="What is ...?", lines=1, elem_id="question"
                 )
-                run = gr.Button("Run", variant="primary", elem_id="run")
+                with gr.Row():
+                    top_k = gr.Number(
+                        value=1,
+                        precision=0,
+                        label="Passages to pick",
+                        min_width=100,
+                        elem_id="top-k",
+                    )
+                    auto = gr.Button("Auto-highlight", elem_id="auto-highlight", min_width=100)
+                    run = gr.Button("Run", variant="primary", elem_id="run", min_width=100)
+                scores = gr.HTML(label="Passage scores", elem_id="focus-scores")
+                with gr.Accordion("Passage scores (JSON)", open=False):
+                    passages = gr.JSON(label="Passages", elem_id="focus-passages")
         status = gr.Markdown("", label="Status", elem_id="status")
         with gr.Row():
             baseline = gr.Textbox(label="Baseline answer", interactive=False, elem_id="baseline")
@@ -173,11 +189,60 @@ def build_app(
         run.click(steer, inputs, outputs, api_name="steer", concurrency_id="steer")
         question.submit(steer, inputs, outputs, api_visibility="private", concurrency_id="steer")
 
-        def next_sample(index: int) -> tuple[str, str, str, str, str, int]:
-            """Load the next sample: context, question, the gold record to emphasize, a hint."""
+        def focus(context: str, question: str, top_k: int = 1) -> tuple[str, str, list, str]:
+            """Pick the passages of the context the question points at (nothing is steered).
+
+            Args:
+                context: the text (inline markers are removed, as for a run).
+                question: asked after the context.
+                top_k: how many passages to pick (1 to the limit on spans).
+
+            Returns:
+                the picked passages, one per line (Emphasize-box text), the scores (HTML), one
+                ``{"passage", "start", "end", "score", "chosen"}`` dict per passage (``start``
+                and ``end``: characters of the context without markers), and a status message
+                (errors included; then the text is empty).
+            """
+            return _focus(context, question, top_k, "")
+
+        def focus_in_page(context: str, question: str, top_k: int) -> tuple:
+            """:func:`focus` for the button: an error leaves the Emphasize box as it was."""
+            return _focus(context, question, top_k, gr.skip())
+
+        def _focus(context: str, question: str, top_k: int, on_error) -> tuple:
+            try:
+                r = highlighter.focus(context, question, top_k)
+            except InputError as e:
+                return on_error, "", [], f"**Not run:** {e}"
+            except (KVEditError, ValueError) as e:
+                return on_error, "", [], f"**Not run** ({type(e).__name__}): {e}"
+            except Exception as e:  # shown in the page; the trace goes to the server log
+                log.exception("auto-highlight request failed")
+                return on_error, "", [], f"**Internal error** ({type(e).__name__}): {e}"
+            return r.emphasize, r.scores_html, r.passages, r.status
+
+        # The button and the /focus endpoint differ only on errors: the page keeps the spans
+        # typed in the Emphasize box, an API caller gets "" (a skipped output would reach it
+        # as a raw update dict). The endpoint hangs on a button that is never shown.
+        focus_inputs = [context, question, top_k]
+        focus_outputs = [emphasize, scores, passages, status]
+        auto.click(
+            focus_in_page,
+            focus_inputs,
+            focus_outputs,
+            api_visibility="private",
+            concurrency_id="steer",
+        )
+        gr.Button(visible=False, elem_id="focus-api").click(
+            focus, focus_inputs, focus_outputs, api_name="focus", concurrency_id="steer"
+        )
+
+        def next_sample(index: int) -> tuple[str, str, str, str, str, str, list, int]:
+            """Load the next sample: context, question, the gold record to emphasize, a hint
+            (and clear the previous context's passage scores)."""
             example = samples[index % len(samples)]
             text, ask, note = sample_fields(example)
-            return text, ask, example.gold_document or "", "", note, index + 1
+            return text, ask, example.gold_document or "", "", note, "", [], index + 1
 
         # Selections are read in the browser when a button is pressed (no server round trip,
         # so the span is exactly what is selected at that moment).
@@ -190,7 +255,7 @@ def build_app(
         load_sample.click(
             next_sample,
             sample_index,
-            [context, question, emphasize, suppress, hint, sample_index],
+            [context, question, emphasize, suppress, hint, scores, passages, sample_index],
             api_visibility="private",
         )
     demo.queue(default_concurrency_limit=concurrency)
