@@ -571,3 +571,17 @@ def test_evaluate_records_the_prompt_format_and_reuse_refuses_another(tmp_path, 
     with pytest.raises(InvalidInputError, match="needs a chat template"):
         litm.evaluate("tiny-llama", ["none"], tmp_path / "z", **kwargs)
     assert not (tmp_path / "z").exists()
+
+
+def test_plain_answers_end_at_their_first_line(llama):
+    from kvedit.evals.prompts import plain_answer
+
+    assert plain_answer(" 6451\nQuestion: What is Bo's number?\nAnswer: 3044") == " 6451"
+    assert plain_answer("\n\n  4821.\nmore") == "\n\n  4821."
+    assert plain_answer("one line") == "one line"
+    model, tok = llama
+    ex = small_examples()[0]
+    (plain,) = run(model, tok, [ex], ["none"], max_new_tokens=12, progress=False, prompt="plain")
+    ctx = ExampleContext(model, tok, ex, 12, prompt_format="plain")
+    assert plain["prediction"] == plain_answer(ctx.state.generate(ctx.continuation, 12))
+    assert "\n" not in plain["prediction"].strip()

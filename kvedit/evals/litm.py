@@ -16,7 +16,7 @@ from kvedit.errors import InvalidInputError
 from kvedit.evals.jsonl import load_jsonl
 from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
 from kvedit.evals.methods.context import check_prompt
-from kvedit.evals.prompts import PROMPT_FORMATS
+from kvedit.evals.prompts import PROMPT_FORMATS, plain_answer
 from kvedit.evals.report import format_table, plot_curves, summarize, write_results
 from kvedit.evals.schema import Example, score
 from kvedit.evals.tasks import nq_examples, records_examples
@@ -99,7 +99,9 @@ def run(
     """Answer every example with every method. Returns one result record per pair.
 
     Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``, and
-    ``"chosen"`` (document indices) for methods that choose documents (``auto``). Methods that
+    ``"chosen"`` (document indices) for methods that choose documents (``auto``). With the
+    ``"plain"`` format, a prediction is the generation's first line
+    (:func:`~kvedit.evals.prompts.plain_answer`). Methods that
     need documents are skipped on examples without any. ``on_record(record)`` is called as each
     one is made (the CLI appends them to ``DIR/partial.jsonl``). Pairs found in ``done``
     (keyed by ``(id, method spec)``) are taken from there instead of recomputed. ``prompt``
@@ -121,6 +123,8 @@ def run(
                 continue
             t0 = time.perf_counter()
             prediction = method.predict(ctx)
+            if prompt == "plain":
+                prediction = plain_answer(prediction)
             record = {
                 "id": example.id,
                 "method": spec,

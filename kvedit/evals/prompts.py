@@ -42,3 +42,14 @@ Which one a run uses by default is the model's, :func:`kvedit.models.default_pro
 ANSWER_CUE = "\nAnswer:"
 """What the ``"plain"`` format puts after the user message, so a base model continues
 ``"Question: ...\\nAnswer:"`` with the answer."""
+
+
+def plain_answer(text: str) -> str:
+    """The answer a ``"plain"`` prompt gets: the generation's first non-empty line.
+
+    A base model answers after :data:`ANSWER_CUE`, then goes on writing more questions and
+    answers of its own (``" 6451\nQuestion: ...\nAnswer: 3044"``); the metrics would read the
+    numbers it invented as part of the answer. Greedy decoding makes this the same as stopping
+    at the first newline."""
+    stripped = text.lstrip()
+    return text[: len(text) - len(stripped)] + stripped.split("\n", 1)[0]
