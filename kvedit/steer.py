@@ -405,19 +405,8 @@ def steer(
     """
     strength = checks.strength("strength", strength)
     if focus:
-        return _focus_steering(
-            model,
-            tokenizer,
-            emphasize,
-            suppress,
-            layers,
-            heads,
-            scope,
-            protect_special,
-            question,
-            passages,
-            top_k,
-        )
+        _refuse_with_focus(emphasize, suppress, layers, heads, scope)
+        return _focus_steering(model, tokenizer, question, passages, top_k, protect_special)
     scope = "all" if scope is None else scope
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, not {scope!r}")
@@ -446,19 +435,7 @@ def steer(
     return Steering(model, tokenizer, config)
 
 
-def _focus_steering(
-    model,
-    tokenizer,
-    emphasize,
-    suppress,
-    layers,
-    heads,
-    scope,
-    protect_special,
-    question,
-    passages,
-    top_k,
-) -> Steering:
+def _refuse_with_focus(emphasize, suppress, layers, heads, scope) -> None:
     if emphasize not in ((), [], None) or suppress not in ((), [], None):
         raise InvalidInputError(
             "steer(focus=True) chooses the spans itself: drop emphasize/suppress"
@@ -467,6 +444,9 @@ def _focus_steering(
         raise InvalidInputError("steer(focus=True) sizes every layer's bias: drop layers/heads")
     if scope not in (None, "decode"):
         raise InvalidInputError(f"steer(focus=True) steers in scope 'decode', not {scope!r}")
+
+
+def _focus_steering(model, tokenizer, question, passages, top_k, protect_special) -> Steering:
     if question is None:
         raise InvalidInputError("steer(focus=True) needs question=: the question's text")
     question = checks.text("question", question, allow_empty=False)
