@@ -29,6 +29,7 @@ from .state import KVState, capture, chat_prefix
 from .strengths import strength_for_share
 
 __all__ = [
+    "DEFAULT_GUARD",
     "SCORE_SMOOTHING",
     "SHARE_EPS",
     "Focus",
@@ -233,14 +234,14 @@ def choose(
     apply. Costs two question-length passes over the cache (the question and its calibration).
     """
     target, max_strength = _check_sizing(target, max_strength)
+    smoothing = checks.real("smoothing", smoothing)
+    if not 0.0 < smoothing <= 1.0:
+        raise InvalidInputError(f"smoothing must be in (0, 1], not {smoothing!r}")
     question = checks.text("question", question, allow_empty=False)
     spans = split_passages(state, passages, region)
     top_k = checks.count("top_k", top_k, minimum=1, maximum=len(spans))
     layer_idx = _layer_indices(state, layers)
     real, calib = passage_shares(state, question, spans, query=query)
-    smoothing = checks.real("smoothing", smoothing)
-    if not 0.0 < smoothing <= 1.0:
-        raise InvalidInputError(f"smoothing must be in (0, 1], not {smoothing!r}")
     scores = passage_scores(real, calib, layer_idx, smoothing)
     chosen = scores.topk(top_k).indices.tolist()
     if target is None:

@@ -81,25 +81,30 @@ class AgreementGuard:
     def decide(self, original: KVState, edited: KVState, continuation: str) -> Verdict:
         base, edit = original.decoder(continuation), edited.decoder(continuation)
         tokens: list[int] = []
-        logprobs: list[float] = []
+        base_lps: list[float] = []  # each state's log-probs of the shared tokens
+        edit_lps: list[float] = []
         for step in range(self.max_new_tokens):
+            # the tokens as KVState.answer picks them (argmax of the raw logits)
+            a, b = int(base.next_logits.argmax()), int(edit.next_logits.argmax())
             lp_base = base.next_logits.float().log_softmax(-1)
             lp_edit = edit.next_logits.float().log_softmax(-1)
-            a, b = int(lp_base.argmax()), int(lp_edit.argmax())
             if a != b:
                 margin = float(lp_base[b] + lp_edit[b] - lp_base[a] - lp_edit[a])
                 kept = margin > self.margin
-                chosen, token, lp = (edit, b, lp_edit) if kept else (base, a, lp_base)
-                answer = _finish(chosen, tokens, logprobs, token, lp, step, self.max_new_tokens)
+                if kept:
+                    answer = _finish(edit, tokens, edit_lps, b, lp_edit, step, self.max_new_tokens)
+                else:
+                    answer = _finish(base, tokens, base_lps, a, lp_base, step, self.max_new_tokens)
                 return Verdict(kept, "edit" if kept else "original", step, margin, answer)
             if a in edit.eos_ids:
-                return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, logprobs, True))
+                return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, edit_lps, True))
             tokens.append(a)
-            logprobs.append(float(lp_edit[a]))
+            base_lps.append(float(lp_base[a]))
+            edit_lps.append(float(lp_edit[a]))
             if step < self.max_new_tokens - 1:
                 base.push(a)
                 edit.push(a)
-        return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, logprobs, False))
+        return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, edit_lps, False))
 
 
 def _finish(
@@ -121,8 +126,9 @@ def _finish(
         step += 1
         if step >= max_new_tokens:
             return _answer(dec, tokens, logprobs, finished=False)
-        lp = dec.push(token).float().log_softmax(-1)
-        token = int(lp.argmax())
+        logits = dec.push(token)
+        lp = logits.float().log_softmax(-1)
+        token = int(logits.argmax())
 
 
 def _answer(dec: Decoder, tokens: list[int], logprobs: list[float], finished: bool) -> Answer:

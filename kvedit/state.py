@@ -222,13 +222,14 @@ class KVState:
         ``continuation``: how likely the model finds a given answer (e.g. another state's
         :class:`Answer`). One forward pass over ``continuation`` and the tokens."""
         prompt = self.encode(continuation)
-        token_ids = [int(t) for t in token_ids]
+        vocab = self.last_logits.shape[-1]
+        token_ids = [checks.count("token id", t, maximum=vocab - 1) for t in token_ids]
         if not token_ids:
             return []
         ids = prompt + token_ids[:-1]
         rows = [self.last_logits.float()[None]] if not prompt else []
         if ids:
-            logits, _ = self.run(ids)
+            logits, _ = self.run(ids, logits_to_keep=len(token_ids) - (0 if prompt else 1))
             rows.append(logits.float())
         logp = torch.cat(rows, dim=0)[-len(token_ids) :].log_softmax(-1)
         return logp[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
@@ -481,7 +482,15 @@ def capture_tokens(model: PreTrainedModel, tokenizer, token_ids: Sequence[int]) 
     """:func:`capture` of a token sequence as given (e.g. ``model.generate``'s ``input_ids``,
     special tokens included). ``state.text`` is the ids decoded with their special tokens, and
     each token's character range comes from :func:`kvedit.spans.token_offsets`."""
-    ids = [int(t) for t in token_ids]
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1:
+            raise InvalidInputError(
+                f"capture_tokens takes one sequence ([n] or [1, n]), not {tuple(token_ids.shape)}"
+            )
+        token_ids = token_ids.tolist()
+    ids = [checks.count("token id", t) for t in token_ids]
     text, offsets = token_offsets(tokenizer, ids)
     return _capture(model, tokenizer, ids, text, offsets)
 

@@ -139,45 +139,53 @@ class SpanPlan:
         return bias
 
     def _focus_bias(self, text: str, offsets: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
-        """Run :func:`kvedit.focus` on the prompt up to its question; ``1.0`` on the chosen
-        passages' tokens (none when focus's guard dropped the edit), the layer strengths in
-        :attr:`layer_strengths`. The prompt's own pass is never biased (scope ``decode``), so
-        the answer equals :meth:`kvedit.focus.Focus.generate` on the same cut."""
+        """Run :func:`kvedit.focus` on the prompt up to its question: ``1.0`` on the chosen
+        passages' tokens, the layer strengths in :attr:`layer_strengths`, and the bias applies
+        from the last token before the question on (:attr:`first_biased`), so the answer equals
+        :meth:`kvedit.focus.Focus.generate` on the same cut (the cache edit). Passages come
+        from the text before the question's line; ``protect_special`` does not apply (focus
+        passages never hold template tokens, and the cache edit protects none)."""
         request = self.config.focus
+        if self.model is None:
+            raise InvalidInputError("steer(focus=True) needs the model to read the prompt")
         cut = text.rfind(request.question)
         if cut < 0:
             raise InvalidInputError(
                 f"steer(focus=True): the question {request.question!r} is not in the prompt"
             )
-        n_prefix = int((offsets[:, 1] <= cut).sum()) if cut > 0 else 0
+        ends = offsets[:, 1].tolist()
+        # the tokens before the question: up to the first one that reaches into it
+        n_prefix = next((i for i, end in enumerate(ends) if end > cut), len(ends)) if cut else 0
         if n_prefix == 0:
             raise InvalidInputError(
                 "steer(focus=True): the prompt has no context before its question"
             )
+        ids = [int(t) for t in ids]
         tok, model = self.tokenizer, self.model
         with detached(model):
-            state = capture_tokens(model, tok, list(ids)[:n_prefix])
-            continuation = tok.decode(list(ids)[n_prefix:], skip_special_tokens=False)
+            state = capture_tokens(model, tok, ids[:n_prefix])
+            continuation = tok.decode(ids[n_prefix:], skip_special_tokens=False)
+            if state.encode(continuation) != ids[n_prefix:]:
+                raise InvalidInputError(
+                    "steer(focus=True): the prompt's question part does not tokenize back to "
+                    "the same ids; capture the context and call kvedit.focus instead"
+                )
+            line = state.text.rfind("\n")
+            region = (0, line + 1) if line > 0 else None  # not the question's own line
             found = run_focus(
                 state,
                 continuation,
                 request.passages,
                 top_k=request.top_k,
                 query=request.question,
+                region=region,
             )
         self.found = found
         self.first_biased = n_prefix - 1
         bias = torch.zeros(len(ids), dtype=torch.float32)
         self.layer_strengths = torch.tensor(found.strengths, dtype=torch.float32)
-        if found.kept:
-            for i in found.chosen:
-                bias[state.token_indices(found.passages[i])] = 1.0
-        if self.config.protect_special:
-            special = set(tok.all_special_ids)
-            for i, tid in enumerate(ids):
-                if int(tid) in special:
-                    bias[i] = 0.0
-            bias[0] = 0.0
+        for i in found.chosen:
+            bias[state.token_indices(found.passages[i])] = 1.0
         return bias
 
     def bind_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -392,8 +400,9 @@ def steer(
         protect_special: never bias special tokens (BOS, chat-template markers) or token 0,
             the attention sink.
         focus: choose the spans automatically: at each prompt, :func:`kvedit.focus` reads the
-            prompt's cache up to ``question`` (its last occurrence) and the chosen passages
-            get its per-layer bias, in scope ``"decode"``, unless its guard dropped the edit.
+            prompt's cache up to ``question`` (its last occurrence; passages from the lines
+            before the question's) and the chosen passages get its per-layer bias, in scope
+            ``"decode"``, from the last token before the question on.
             The answer is the one :meth:`kvedit.focus.Focus.generate` gives on that cut. Not
             combined with ``emphasize``/``suppress``/``layers``/``heads``; one prompt at a
             time. ``plan.found`` holds the latest :class:`~kvedit.focus.Focus`.

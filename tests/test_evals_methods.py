@@ -585,3 +585,11 @@ def test_plain_answers_end_at_their_first_line(llama):
     ctx = ExampleContext(model, tok, ex, 12, prompt_format="plain")
     assert plain["prediction"] == plain_answer(ctx.state.generate(ctx.continuation, 12))
     assert "\n" not in plain["prediction"].strip()
+
+
+def test_auto_refuses_a_guard_without_a_cache_edit_and_zero_smoothing():
+    with pytest.raises(InvalidInputError, match="not with edit='steer'"):
+        parse_spec("auto:edit=steer:guard=True")
+    with pytest.raises(InvalidInputError, match="smoothing"):
+        parse_spec("auto:smoothing=0.0")
+    assert parse_spec("auto:guard=True").params.guard is True

@@ -63,7 +63,9 @@ def test_wrapper_answers_like_focus_on_the_same_cut(llama, max_strength):
     offsets = tok(prompt, return_offsets_mapping=True)["offset_mapping"]
     n = sum(1 for _, b in offsets if b <= cut)
     state = capture_tokens(model, tok, ids[:n])
-    again = kvedit.focus(state, tok.decode(ids[n:]), query=QUESTION)
+    region = (0, state.text.rfind("\n") + 1)  # the lines before the question's
+    again = kvedit.focus(state, tok.decode(ids[n:]), query=QUESTION, region=region)
+    assert all(b <= region[1] for a, b in found.passages)  # "Question:" is never a passage
     assert again.chosen == found.chosen and again.strengths == found.strengths
     assert again.kept == found.kept
     assert out == again.generate(8)

@@ -7,7 +7,7 @@ import torch
 
 import kvedit
 from kvedit import ops
-from kvedit.errors import InvalidInputError
+from kvedit.errors import InvalidInputError, KVEditError
 from kvedit.guard import AgreementGuard
 
 CONTEXT = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
@@ -86,6 +86,12 @@ def test_margin_extremes_keep_or_drop_every_differing_edit(llama):
     assert keep.reason != "agree", "the strong edit must change the answer for this test"
     assert keep.kept and keep.answer.text == edited.generate(QUESTION, 8)
     assert not drop.kept and drop.answer.text == state.generate(QUESTION, 8)
+    # each verdict's log-probs are the chosen state's own, shared prefix included
+    for verdict, chosen in ((keep, edited), (drop, state)):
+        expected = chosen.token_logprobs(QUESTION, verdict.answer.token_ids)
+        torch.testing.assert_close(
+            torch.tensor(verdict.answer.logprobs), torch.tensor(expected), atol=1e-4, rtol=0
+        )
     with pytest.raises(InvalidInputError):
         AgreementGuard(max_new_tokens=0)
 
@@ -96,4 +102,19 @@ def test_focus_generate_reuses_the_guards_answer_exactly(llama, n):
     found = kvedit.focus(state, QUESTION, guard=AgreementGuard(max_new_tokens=8))
     assert found.verdict is not None
     assert found.generate(n) == found.state.generate(QUESTION, n)
-    assert found.state is (found.state if found.kept else state)
+    assert (found.state is state) == (not found.kept)
+
+
+def test_token_logprobs_and_capture_tokens_refuse_bad_ids(llama):
+    from kvedit.state import capture_tokens
+
+    model, tok = llama
+    state = _state(llama)
+    vocab = state.last_logits.shape[-1]
+    for bad in ([-1], [vocab], [1.5]):
+        with pytest.raises(KVEditError):
+            state.token_logprobs(QUESTION, bad)
+    ids = torch.tensor([tok(CONTEXT)["input_ids"]])
+    assert torch.equal(capture_tokens(model, tok, ids).last_logits, state.last_logits)
+    with pytest.raises(InvalidInputError, match="one sequence"):
+        capture_tokens(model, tok, ids.repeat(2, 1))

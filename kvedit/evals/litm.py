@@ -101,7 +101,8 @@ def run(
     Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``, and
     ``"chosen"`` (document indices) for methods that choose documents (``auto``). With the
     ``"plain"`` format, a prediction is the generation's first line
-    (:func:`~kvedit.evals.prompts.plain_answer`). Methods that
+    (:func:`~kvedit.evals.prompts.plain_answer`). ``seconds`` is the method's own time: the
+    capture of the documents, shared by every method, is made before. Methods that
     need documents are skipped on examples without any. ``on_record(record)`` is called as each
     one is made (the CLI appends them to ``DIR/partial.jsonl``). Pairs found in ``done``
     (keyed by ``(id, method spec)``) are taken from there instead of recomputed. ``prompt``
@@ -114,6 +115,9 @@ def run(
     bar = tqdm(examples, desc="litm", disable=not progress, unit="ex")
     for example in bar:
         ctx = ExampleContext(model, tokenizer, example, max_new_tokens, prompt)
+        pending = [m for m in methods if (example.id, m.spec) not in done]
+        if example.documents and any(m.uses_capture for m in pending):
+            ctx.state  # noqa: B018 -- the shared capture, outside every method's "seconds"
         for method in methods:
             if method.needs_documents and not example.documents:
                 continue

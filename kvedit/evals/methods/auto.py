@@ -57,9 +57,12 @@ class AutoParams(EditParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, minimum=1))
-        object.__setattr__(self, "smoothing", check_fraction("smoothing", self.smoothing))
+        smoothing = check_fraction("smoothing", self.smoothing, open_low=True)
+        object.__setattr__(self, "smoothing", smoothing)
         if not isinstance(self.guard, bool):
             raise InvalidInputError(f"guard must be True or False, not {self.guard!r}")
+        if self.guard and self.edit == "steer":
+            raise InvalidInputError("guard needs a cache edit to compare: not with edit='steer'")
         layers = self.layers
         if isinstance(layers, str) or not isinstance(layers, Sequence) or len(layers) != 2:
             raise InvalidInputError(f"layers must be a pair (lo, hi), not {layers!r}")

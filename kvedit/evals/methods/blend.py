@@ -67,6 +67,8 @@ class Blend(Method):
     Leaves ``ctx.notes["blend_report"]`` (where each part came from).
     """
 
+    uses_capture = False
+
     Params = BlendParams
     needs_documents = True
 

@@ -12,5 +12,7 @@ __all__ = ["ClosedBook"]
 class ClosedBook(Method):
     """No documents at all (Liu et al.'s closed-book baseline)."""
 
+    uses_capture = False
+
     def predict(self, ctx: ExampleContext) -> str:
         return ctx.generate_prompt(ctx.example.closed_book())

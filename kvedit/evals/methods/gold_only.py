@@ -12,5 +12,7 @@ __all__ = ["GoldOnly"]
 class GoldOnly(Method):
     """Only the gold document (Liu et al.'s oracle-context baseline)."""
 
+    uses_capture = False
+
     def predict(self, ctx: ExampleContext) -> str:
         return ctx.generate_prompt(ctx.example.gold_only())

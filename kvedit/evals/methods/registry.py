@@ -36,6 +36,9 @@ class Method:
     """The frozen dataclass of the method's parameters."""
     needs_documents: ClassVar[bool] = False
     """Whether the method only makes sense on examples with documents."""
+    uses_capture: ClassVar[bool] = True
+    """Whether the method answers from the example's captured documents (``ctx.state``); the
+    runner makes that capture before timing the methods."""
 
     def __init__(self, params: Any = None, /, **values: Any) -> None:
         if params is None:

@@ -14,6 +14,8 @@ __all__ = ["RepeatQuestion"]
 class RepeatQuestion(Method):
     """Text-only baseline: the question is also asked before the documents."""
 
+    uses_capture = False
+
     def predict(self, ctx: ExampleContext) -> str:
         ex = ctx.example
         instruction = (
