@@ -1,0 +1,82 @@
+"""What focus costs per example, next to answering without it.
+
+For each example: the capture of the documents (shared by every method), ``none`` (answer
+from the captured state), and ``auto`` split into its parts: scoring (two question-length
+passes: the question and its content-free calibration), the edit (one recompute of the last
+token) and the answer. Times are medians over the examples, in seconds, on this machine's
+threads (``torch.get_num_threads()``).
+
+Usage: ``python benchmarks/focus_cost.py --task nq --examples 12 --out reports/benchmarks/focus_cost_nq.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvedit import ops
+from kvedit.evals.litm import build_examples
+from kvedit.evals.methods import ExampleContext
+from kvedit.focus import choose
+from kvedit.models import load_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", default="nq")
+    p.add_argument("--n-docs", type=int, default=None)
+    p.add_argument("--examples", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    model, tok = load_model(args.model)
+    examples = build_examples(args.task, None, args.n_docs, None, None, args.seed, args.examples)
+    rows = []
+    for ex in examples:
+        ctx = ExampleContext(model, tok, ex, args.max_new_tokens)
+        q, n = ctx.continuation, args.max_new_tokens
+        t = [time.perf_counter()]
+        state = ctx.state
+        t.append(time.perf_counter())
+        state.generate(q, n)
+        t.append(time.perf_counter())
+        found = choose(state, q, ctx.doc_spans, query=ex.question)
+        t.append(time.perf_counter())
+        edited = ops.emphasize(state, [found.passages[i] for i in found.chosen], found.strengths)
+        t.append(time.perf_counter())
+        edited.generate(q, n)
+        t.append(time.perf_counter())
+        t_capture, t_none, t_score, t_edit, t_answer = (b - a for a, b in zip(t, t[1:]))
+        rows.append(
+            {
+                "id": ex.id,
+                "prompt_tokens": len(state),
+                "question_tokens": len(state.encode(q)),
+                "capture": t_capture,
+                "none": t_none,
+                "auto_score": t_score,
+                "auto_edit": t_edit,
+                "auto_answer": t_answer,
+                "auto": t_score + t_edit + t_answer,
+            }
+        )
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()})
+    keys = ["capture", "none", "auto_score", "auto_edit", "auto_answer", "auto"]
+    summary = {k: statistics.median(r[k] for r in rows) for k in keys}
+    summary["auto_over_none"] = summary["auto"] / summary["none"]
+    summary["threads"] = torch.get_num_threads()
+    summary["prompt_tokens"] = statistics.median(r["prompt_tokens"] for r in rows)
+    print(json.dumps({k: round(v, 3) for k, v in summary.items()}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": summary, "examples": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
