@@ -86,23 +86,36 @@ def _conf(lps, n):
 
 def _diverge_conf(a, b, lps_a, n):
     """Mean log-prob of answer a's tokens from the first token where a and b differ."""
+    i = _first_difference(a, b)
+    part = lps_a[i : i + n] if n else lps_a[i:]
+    return _mean(part)
+
+
+def _first_difference(a, b) -> int:
+    """The first index where token lists ``a`` and ``b`` differ (their common length if none)."""
     i = 0
     while i < min(len(a), len(b)) and a[i] == b[i]:
         i += 1
-    part = lps_a[i : i + n] if n else lps_a[i:]
-    return _mean(part)
+    return i
+
+
+def _window(r, n):
+    """``(i, j)``: from the first differing token of the two answers, up to ``n`` tokens (all
+    with ``n=0``); ``None`` when the answers are the same."""
+    a, b = r["edit_ids"], r["none_ids"]
+    i = _first_difference(a, b)
+    if i == len(a) == len(b):
+        return None
+    return i, (i + n) if n else None
 
 
 def _committee(r, n):
     """Both states' log-probs of the edited answer minus both states' log-probs of none's,
     from the first token where they differ (summed over up to n tokens)."""
-    a, b = r["edit_ids"], r["none_ids"]
-    i = 0
-    while i < min(len(a), len(b)) and a[i] == b[i]:
-        i += 1
-    if i == len(a) == len(b):
+    w = _window(r, n)
+    if w is None:
         return 0.0
-    j = (i + n) if n else None
+    i, j = w
     edit = sum(r["edit_lp"][i:j]) + sum(r["edit_under_none_lp"][i:j])
     none = sum(r["none_lp"][i:j]) + sum(r["none_under_edit_lp"][i:j])
     return edit - none
@@ -111,13 +124,10 @@ def _committee(r, n):
 def _cross(r, n):
     """From the first differing token: the unedited state's log-prob of the edited answer
     minus the edited state's log-prob of the unedited answer (summed over up to n tokens)."""
-    a, b = r["edit_ids"], r["none_ids"]
-    i = 0
-    while i < min(len(a), len(b)) and a[i] == b[i]:
-        i += 1
-    if i == len(a) == len(b):
+    w = _window(r, n)
+    if w is None:
         return 0.0
-    j = (i + n) if n else None
+    i, j = w
     return sum(r["edit_under_none_lp"][i:j]) - sum(r["none_under_edit_lp"][i:j])
 
 
