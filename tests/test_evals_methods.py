@@ -382,6 +382,18 @@ def test_examples_interleave_positions_so_a_limit_covers_all():
     assert sorted(e.id for e in full) == sorted(e.id for e in records_examples(6, (0, 2, 5), 4))
 
 
+def _interrupted(litm, monkeypatch, **kwargs):
+    """Run evaluate until its records are written, then fail (partial.jsonl is left)."""
+
+    def boom(records):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(litm, "summarize", boom)
+        with pytest.raises(KeyboardInterrupt):
+            litm.evaluate(**kwargs)
+
+
 def test_resume_keeps_finished_pairs(tmp_path, monkeypatch):
     from kvedit.evals import litm
 
@@ -398,7 +410,9 @@ def test_resume_keeps_finished_pairs(tmp_path, monkeypatch):
     )
     litm.evaluate(**kwargs)
     first = json.loads((out / "results.json").read_text())["examples"]
-    # an interrupted run left half of the pairs, one of them marked so we can see it is reused
+    assert not (out / "partial.settings.json").exists()
+    _interrupted(litm, monkeypatch, **kwargs)
+    # the interrupted run left half of the pairs, marked so we can see they are reused
     kept = [dict(r, prediction="KEPT") for r in first[:2]]
     (out / "partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     computed = []
@@ -415,6 +429,41 @@ def test_resume_keeps_finished_pairs(tmp_path, monkeypatch):
     assert [r["prediction"] for r in again[:2]] == ["KEPT", "KEPT"]
     assert len(again) == len(first) and len(computed) == len(first) - 2
     assert not (out / "partial.jsonl").exists()
+
+
+def test_resume_refuses_a_partial_run_made_otherwise(tmp_path, monkeypatch):
+    from kvedit.evals import litm
+
+    out = tmp_path / "run"
+    kwargs = dict(
+        model_name="tiny-llama", out=out, n_docs=4, positions=[0, 3], trials=1, progress=False
+    )
+    _interrupted(litm, monkeypatch, methods=["none", "oracle"], max_new_tokens=3, **kwargs)
+    for change, match in (
+        (dict(max_new_tokens=4), "max_new_tokens 3"),
+        (dict(max_new_tokens=3, prompt="plain"), "prompt 'chat'"),
+    ):
+        with pytest.raises(InvalidInputError, match=match):
+            litm.evaluate(methods=["none", "oracle"], resume=True, **change, **kwargs)
+    # a method whose parameters changed is recomputed; the others are kept
+    partial = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
+    (out / "partial.jsonl").write_text(
+        "".join(json.dumps(dict(r, prediction="KEPT")) + "\n" for r in partial)
+    )
+    _interrupted(
+        litm,
+        monkeypatch,
+        methods=["none", "oracle:strength=3.0"],
+        max_new_tokens=3,
+        resume=True,
+        **kwargs,
+    )
+    again = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
+    kept = {r["method"] for r in again if r["prediction"] == "KEPT"}
+    assert kept == {"none"}
+    (out / "partial.settings.json").unlink()
+    with pytest.raises(InvalidInputError, match="cannot be checked"):
+        litm.evaluate(methods=["none"], resume=True, max_new_tokens=3, **kwargs)
 
 
 def test_reuse_takes_an_earlier_runs_results_and_checks_its_origin(tmp_path, monkeypatch):

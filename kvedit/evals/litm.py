@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
 from kvedit.evals.jsonl import load_jsonl
 from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
@@ -166,7 +167,8 @@ def evaluate(
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
     With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the
-    same settings) are kept and only the missing (example, method) pairs are computed. With
+    same settings, checked against ``DIR/partial.settings.json``: see :func:`_resumable`) are
+    kept and only the missing (example, method) pairs are computed. With
     ``reuse`` (an earlier run's ``results.json`` of the same model, task, seed and prompt
     format; ValueError otherwise), that run's answers are taken for the methods it ran with the
     same parameters (see :func:`_reused`). Answers are deterministic, so such a run writes what
@@ -187,12 +189,19 @@ def evaluate(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "partial.jsonl"
+    settings_path = out / "partial.settings.json"
+    settings = {
+        "model": model_name,
+        "task": task_name,
+        "seed": seed,
+        "prompt": prompt,
+        "max_new_tokens": max_new_tokens,
+        "params": params,
+    }
     done = {}
     if resume and partial.exists():
-        for line in partial.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                done[(rec["id"], rec["method"])] = rec
+        done = _resumable(partial, settings_path, settings)
+    atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
     partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     done = {**reused, **done}
 
@@ -214,7 +223,38 @@ def evaluate(
     write_results(out, model_name, task_name, records, extra=extra)
     plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
     partial.unlink()
+    settings_path.unlink(missing_ok=True)
     return summary
+
+
+def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple[str, str], dict]:
+    """The records of ``partial`` an interrupted run with ``settings`` may keep.
+
+    The interrupted run must have had the same model, task, seed, prompt format and answer
+    length (``partial.settings.json``, written when it started); else, or when that file is
+    missing, :class:`~kvedit.errors.InvalidInputError`. Records of a method whose parameters
+    resolved differently then are dropped (recomputed)."""
+    if not settings_path.exists():
+        raise InvalidInputError(
+            f"--resume: {partial} has no {settings_path.name}, so the run it came from cannot "
+            "be checked; delete it or run without --resume"
+        )
+    theirs = json.loads(settings_path.read_text())
+    differ = [
+        f"{k} {theirs.get(k)!r} (now {v!r})"
+        for k, v in settings.items()
+        if k != "params" and theirs.get(k) != v
+    ]
+    if differ:
+        raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
+    same = {spec for spec, p in settings["params"].items() if theirs["params"].get(spec) == p}
+    done = {}
+    for line in partial.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if rec["method"] in same:
+                done[(rec["id"], rec["method"])] = rec
+    return done
 
 
 def _reused(
