@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import checks
-from .errors import InvalidInputError
+from .errors import InvalidInputError, InvalidTypeError
 from .focus import focus as run_focus
 from .runtime import activate, detached
 from .spans import Spans, as_span_list, char_ranges, token_offsets, tokens_in_ranges
@@ -58,6 +58,7 @@ class FocusRequest:
     question: str
     passages: object = None
     top_k: int = 1
+    guard: object = None  # a kvedit.guard.Guard, or None
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,15 @@ class SpanPlan:
                 top_k=request.top_k,
                 query=request.question,
                 region=region,
+                guard=request.guard,
             )
         self.found = found
         self.first_biased = n_prefix - 1
         bias = torch.zeros(len(ids), dtype=torch.float32)
         self.layer_strengths = torch.tensor(found.strengths, dtype=torch.float32)
-        for i in found.chosen:
-            bias[state.token_indices(found.passages[i])] = 1.0
+        if found.kept:  # a guard that dropped the edit leaves the prompt unsteered
+            for i in found.chosen:
+                bias[state.token_indices(found.passages[i])] = 1.0
         return bias
 
     def bind_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -381,6 +384,7 @@ def steer(
     question: str | None = None,
     passages=None,
     top_k: int = 1,
+    guard=None,
 ) -> Steering:
     """Steer ``model``'s attention toward ``emphasize`` and away from ``suppress``.
 
@@ -407,7 +411,8 @@ def steer(
             combined with ``emphasize``/``suppress``/``layers``/``heads``; one prompt at a
             time. ``plan.found`` holds the latest :class:`~kvedit.focus.Focus`.
         question: with ``focus``, the question's text as it appears in the prompt.
-        passages, top_k: with ``focus``, as :func:`kvedit.focus` takes them.
+        passages, top_k, guard: with ``focus``, as :func:`kvedit.focus` takes them (a guard
+            that drops the edit leaves the prompt unsteered).
 
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
@@ -415,7 +420,7 @@ def steer(
     strength = checks.strength("strength", strength)
     if focus:
         _refuse_with_focus(emphasize, suppress, layers, heads, scope)
-        return _focus_steering(model, tokenizer, question, passages, top_k, protect_special)
+        return _focus_steering(model, tokenizer, question, passages, top_k, guard)
     scope = "all" if scope is None else scope
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, not {scope!r}")
@@ -455,11 +460,15 @@ def _refuse_with_focus(emphasize, suppress, layers, heads, scope) -> None:
         raise InvalidInputError(f"steer(focus=True) steers in scope 'decode', not {scope!r}")
 
 
-def _focus_steering(model, tokenizer, question, passages, top_k, protect_special) -> Steering:
+def _focus_steering(model, tokenizer, question, passages, top_k, guard) -> Steering:
     if question is None:
         raise InvalidInputError("steer(focus=True) needs question=: the question's text")
     question = checks.text("question", question, allow_empty=False)
     top_k = checks.count("top_k", top_k, minimum=1)
-    request = FocusRequest(question, passages, top_k)
-    config = SteerConfig((), (), 1.0, None, None, "decode", protect_special, request)
+    if guard is not None and not callable(getattr(guard, "decide", None)):
+        raise InvalidTypeError(
+            f"guard must have a decide(original, edited, question), not {guard!r}"
+        )
+    request = FocusRequest(question, passages, top_k, guard)
+    config = SteerConfig((), (), 1.0, None, None, "decode", False, request)
     return Steering(model, tokenizer, config)

@@ -126,3 +126,22 @@ def test_question_must_be_in_the_prompt_and_one_prompt_at_a_time(llama):
     steering = kvedit.steer(model, tok, focus=True, question=QUESTION)
     with pytest.raises(InvalidInputError, match="one prompt at a time"), steering:
         model.generate(**enc, max_new_tokens=2, do_sample=False)
+
+
+def test_a_guard_that_drops_the_edit_leaves_the_prompt_unsteered(llama):
+    from kvedit.guard import AgreementGuard
+
+    model, tok = llama
+    prompt = _prompt(tok)
+    enc = tok(prompt, return_tensors="pt")
+    plain = model.generate(**enc, max_new_tokens=6, do_sample=False)
+    unsteered = tok.decode(plain[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    keep = kvedit.steer(model, tok, focus=True, question=QUESTION)
+    assert keep.generate(prompt, max_new_tokens=6) != unsteered  # the edit changes the answer
+    drop = kvedit.steer(
+        model, tok, focus=True, question=QUESTION, guard=AgreementGuard(1e9, max_new_tokens=6)
+    )
+    assert drop.generate(prompt, max_new_tokens=6) == unsteered
+    assert not drop.plan.found.kept and drop.plan.found.verdict.reason == "original"
+    with pytest.raises(kvedit.errors.InvalidTypeError, match="guard"):
+        kvedit.steer(model, tok, focus=True, question=QUESTION, guard="strict")
