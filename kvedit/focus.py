@@ -38,6 +38,7 @@ __all__ = [
     "content_free_question",
     "focus",
     "focus_text",
+    "guarded",
     "passage_scores",
     "passage_shares",
 ]
@@ -317,10 +318,18 @@ def focus(
     )
     spans = [found.passages[i] for i in found.chosen]
     edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
+    return guarded(found, edited, guard)
+
+
+def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
+    """``found`` (from :func:`choose`, holding the state it chose on) set to answer from
+    ``edited``, an edit of its chosen passages; with ``guard``, only if the guard keeps the
+    edit (the verdict is kept in :attr:`Focus.verdict`). Returns ``found``."""
+    original = found.state
     found.state = edited
     if guard is not None:
-        found.verdict = guard.decide(state, edited, found.question)
-        found.state = edited if found.verdict.kept else state
+        found.verdict = guard.decide(original, edited, found.question)
+        found.state = edited if found.verdict.kept else original
     return found
 
 

@@ -24,6 +24,7 @@ from kvedit.evals.methods import (
     split_specs,
 )
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
+from kvedit.guard import AgreementGuard
 from kvedit.readout import attention_share
 
 
@@ -642,3 +643,18 @@ def test_auto_refuses_a_guard_without_a_cache_edit_and_zero_smoothing():
     with pytest.raises(InvalidInputError, match="smoothing"):
         parse_spec("auto:smoothing=0.0")
     assert parse_spec("auto:guard=True").params.guard is True
+
+
+def test_reread_with_a_guard_answers_from_the_state_the_guard_keeps(llama, monkeypatch):
+    from kvedit.evals.methods import focus as example_focus_module
+
+    model, tok = llama
+    ex = small_examples()[0]
+    ctx = ExampleContext(model, tok, ex, max_new_tokens=6)
+    reread = parse_spec("reread").predict(ctx)
+    none = ctx.state.generate(ctx.continuation, 6)
+    assert reread != none, "the edit must change the answer for this test"
+    for margin, expected in ((-1e9, reread), (1e9, none)):
+        guard = AgreementGuard(margin, max_new_tokens=32)
+        monkeypatch.setattr(example_focus_module, "DEFAULT_GUARD", guard)
+        assert parse_spec("reread:guard=True").predict(ctx) == expected

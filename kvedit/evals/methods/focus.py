@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
-from kvedit.focus import DEFAULT_GUARD, Focus, choose, focus
+from kvedit.focus import DEFAULT_GUARD, Focus, choose, focus, guarded
 from kvedit.guard import AgreementGuard
 
 __all__ = ["example_focus", "focused_answer", "layer_slice"]
@@ -25,8 +25,6 @@ def guard_of(params, ctx: ExampleContext) -> AgreementGuard | None:
     """The guard ``params.guard`` asks for, answering up to ``ctx.max_new_tokens`` tokens."""
     if not params.guard:
         return None
-    if ctx.max_new_tokens == DEFAULT_GUARD.max_new_tokens:
-        return DEFAULT_GUARD
     return AgreementGuard(DEFAULT_GUARD.margin, ctx.max_new_tokens)
 
 
@@ -42,8 +40,7 @@ def focused_answer(ctx: ExampleContext, params) -> tuple[str, Focus]:
     edited = edited_state(ctx, spans, params)
     if guard is None or edited is None:
         return apply_edit(ctx, spans, params), found
-    found.verdict = guard.decide(ctx.state, edited, ctx.continuation)
-    found.state = edited if found.verdict.kept else ctx.state
+    found = guarded(found, edited, guard)
     return found.generate(ctx.max_new_tokens), found
 
 
@@ -56,8 +53,10 @@ def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
         top_k=min(params.top_k, len(ctx.doc_spans)),
         layers=range(n_layers)[layer_slice(params.layers, n_layers)],
         query=ctx.example.question,
+        target=params.target,
+        max_strength=params.strength,
+        smoothing=params.smoothing,
     )
-    kw.update(target=params.target, max_strength=params.strength, smoothing=params.smoothing)
     if not edit:
         return choose(ctx.state, ctx.continuation, ctx.doc_spans, **kw)
     return focus(ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), **kw)
