@@ -2,12 +2,13 @@
 
 The question is run on top of a captured state twice, as asked and with its distinctive words
 removed (:func:`content_free_question`: a calibration query that keeps the question's form and
-position). Each passage's score is the log ratio of the attention shares the two give it,
-averaged over layers: positional bias (lost in the middle, recency, the sink) appears in both
+position). Each passage's score is the log ratio of the attention shares the two give it
+(each smoothed by :data:`SCORE_SMOOTHING`), averaged over layers: positional bias (lost in the middle, recency, the sink) appears in both
 and cancels, the question's content does not. The best passages are then emphasized with a
 per-layer bias that lifts their share of the question's attention to ``target``
 (:func:`adaptive_strengths`), applied with :func:`kvedit.ops.emphasize` (the last token is
-recomputed, so the next token sees the edit).
+recomputed, so the next token sees the edit). An optional answer guard (:mod:`kvedit.guard`,
+applied by :func:`guarded`) may drop the edit.
 
 This is the evaluation method ``auto`` (``kvedit eval litm --methods auto``) as a library call.
 """
