@@ -1,18 +1,29 @@
 """Non-prefix reuse: blend separately cached parts into one cache (CacheBlend-style).
 
 ``blend(model, tokenizer, parts, store, recompute=0.15)`` builds the cache of the parts' texts in
-order, from caches of each part computed on its own:
+order, from stored caches of each part:
 
 1. **Parts.** Part 0 is tokenized with the tokenizer's default special tokens (it starts the
-   prompt, BOS included), every later part without them (the passage convention of
-   :func:`~kvedit.reuse.capture_passage`). Each part's state is looked up in the store by its
-   ids; a missing part is prefilled alone and stored. The blended token ids are the parts' ids
-   concatenated, which can differ from tokenizing the joined text at part boundaries.
-2. **Placing.** Every part was cached at positions ``0..n_i-1``; its keys are re-rotated to
-   their positions in the blend (``delta`` = the part's offset), with each layer's own rotary
+   prompt, BOS included), every later part without them. Part 0 is the shared prefix (chat
+   template, instruction); it is looked up in the store by its ids, or captured and stored.
+   With ``context="prefix"`` (the default), each later part is cached as it reads right after
+   that prefix, as in CacheBlend's and EPIC's setting (independent passages behind a shared
+   instruction): its store entry is the plain capture of ``prefix ids + passage ids``, so the
+   store key is a function of (model, tokenizer, prefix, passage), and the blend takes the
+   passage's entries out of it (:func:`~kvedit.reuse.passage_after`). A missing entry is
+   computed by running the passage on top of the prefix's state, and stored. Each stored
+   entry repeats the prefix's cache (one whole state per entry, see :mod:`kvedit.store`); it
+   also serves :func:`~kvedit.reuse` for prompts made of the prefix and that one passage.
+   With ``context="alone"``, each later part is cached on its own (the passage convention of
+   :func:`~kvedit.reuse.capture_passage`) and keyed by its ids alone: reusable behind any
+   prefix, but its tokens never read an instruction and its first token is its own attention
+   sink. The blended token ids are the parts' ids concatenated, which can differ from
+   tokenizing the joined text at part boundaries.
+2. **Placing.** Every part was cached at some positions (``0..n_i-1`` alone, right after the
+   prefix behind it); its keys are re-rotated to their positions in the blend, with each layer's own rotary
    frequencies (:mod:`kvedit.rope`). Values carry no position and are reused as they are.
 3. **Selecting.** Each part's cache misses the other parts: tokens after part 0 never attended
-   to what precedes them. As in CacheBlend (Yao et al., 2024), the tokens whose cache deviates
+   to the passages before them (nor to the prefix, with ``context="alone"``). As in CacheBlend (Yao et al., 2024), the tokens whose cache deviates
    most from a real prefill are found at one early layer and recomputed. kvedit runs the real
    forward over the whole blend up to the *deviation layer*, the first global layer after layer
    0 (layer 1 on Llama/Qwen2/SmolLM2; on Gemma-3 the first full-attention layer, because a
@@ -29,8 +40,8 @@ order, from caches of each part computed on its own:
    entries then replace the reused ones.
 
 ``recompute=1.0`` selects every token, which is a full prefill of the blended ids (the mask
-hides every reused entry). ``recompute=0`` is naive concatenation: nothing is recomputed and the
-last logits are those of the last part on its own.
+hides every reused entry). ``recompute=0`` is plain placement: nothing is recomputed and the
+last logits are those of the last part as it was cached.
 
 Sliding-window layers (Gemma-3): each stored part keeps the last ``window`` tokens of its
 sliding layers, so the blend's sliding layers hold, for every part, its last tokens, which
@@ -53,11 +64,14 @@ from transformers import DynamicCache, PreTrainedModel
 from .compat import cache_kwarg, text_config
 from .errors import UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .reuse import capture_passage, encode
+from .reuse import capture_passage, encode, extend_ids, passage_after
 from .rope import KeyMover, movers
 from .runtime import forward
 from .state import KVState, LayerKV, StateBias, capture, dynamic_cache
 from .store import KVStore
+
+BLEND_CONTEXTS = ("prefix", "alone")
+"""What :func:`blend`'s later parts are cached after: the shared prefix (part 0), or nothing."""
 
 
 @dataclass
@@ -81,6 +95,7 @@ class BlendReport:
         tokens_recomputed: tokens recomputed on top of the blend (the selected ones).
         tokens_computed: tokens of parts that were not stored and were prefilled alone.
         recompute: the requested fraction.
+        context: what the later parts were cached after (``"prefix"`` or ``"alone"``).
         deviation_layer: the layer the selection was made at (None if nothing was selected
             by deviation: ``recompute`` 0 or 1).
         recomputed_tokens: ``LongTensor[tokens_recomputed]`` their indices, ascending.
@@ -93,6 +108,7 @@ class BlendReport:
     tokens_recomputed: int
     tokens_computed: int
     recompute: float
+    context: str
     deviation_layer: int | None
     seconds: float
     recomputed_tokens: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0))
@@ -105,6 +121,8 @@ def blend(
     parts: Sequence[str],
     store: KVStore,
     recompute: float = 0.15,
+    *,
+    context: str = "prefix",
 ) -> tuple[KVState, BlendReport]:
     """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
 
@@ -113,6 +131,8 @@ def blend(
         parts: texts, in prompt order (part 0 with the tokenizer's special tokens).
         store: where parts are looked up, and where missing parts are stored.
         recompute: fraction of the blend's tokens to recompute, in ``[0, 1]``.
+        context: what each later part was cached after: ``"prefix"`` (part 0, the shared
+            prefix; the default) or ``"alone"`` (nothing).
 
     Returns:
         ``(state, report)``: a plain state of ``"".join(parts)`` whose token ids are the parts'
@@ -123,26 +143,36 @@ def blend(
         raise ValueError("blend: parts must be a non-empty list of strings")
     if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
         raise ValueError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
+    if context not in BLEND_CONTEXTS:
+        raise ValueError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
     layer_movers = movers(model)
     for mover in layer_movers:  # refuse before any work
         if mover.kind == "refused":
             raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
 
     states, reports = [], []
+    prefix_ids: list[int] = []
+    prefix: KVState | None = None
     for i, text in enumerate(parts):
-        ids, _ = encode(tokenizer, text, special_tokens=i == 0)
+        ids, offsets = encode(tokenizer, text, special_tokens=i == 0)
         if not ids:
             raise ValueError(f"blend: part {i} tokenizes to nothing")
-        key = store.key_for(model, tokenizer, ids)
+        behind = context == "prefix" and i > 0
+        key = store.key_for(model, tokenizer, prefix_ids + ids if behind else ids)
         state, source = store.fetch(key, model, tokenizer)
         if state is None:
-            state = (
-                capture(model, tokenizer, text)
-                if i == 0
-                else capture_passage(model, tokenizer, text)
-            )
+            if i == 0:
+                state = capture(model, tokenizer, text)
+            elif behind:
+                state = extend_ids(prefix, ids, offsets + len(prefix.text), prefix.text + text)
+            else:
+                state = capture_passage(model, tokenizer, text)
             store.put(state)
             source = "computed"
+        if i == 0:
+            prefix, prefix_ids = state, ids
+        elif behind:
+            state = passage_after(state, len(prefix_ids), len(prefix.text))
         states.append(state)
         reports.append(PartReport(key, len(ids), source))
 
@@ -196,6 +226,7 @@ def blend(
         tokens_recomputed=int(selected.numel()),
         tokens_computed=n - stored_tokens,
         recompute=float(recompute),
+        context=context,
         deviation_layer=deviation_layer,
         seconds=time.perf_counter() - t0,
         recomputed_tokens=selected,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,6 +117,39 @@ def capture_passage(model: PreTrainedModel, tokenizer, text: str) -> KVState:
     if not ids:
         raise ValueError("capture_passage: the text tokenizes to nothing")
     return extend_ids(empty_state(model, tokenizer), ids, offsets, text)
+
+
+def passage_after(state: KVState, n_prefix: int, text_start: int) -> KVState:
+    """The tokens of ``state`` after its first ``n_prefix``, as a passage state.
+
+    ``text_start`` is where the passage's text begins in ``state.text`` (the length of the
+    prefix's text when the state is the prefix's state extended by the passage).
+
+    The entries keep the keys and values they were computed with (so they have read the
+    prefix) and their rotary positions (``n_prefix`` onwards); token indices, text and
+    offsets start at the passage. This is how :func:`~kvedit.blend` reads a passage stored
+    behind a shared prefix. The result is an edited state (positions do not start at 0), never
+    stored as such.
+
+    Raises:
+        ValueError: ``n_prefix`` is not in ``[0, len(state))`` or ``text_start`` not in the text.
+    """
+    n = len(state)
+    if not 0 <= n_prefix < n:
+        raise ValueError(f"passage_after: n_prefix must be in [0, {n}), not {n_prefix}")
+    if not 0 <= text_start <= len(state.text):
+        raise ValueError(f"passage_after: text_start {text_start} is outside the state's text")
+    layers = []
+    for layer in state.layers:
+        kept = layer.select((layer.token_index >= n_prefix).nonzero().flatten())
+        layers.append(replace(kept, token_index=kept.token_index - n_prefix))
+    return state.replace(
+        layers=layers,
+        token_ids=state.token_ids[n_prefix:],
+        offsets=(state.offsets[n_prefix:] - text_start).clamp_min(0),
+        text=state.text[text_start:],
+        position_ids=state.position_ids[n_prefix:],
+    )
 
 
 def cut_layers(layers: Sequence[LayerKV], n_tokens: int) -> list[LayerKV]:

@@ -11,8 +11,9 @@ from helpers import reference_generate
 import kvedit
 from kvedit.blend import _deviation, _true_kv
 from kvedit.errors import UnsupportedModelError
-from kvedit.reuse import capture_passage, empty_state, extend_ids
+from kvedit.reuse import capture_passage, empty_state, encode, extend_ids, passage_after
 from kvedit.rope import layer_inv_freq, move_keys
+from kvedit.state import capture_tokens
 from kvedit.store import KVStore
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
@@ -144,7 +145,7 @@ def test_zero_recompute_is_naive_concatenation(tmp_path, llama):
     ]
     for p in parts:
         store.put(p)
-    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.0, context="alone")
     assert [p.source for p in report.parts] == ["memory"] * 4
     assert (report.tokens_reused, report.tokens_recomputed, report.tokens_computed) == (
         len(state),
@@ -168,8 +169,8 @@ def test_zero_recompute_is_naive_concatenation(tmp_path, llama):
 def test_partial_recompute_selects_deviating_tokens(tmp_path, llama):
     model, tok = llama
     store = KVStore(tmp_path)
-    kvedit.blend(model, tok, PARTS, store, recompute=0.0)  # stores the parts
-    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
+    kvedit.blend(model, tok, PARTS, store, recompute=0.0, context="alone")  # stores the parts
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.3, context="alone")
     ids = torch.tensor(blended_ids(tok))
     n0 = len(tok(PARTS[0])["input_ids"])
     assert report.deviation_layer == 1
@@ -179,7 +180,7 @@ def test_partial_recompute_selects_deviating_tokens(tmp_path, llama):
     assert selected[-1] == len(ids) - 1  # the last token always
     assert (selected >= n0).all()  # part 0 was cached in its real context: no deviation
     # the selection is the top of the layer-1 deviation of the naive blend
-    naive, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    naive, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0, context="alone")
     deviation = _deviation(model, ids, naive.layers[1], 1)
     deviation[-1] = float("inf")
     assert set(selected.tolist()) == set(deviation.topk(len(selected)).indices.tolist())
@@ -245,6 +246,88 @@ def test_blend_rejects_bad_input(tmp_path, llama):
         kvedit.blend(model, tok, PARTS, store, recompute=1.5)
     with pytest.raises(ValueError, match="part 1"):
         kvedit.blend(model, tok, ["a", ""], store)
+    with pytest.raises(ValueError, match="context"):
+        kvedit.blend(model, tok, PARTS, store, context="before")
+
+
+# ------------------------------------------------------------------ passages behind the prefix
+
+
+def test_prefix_context_stores_each_passage_behind_the_prefix(tmp_path, tiny):
+    """Each later part is stored as the plain capture of prefix ids + its ids (so its key is
+    a function of the prefix and the passage), and placed from there: with nothing
+    recomputed, part 1's entries are a real prefill's, later parts are their capture behind
+    the prefix, moved to their offset."""
+    arch, model, tok = tiny
+    store = KVStore(tmp_path, memory_bytes=10**8)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    assert report.context == "prefix" and [p.source for p in report.parts] == ["computed"] * 4
+    ids0 = tok(PARTS[0])["input_ids"]
+    n0 = len(ids0)
+    start = n0
+    freqs = layer_inv_freq(model)
+    for i, text in enumerate(PARTS[1:], 1):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert report.parts[i].key == store.key_for(model, tok, ids0 + ids)
+        assert report.parts[i].key != store.key_for(model, tok, ids)  # not the alone key
+        behind = capture_tokens(model, tok, ids0 + ids)
+        for layer, ref, f in zip(state.layers, behind.layers, freqs, strict=True):
+            got = (layer.token_index >= start) & (layer.token_index < start + len(ids))
+            want = ref.token_index >= n0
+            if layer.window is not None:  # the blend keeps its last window entries
+                continue
+            torch.testing.assert_close(layer.values[:, :, got], ref.values[:, :, want])
+            moved = move_keys(ref.keys[:, :, want], torch.full((len(ids),), start - n0), f)
+            torch.testing.assert_close(layer.keys[:, :, got], moved, atol=1e-5, rtol=1e-5)
+        start += len(ids)
+    assert start == len(state)
+    # part 1 read right after the prefix: the blend of two parts is a prefill's, exactly
+    two, _ = kvedit.blend(model, tok, PARTS[:2], store, recompute=0.0)
+    fresh = capture_tokens(model, tok, two.token_ids.tolist())
+    torch.testing.assert_close(two.last_logits, fresh.last_logits, atol=1e-4, rtol=1e-4)
+    # stored: the next blend reads every part from the store
+    _, again = kvedit.blend(model, tok, PARTS, store, recompute=0.15)
+    assert [p.source for p in again.parts] == ["memory"] * 4 and again.tokens_computed == 0
+
+
+def test_prefix_context_keys_depend_on_the_prefix(tmp_path, llama):
+    model, tok = llama
+    store = KVStore(tmp_path)
+    kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    other = ["Other records follow.\n", *PARTS[1:]]
+    _, report = kvedit.blend(model, tok, other, store, recompute=0.0)
+    assert [p.source for p in report.parts] == ["computed"] * 4  # same passages, new prefix
+    _, alone = kvedit.blend(model, tok, PARTS, store, recompute=0.0, context="alone")
+    assert [p.source for p in alone.parts] == ["disk", "computed", "computed", "computed"]
+    # a stored (prefix, passage) entry is a plain capture: prefix reuse finds it too
+    found, n = store.longest_prefix(model, tok, PARTS[0] + PARTS[1] + "More text.")
+    assert n == report.parts[0].n_tokens + report.parts[1].n_tokens
+
+
+def test_prefix_context_recomputes_only_after_the_first_passage(tmp_path, llama):
+    model, tok = llama
+    store = KVStore(tmp_path)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
+    n01 = report.parts[0].n_tokens + report.parts[1].n_tokens
+    assert report.tokens_recomputed == -(-3 * len(state) // 10)
+    assert (report.recomputed_tokens >= n01).all()  # prefix and part 1 are exact
+
+
+def test_passage_after(llama):
+    model, tok = llama
+    prefix = kvedit.capture(model, tok, PARTS[0])
+    ids, offsets = encode(tok, PARTS[1], special_tokens=False)
+    full = extend_ids(prefix, ids, offsets + len(PARTS[0]), PARTS[0] + PARTS[1])
+    part = passage_after(full, len(prefix), len(PARTS[0]))
+    assert part.text == PARTS[1] and part.token_ids.tolist() == ids
+    assert torch.equal(part.offsets, offsets)
+    assert part.position_ids.tolist() == list(range(len(prefix), len(full)))
+    for layer, ref in zip(part.layers, full.layers, strict=True):
+        assert layer.token_index.tolist() == list(range(len(ids)))
+        assert torch.equal(layer.positions, ref.positions[len(prefix) :])
+        assert torch.equal(layer.keys, ref.keys[:, :, len(prefix) :])
+    with pytest.raises(ValueError, match="n_prefix"):
+        passage_after(full, len(full), 0)
 
 
 # ------------------------------------------------------------------ the eval method
@@ -261,7 +344,10 @@ def test_blend_eval_method(llama):
     parts = document_parts(ctx)
     assert "".join(parts) == ctx.prefix and len(parts) == 5
     assert parts[1].startswith(examples[0].documents[0])
-    method = parse_spec("blend:recompute=1.0")
+    assert parse_spec("blend").params.context == "prefix"
+    with pytest.raises(kvedit.errors.InvalidInputError, match="context"):
+        parse_spec("blend:context=before")
+    method = parse_spec("blend:recompute=1.0:context=alone")
     answer = method.predict(ctx)
     report = ctx.notes["blend_report"]
     ids = blended_ids(tok, parts)

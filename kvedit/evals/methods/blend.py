@@ -1,9 +1,11 @@
-"""``blend``: every document cached on its own, then blended after the instruction.
+"""``blend``: every document cached behind the instruction, then blended.
 
-``blend:recompute=0.15``: each document is cached alone in a store (one temporary store per
-method object, so documents shared by examples are computed once), then blended after the
-instruction prefix with :func:`kvedit.blend`, which recomputes that fraction of the tokens; the
-question follows as usual.
+``blend`` (``blend:recompute=0.15,context=prefix``): each document is cached as it reads right
+after the prompt's instruction prefix, in a store (one temporary store per method object, so
+documents shared by examples with the same prefix are computed once), then the documents are
+blended after the prefix with :func:`kvedit.blend`, which recomputes that fraction of the
+tokens; the question follows as usual. ``context=alone`` caches each document on its own
+instead (the blend of earlier reports).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 
-from kvedit.blend import blend
+from kvedit.blend import BLEND_CONTEXTS, blend
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.params import check_fraction
+from kvedit.evals.methods.params import check_choice, check_fraction
 from kvedit.evals.methods.registry import Method, register_method
 from kvedit.store import KVStore
 
@@ -52,12 +54,16 @@ class BlendParams:
 
     Attributes:
         recompute: The fraction of the tokens :func:`kvedit.blend` recomputes, in ``[0, 1]``.
+        context: What each document is cached after: ``"prefix"`` (the instruction prefix)
+            or ``"alone"`` (nothing); see :data:`kvedit.blend.BLEND_CONTEXTS`.
     """
 
     recompute: float = 0.15
+    context: str = "prefix"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", check_fraction("recompute", self.recompute))
+        check_choice("context", self.context, BLEND_CONTEXTS)
 
 
 @register_method("blend")
@@ -94,6 +100,7 @@ class Blend(Method):
             document_parts(ctx),
             self._store(),
             recompute=float(self.params.recompute),
+            context=self.params.context,
         )
         ctx.notes["blend_report"] = report
         return state.generate(ctx.continuation, ctx.max_new_tokens)
