@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -38,8 +39,9 @@ def encode(tokenizer, text: str, special_tokens: bool = True) -> tuple[list[int]
     """``(token ids, offsets [n, 2])`` of ``text`` (special tokens as the tokenizer adds them)."""
     enc = tokenizer(text, add_special_tokens=special_tokens, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
-    return ids, offsets
+    # through numpy: torch.tensor on a list of pairs is ~5x slower (2 ms at 2K tokens)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    return ids, torch.from_numpy(offsets)
 
 
 def empty_state(model: PreTrainedModel, tokenizer) -> KVState:
