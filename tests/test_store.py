@@ -77,6 +77,23 @@ def test_put_get_round_trip(tmp_path, llama):
             assert kvedit.load_state(tmp_path / "entries" / name, model, tok).text == state.text
 
 
+def test_weights_changed_in_place_miss_the_store(tmp_path):
+    """The store keys on the memoised model fingerprint: after an in-place weight write the
+    memo is invalidated, so the old entry is neither found by prefix nor served as this
+    model's (fetching it by key is a mismatch), and putting again stores a new entry."""
+    model, tok = tiny_model("llama")
+    store = KVStore(tmp_path, memory_bytes=10**8)
+    key = store.put(kvedit.capture(model, tok, RECORDS))
+    assert store.longest_prefix(model, tok, RECORDS + " More.")[1] > 0
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight[0, 0] += 1.0
+    assert store.key_for(model, tok, tok(RECORDS)["input_ids"]) != key
+    assert store.longest_prefix(model, tok, RECORDS + " More.") == (None, 0)
+    with pytest.raises(CacheMismatchError):
+        store.get(key, model, tok)
+    assert store.put(kvedit.capture(model, tok, RECORDS)) != key
+
+
 def test_put_refuses_edited_states(tmp_path, llama):
     model, tok = llama
     state = kvedit.capture(model, tok, RECORDS)
