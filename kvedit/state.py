@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, DynamicLayer, PreTrainedModel
 
 from . import checks
 from .cache import LayerKV
@@ -412,19 +412,142 @@ def _sample(logits, do_sample, temperature, top_k, top_p, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class PackedCacheLayer(DynamicLayer):
+    """A transformers cache layer over a packed kvedit layer (``layer.packed``: quantized,
+    merged): the layer's dense K/V exist only while its attention runs.
+
+    :meth:`update` (what the model's attention calls with the new tokens' K/V) expands the
+    stored entries with ``source.dense_kv(new)`` (stored entries, then every new entry so far,
+    ``[batch, kv_heads, n + k, head_dim]``), returns them to the attention and keeps nothing
+    of them: the layer holds only the packed source and the new entries (``new_keys`` /
+    ``new_values``, full precision). Reading ``.keys`` / ``.values`` expands the layer on each
+    access; assigning them (transformers' crop or beam reordering) turns it into a plain
+    dense layer holding what was assigned.
+    """
+
+    def __init__(self, source: LayerKV) -> None:
+        self._source: LayerKV | None = source
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        super().__init__()  # sets keys/values to None (no-ops here)
+        b, h, _, d = source.kv_shape
+        self.device = source.device
+        dv = d  # values may have another head size (MLA); refined on the first update
+        self.new_keys = torch.zeros(b, h, 0, d, device=self.device)
+        self.new_values = torch.zeros(b, h, 0, dv, device=self.device)
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._source is None:
+            return self._keys
+        return self._source.dense_kv(self.new_keys, self.new_values)[0]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._assign("_keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._source is None:
+            return self._values
+        return self._source.dense_kv(self.new_keys, self.new_values)[1]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._assign("_values", value)
+
+    def _assign(self, name: str, value: torch.Tensor | None) -> None:
+        if value is None and self._source is not None:
+            return  # DynamicLayer.__init__; reset() below drops the source too
+        if self._source is not None:  # keep the side not assigned as it is now
+            other = "_values" if name == "_keys" else "_keys"
+            k, v = self._source.dense_kv(self.new_keys, self.new_values)
+            setattr(self, other, v if other == "_values" else k)
+            self._source = None
+        setattr(self, name, value)
+
+    def reset(self) -> None:
+        self._source = None
+        super().reset()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new entries; return the whole layer, expanded for this call only."""
+        if self._source is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if self.new_keys.shape[-2] == 0:
+            self.new_keys = key_states[:, :, :0].to(self.device)
+            self.new_values = value_states[:, :, :0].to(self.device)
+        self.new_keys = torch.cat([self.new_keys, key_states], dim=-2)
+        self.new_values = torch.cat([self.new_values, value_states], dim=-2)
+        return self._source.dense_kv(self.new_keys, self.new_values)
+
+    def get_seq_length(self) -> int:
+        if self._source is None:
+            return super().get_seq_length()
+        return len(self._source) + self.new_keys.shape[-2]
+
+    @property
+    def packed_source(self) -> LayerKV | None:
+        """The packed layer this cache layer expands (None once it holds dense K/V)."""
+        return self._source
+
+
 def dynamic_cache(layers: Sequence[LayerKV]) -> DynamicCache:
     """A plain (all-global) ``DynamicCache`` holding the entries, without copying them.
 
-    Each layer is initialised through ``update`` with zero entries, then given the stored
-    tensors through the ``layers[i].keys/.values`` seam. The model's own ``update`` concatenates
-    into new tensors, so stored tensors are never mutated.
+    A dense layer is initialised through ``update`` with zero entries, then given the stored
+    tensors through the ``layers[i].keys/.values`` seam. The model's own ``update``
+    concatenates into new tensors, so stored tensors are never mutated. A packed layer
+    (``layer.packed``) gets a :class:`PackedCacheLayer`, which expands it only while its
+    attention runs: a forward over a quantized or merged state holds one layer's dense K/V
+    at a time.
     """
     cache = DynamicCache()
     for i, layer in enumerate(layers):
+        if layer.packed:
+            cache.layers.append(PackedCacheLayer(layer))
+            continue
         cache.update(layer.keys[:, :, :0], layer.values[:, :, :0], i)
         cache.layers[i].keys = layer.keys
         cache.layers[i].values = layer.values
     return cache
+
+
+class CacheEntries(Sequence):
+    """Each layer's entries after a forward over :func:`dynamic_cache`: item ``i`` is
+    ``(keys, values)`` ``[batch, kv_heads, len + n, head_dim]`` (stored entries, then the ``n``
+    new ones), expanded on access for a packed layer; :meth:`new_entries` gives only the new
+    ones without expanding anything."""
+
+    def __init__(self, cache: DynamicCache, n_layers: int, n_new: int) -> None:
+        self._cache = cache
+        self._n = n_layers
+        self._new = n_new
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(self._n)[i]]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        layer = self._cache.layers[i % self._n]
+        source = getattr(layer, "packed_source", None)
+        if source is not None:  # expanded once for both
+            return source.dense_kv(layer.new_keys, layer.new_values)
+        return layer.keys, layer.values
+
+    def new_entries(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[batch, kv_heads, n, head_dim]`` of the new entries of layer ``i``."""
+        layer = self._cache.layers[i]
+        if getattr(layer, "packed_source", None) is not None:
+            keys, values = layer.new_keys, layer.new_values
+        else:
+            keys, values = layer.keys, layer.values
+        first = keys.shape[-2] - self._new
+        return keys[:, :, first:], values[:, :, first:]
 
 
 def run_model(
@@ -434,11 +557,13 @@ def run_model(
     position_ids: torch.Tensor,
     logits_to_keep: int = 0,
     plan=None,
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[torch.Tensor, CacheEntries]:
     """Run ``input_ids [1, n]`` at ``position_ids [1, n]`` on top of ``layers``.
 
-    Returns ``(logits [1, n|keep, vocab], [(keys, values) per layer])``, where keys and values
-    hold the stored entries followed by the ``n`` new ones (``[batch, kv_heads, len + n, dim]``).
+    Returns ``(logits [1, n|keep, vocab], entries)``: ``entries[i]`` is layer ``i``'s
+    ``(keys, values)``, the stored entries followed by the ``n`` new ones
+    (``[batch, kv_heads, len + n, dim]``; a packed layer is expanded on access), and
+    ``entries.new_entries(i)`` only the new ones (:class:`CacheEntries`).
     The stored bias applies to every new query (or ``plan``, a BiasPlan, decides); ``layers``
     is left untouched.
     """
@@ -447,8 +572,7 @@ def run_model(
     logits = forward(
         model, input_ids, position_ids, cache, plan=plan, logits_to_keep=logits_to_keep
     )
-    full_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(len(layers))]
-    return logits, full_kv
+    return logits, CacheEntries(cache, len(layers), input_ids.shape[-1])
 
 
 def appended_layers(layers, full_kv, ids, first_position, first_index=-1) -> list[LayerKV]:
@@ -459,10 +583,17 @@ def appended_layers(layers, full_kv, ids, first_position, first_index=-1) -> lis
     n = len(ids)
     positions = torch.arange(first_position, first_position + n)
     index = torch.arange(first_index, first_index + n) if first_index >= 0 else torch.full((n,), -1)
-    return [
-        layer.extended(k, v, index, positions)
-        for layer, (k, v) in zip(layers, full_kv, strict=True)
-    ]
+    if len(layers) != len(full_kv):
+        raise ValueError(f"{len(full_kv)} layers of entries for {len(layers)} layers")
+    out = []
+    for i, layer in enumerate(layers):
+        if layer.packed:  # the new entries only: the packed part is never expanded
+            k, v = full_kv.new_entries(i)
+            out.append(layer.append(k, v, index, positions))
+        else:
+            k, v = full_kv[i]
+            out.append(layer.extended(k, v, index, positions))
+    return out
 
 
 @torch.no_grad()
@@ -567,10 +698,8 @@ def recompute_last(
         logits_to_keep=1,
     )
     layers = []
-    for i, (base, (k, v), count, bias) in enumerate(
-        zip(bases, full_kv, counts, biases, strict=True)
-    ):
-        fresh_k, fresh_v = k[:, :, -1:], v[:, :, -1:]
+    for i, (base, count, bias) in enumerate(zip(bases, counts, biases, strict=True)):
+        fresh_k, fresh_v = full_kv.new_entries(i)
         layer = base.append(
             fresh_k.repeat(1, 1, count, 1),
             fresh_v.repeat(1, 1, count, 1),

@@ -3,7 +3,9 @@
 Layout: per layer ``i``, the tensors its cache-layer class writes (:mod:`kvedit.cache`), named
 ``layer.{i}.NAME`` (dense: ``keys`` / ``values`` ``[batch, kv_heads, n_i, head_dim]``,
 ``token_index`` / ``positions`` ``[n_i]``, optional ``bias`` ``[batch, heads, n_i]``; quantized:
-packed codes, scales, zero points and the exact residual), and ``token_ids``, ``offsets``,
+packed codes, scales, zero points and the exact residual; merged: norms, retained entries
+and the exact tail), ``shared.{key}.NAME`` for data layers share (a merged pair's directions,
+written once, named by the layers' ``shared`` param), and ``token_ids``, ``offsets``,
 ``position_ids``, ``last_logits``. The header's ``kvedit`` entry is JSON: format version,
 fingerprints, text, windows, each layer's kind and parameters, and a CRC-32 of every tensor's
 bytes. Files are written by :func:`kvedit.atomic.atomic_write`. Reading is
@@ -72,6 +74,7 @@ def _state_tensors_and_params(
     dtype = checks.save_dtype(dtype)
     out: dict[str, torch.Tensor] = {}
     params = []
+    written: set[str] = set()
     for i, layer in enumerate(state.layers):
 
         def cast(t: torch.Tensor, what: str, i: int = i) -> torch.Tensor:
@@ -80,6 +83,12 @@ def _state_tensors_and_params(
         tensors, layer_params = layer.to_tensors(cast)
         out.update({f"layer.{i}.{name}": t for name, t in tensors.items()})
         params.append(layer_params)
+        shared = layer.shared_tensors(cast)
+        if shared is not None:  # data several layers share (a merged pair): written once
+            key, block = shared
+            if key not in written:
+                written.add(key)
+                out.update({f"shared.{key}.{name}": t for name, t in block.items()})
     out["token_ids"] = state.token_ids.cpu().contiguous()
     out["offsets"] = state.offsets.cpu().contiguous()
     out["position_ids"] = state.position_ids.cpu().contiguous()

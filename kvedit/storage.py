@@ -197,6 +197,15 @@ def state_from_parts(meta: dict, tensors: dict[str, torch.Tensor], model, tokeni
         for i, (window, kind, layer_params) in enumerate(zip(windows, kinds, params, strict=True)):
             prefix = f"layer.{i}."
             mine = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+            shared = layer_params.get("shared") if isinstance(layer_params, dict) else None
+            if shared is not None:  # data the layer shares with others, written once
+                block = f"shared.{shared}."
+                found = {k[len(block) :]: t for k, t in tensors.items() if k.startswith(block)}
+                if not found:
+                    raise CorruptCacheError(
+                        f"layer {i} names shared data {shared!r} the file lacks"
+                    )
+                mine.update({f"shared.{k}": t for k, t in found.items()})
             cls = layer_class(kind)
             layers.append(cls.from_tensors(mine, layer_params, window, device, dtype))
         state = KVState(

@@ -23,6 +23,7 @@ from kvedit.evals.methods import (
     split_prompt,
     split_specs,
 )
+from kvedit.evals.report import summarize
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
 from kvedit.guard import AgreementGuard
 from kvedit.readout import attention_share
@@ -86,7 +87,7 @@ RECORDED = {
     "auto:layers=(0.25,0.75):top_k=2": {**AUTO_DEFAULTS, "top_k": 2, "layers": [0.25, 0.75]},
     "oracle:edit=scale_keys:factor=1.5": {**EDIT_DEFAULTS, "edit": "scale_keys"},
     "oracle:edit=duplicate:copies=3": {**EDIT_DEFAULTS, "edit": "duplicate", "copies": 3},
-    "blend:recompute=0.15": {"recompute": 0.15},
+    "blend:recompute=0.15": {"recompute": 0.15, "context": "prefix"},
     "snapkv:keep=0.25:observe=window": {
         "keep": 0.25,
         "window": 32,
@@ -230,6 +231,8 @@ def test_auto_with_a_target_biases_each_layer_to_reach_it(llama):
 class _Answer:
     """What a spied-on op returns: a state whose answer names the op."""
 
+    nbytes = 1
+
     def __init__(self, op: str):
         self.op = op
 
@@ -269,9 +272,19 @@ def test_compression_methods_run_end_to_end(llama):
     model, tok = llama
     examples = records_examples(n_records=4, positions=(0,), trials=1, seed=0)
     specs = ["none", "snapkv:keep=0.5", "snapkv:keep=0.25:observe=window", "quantize:bits=8"]
+    specs += ["select:scorer=knorm:keep=0.5", "select:scorer=knorm:keep=0.5:bits=8"]
     records = run(model, tok, examples, specs, max_new_tokens=4, progress=False)
     assert [r["method"] for r in records] == specs
     assert all(isinstance(r["prediction"], str) for r in records)
+    # every compression method records its cache's bytes, as a fraction of the full cache's
+    full = ExampleContext(model, tok, examples[0]).state
+    sizes = {r["method"]: r.get("bytes") for r in records}
+    assert sizes["none"] is None
+    selected = ops.select(full, "knorm", 0.5)
+    assert sizes["select:scorer=knorm:keep=0.5"] == round(selected.nbytes / full.nbytes, 4)
+    packed = ops.quantize(selected, bits=8).nbytes / full.nbytes
+    assert sizes["select:scorer=knorm:keep=0.5:bits=8"] == round(packed, 4)
+    assert summarize(records)["quantize:bits=8"]["bytes"] == sizes["quantize:bits=8"] < 1
     with pytest.raises(InvalidInputError, match="observe"):
         run(model, tok, examples, ["snapkv:observe=both"], progress=False)
 

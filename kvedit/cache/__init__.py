@@ -9,20 +9,28 @@ Register a new kind with :func:`register_layer`.
 ==============  =========================================================================
 ``dense``       :class:`LayerKV`: plain tensors
 ``quantized``   :class:`QuantizedLayerKV`: KIVI-style packed keys and values (2/4/8 bits)
+``merged``      :class:`MergedLayerKV`: one layer of a MiniCache pair, sharing its K/V
+                directions with the adjacent layer (:class:`SharedDirections`)
 ==============  =========================================================================
+
+Packed classes (``packed = True``: quantized, merged) are expanded one layer at a time when a
+forward needs them (:func:`kvedit.state.dynamic_cache`), never all at once.
 """
 
 from __future__ import annotations
 
 from .dense import LayerKV
+from .merged import MergedLayerKV, SharedDirections
 from .quantized import PackedKV, QuantizedLayerKV
 from .registry import LAYER_CLASSES, layer_class, register_layer
 
 __all__ = [
     "LAYER_CLASSES",
     "LayerKV",
+    "MergedLayerKV",
     "PackedKV",
     "QuantizedLayerKV",
+    "SharedDirections",
     "layer_class",
     "register_layer",
 ]

@@ -34,6 +34,10 @@ class LayerKV:
 
     kind: ClassVar[str] = "dense"
     lossless: ClassVar[bool] = True  # holds exactly what the model computed
+    packed: ClassVar[bool] = False
+    """Whether the layer holds its K/V in a packed form that :meth:`dense_kv` expands: a
+    forward then expands it when its attention runs and drops it after
+    (:func:`kvedit.state.dynamic_cache`), instead of holding the dense K/V."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -49,10 +53,33 @@ class LayerKV:
     def device(self) -> torch.device:
         return self.keys.device
 
-    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` as dense ``[batch, kv_heads, n, head_dim]`` tensors, for the
-        attention (a packed layer materializes only this layer)."""
-        return self.keys, self.values
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        """``(batch, kv_heads, n, head_dim)`` of the keys (read without expanding a packed layer)."""
+        return tuple(self.keys.shape)
+
+    def dense_kv(
+        self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` as dense ``[batch, kv_heads, n (+ k), head_dim]`` tensors, for the
+        attention (a packed layer materializes only this layer), followed by ``new_keys`` /
+        ``new_values`` ``[batch, kv_heads, k, head_dim]`` when given (one concatenation)."""
+        if new_keys is None:
+            return self.keys, self.values
+        return (
+            torch.cat([self.keys, new_keys.to(self.keys.dtype)], dim=-2),
+            torch.cat([self.values, new_values.to(self.values.dtype)], dim=-2),
+        )
+
+    def shared_tensors(self, cast=None) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """Tensors this layer shares with other layers of its state, as ``(key, tensors)``
+        (a merged pair's directions, :mod:`kvedit.cache.merged`), or None (the default).
+
+        Storage writes each key's tensors once, as ``shared.{key}.NAME``, and hands them back
+        to :meth:`from_tensors` as ``shared.NAME`` for every layer whose params name the key
+        under ``"shared"``. ``cast`` as :meth:`to_tensors`.
+        """
+        return None
 
     def to_tensors(self, cast=None) -> tuple[dict[str, torch.Tensor], dict]:
         """``(tensors by name, JSON params)`` to store this layer (on CPU, contiguous).
@@ -114,11 +141,11 @@ class LayerKV:
         """The bias as a tensor ``[batch, heads or kv_heads, n]`` (zeros when unset)."""
         if self.bias is not None and (heads is None or self.bias.shape[1] == heads):
             return self.bias
-        b, hkv, n = self.keys.shape[0], self.keys.shape[1], self.keys.shape[-2]
+        b, hkv, n, _ = self.kv_shape
         base = (
             self.bias
             if self.bias is not None
-            else torch.zeros(b, hkv, n, dtype=torch.float32, device=self.keys.device)
+            else torch.zeros(b, hkv, n, dtype=torch.float32, device=self.device)
         )
         if heads is None or heads == base.shape[1]:
             return base
@@ -144,7 +171,28 @@ class LayerKV:
         bias: torch.Tensor | None = None,
     ) -> LayerKV:
         """A new layer with entries appended (bias zeros unless given), then trimmed to the window."""
-        n_new = keys.shape[-2]
+        token_index, positions, new_bias = self.appended_bookkeeping(
+            keys.shape[-2], token_index, positions, bias
+        )
+        out = LayerKV(
+            keys=torch.cat([self.keys, keys.to(self.keys.dtype)], dim=-2),
+            values=torch.cat([self.values, values.to(self.values.dtype)], dim=-2),
+            token_index=token_index,
+            positions=positions,
+            bias=new_bias,
+            window=self.window,
+        )
+        return out.trimmed()
+
+    def appended_bookkeeping(
+        self,
+        n_new: int,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(token_index [n + n_new], positions [n + n_new], bias)`` of this layer with
+        ``n_new`` entries appended (bias as :meth:`append`), without touching K/V."""
         if self.bias is None and bias is None:
             new_bias = None
         else:
@@ -161,15 +209,11 @@ class LayerKV:
             if add.shape[1] != old.shape[1]:
                 add = add.repeat_interleave(old.shape[1] // add.shape[1], dim=1)
             new_bias = torch.cat([old, add.to(old.dtype)], dim=-1)
-        out = LayerKV(
-            keys=torch.cat([self.keys, keys.to(self.keys.dtype)], dim=-2),
-            values=torch.cat([self.values, values.to(self.values.dtype)], dim=-2),
-            token_index=torch.cat([self.token_index, token_index.to(self.token_index.device)]),
-            positions=torch.cat([self.positions, positions.to(self.positions.device)]),
-            bias=new_bias,
-            window=self.window,
+        return (
+            torch.cat([self.token_index, token_index.to(self.token_index.device)]),
+            torch.cat([self.positions, positions.to(self.positions.device)]),
+            new_bias,
         )
-        return out.trimmed()
 
     def extended(
         self,

@@ -76,13 +76,17 @@ class PackedKV:
             pack_codes(codes, bits), scale, zero, x[:, :, n_quant:].clone(), bits, group, axis
         )
 
-    def dequantize(self) -> torch.Tensor:
-        """The tensor ``[batch, heads, n, dim]`` in the residual's dtype."""
+    def dequantize(self, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``[batch, heads, n (+ k), dim]`` in the residual's dtype, followed by
+        ``extra [batch, heads, k, dim]`` when given (in the same concatenation)."""
         b, h, _, d = self.residual.shape
         codes = unpack_codes(self.codes, self.bits, d).float()
         head = _grouped(codes, self.group, self.axis) * self.scale.float() + self.zero.float()
         head = head.reshape(b, h, self.n_quant, d).to(self.residual.dtype)
-        return torch.cat([head, self.residual], dim=-2)
+        parts = [head, self.residual]
+        if extra is not None:
+            parts.append(extra.to(self.residual.dtype))
+        return torch.cat(parts, dim=-2)
 
     def requantized(self, x: torch.Tensor) -> PackedKV:
         """``x`` quantized the same way (same bits, group, axis and quantized length).
@@ -151,6 +155,7 @@ class QuantizedLayerKV(LayerKV):
 
     kind: ClassVar[str] = "quantized"
     lossless: ClassVar[bool] = False
+    packed: ClassVar[bool] = True
     packed_keys: PackedKV | None = None
     packed_values: PackedKV | None = None
 
@@ -192,6 +197,15 @@ class QuantizedLayerKV(LayerKV):
     @property
     def device(self) -> torch.device:
         return self.packed_keys.codes.device
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return self.packed_keys.shape
+
+    def dense_kv(self, new_keys=None, new_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values dequantized (``[batch, kv_heads, n (+ k), head_dim]``),
+        ``new_keys`` / ``new_values`` appended when given."""
+        return self.packed_keys.dequantize(new_keys), self.packed_values.dequantize(new_values)
 
     def to_tensors(self, cast=None) -> tuple[dict[str, torch.Tensor], dict]:
         """Packed: codes, scales and zero points as they are, the exact residual (cast)."""
@@ -287,9 +301,12 @@ class QuantizedLayerKV(LayerKV):
         )
 
     def append(self, keys, values, token_index, positions, bias=None) -> QuantizedLayerKV:
-        """Entries appended to the full-precision residual (bias as :meth:`LayerKV.append`)."""
-        dense = super().append(keys, values, token_index, positions, bias)
-        return self._with(keys, values, dense.token_index, dense.positions, dense.bias)
+        """Entries appended to the full-precision residual (bias as :meth:`LayerKV.append`);
+        the packed part is neither expanded nor re-quantized."""
+        index, pos, new_bias = self.appended_bookkeeping(
+            keys.shape[-2], token_index, positions, bias
+        )
+        return self._with(keys, values, index, pos, new_bias)
 
     def extended(self, full_keys, full_values, token_index, positions) -> QuantizedLayerKV:
         """The new entries of ``full_keys/values`` (after this layer's) appended exactly."""

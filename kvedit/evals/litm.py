@@ -141,6 +141,9 @@ def run(
             chosen = ctx.notes.pop("auto_choice", None)  # the documents auto/reread chose
             if chosen is not None:
                 record["chosen"] = [int(i) for i in chosen]
+            cache_bytes = ctx.notes.pop("cache_bytes", None)  # a compression method's bytes
+            if cache_bytes is not None:
+                record["bytes"] = round(float(cache_bytes), 4)
             records.append(record)
             if on_record is not None:
                 on_record(records[-1])

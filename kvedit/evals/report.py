@@ -70,6 +70,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     """
     by_method: dict[str, list[tuple[int, float]]] = {}
     seconds: dict[str, list[float]] = {}
+    sizes: dict[str, list[float]] = {}
     hits: dict[str, dict[int, list[float]]] = {}
     seen: set[tuple[str, str]] = set()
     for number, record in enumerate(records):
@@ -87,6 +88,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
         )
         if "seconds" in record:
             seconds.setdefault(key[0], []).append(float(record["seconds"]))
+        if "bytes" in record:
+            sizes.setdefault(key[0], []).append(float(record["bytes"]))
         if "chosen" in record:
             hit = float(int(record["gold_index"]) in record["chosen"])
             hits.setdefault(key[0], {}).setdefault(int(record["gold_index"]), []).append(hit)
@@ -111,6 +114,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
         }
         if method in seconds:
             summary[method]["seconds"] = math.fsum(seconds[method]) / len(seconds[method])
+        if method in sizes:
+            summary[method]["bytes"] = math.fsum(sizes[method]) / len(sizes[method])
         if method in hits:
             by_hit = {str(p): math.fsum(v) / len(v) for p, v in sorted(hits[method].items())}
             every = [h for v in hits[method].values() for h in v]

@@ -8,14 +8,18 @@ never touches its input.
 ``duplicate``      append copies of a span's K/V: an exact ``log(copies+1)`` bias
 ``reread``         encode a span again after the end of the cache
 ``snapkv``         keep per KV head the entries a window/question attends to (compress)
+``select``         keep per KV head the entries a scorer ranks best (kvedit.compress)
 ``quantize``       KIVI-style 2/4/8-bit keys (per channel) and values (per token)
+``minicache``      merge adjacent deep layers' K/V pairwise (shared directions, own norms)
 =================  ==================================================================
 """
 
 from __future__ import annotations
 
+from ..compress import select
 from .duplicate import duplicate
 from .emphasize import emphasize
+from .minicache import MergedLayerKV, minicache
 from .quantize import QuantizedLayerKV, quantize
 from .reread import reread
 from .scale_keys import scale_keys
@@ -23,12 +27,15 @@ from .snapkv import snapkv
 from .suppress import suppress
 
 __all__ = [
+    "MergedLayerKV",
     "QuantizedLayerKV",
     "duplicate",
     "emphasize",
+    "minicache",
     "quantize",
     "reread",
     "scale_keys",
+    "select",
     "snapkv",
     "suppress",
 ]

@@ -16,9 +16,11 @@ where each document sits in the captured text. Methods are named by spec strings
 ``oracle``              the gold document edited (:mod:`.oracle`, :class:`.EditParams`)
 ``auto``                the documents the question points at emphasized (:mod:`.auto`)
 ``reread``              those documents re-read at the end of the cache (:mod:`.reread`)
-``blend``               documents cached alone, then blended (:mod:`.blend`)
+``blend``               documents cached behind the instruction, then blended (:mod:`.blend`)
 ``snapkv``              the cache compressed by SnapKV (:mod:`.snapkv`)
 ``quantize``            the cache quantized (:mod:`.quantize`)
+``select``              the cache compressed by any scorer (:mod:`.select`)
+``minicache``           adjacent deep layers merged pairwise, optionally quantized (:mod:`.minicache`)
 ======================  ================================================================
 
 Add a method: a new module here, imported below, with::
@@ -44,6 +46,7 @@ from kvedit.evals.methods.context import ExampleContext, split_prompt
 from kvedit.evals.methods.edits import EDITS, EditParams, apply_edit
 from kvedit.evals.methods.focus import example_focus
 from kvedit.evals.methods.gold_only import GoldOnly
+from kvedit.evals.methods.minicache import MiniCache, MiniCacheParams
 from kvedit.evals.methods.none import NoEdit
 from kvedit.evals.methods.oracle import Oracle
 from kvedit.evals.methods.params import NoParams
@@ -57,6 +60,7 @@ from kvedit.evals.methods.registry import (
 )
 from kvedit.evals.methods.repeat import RepeatQuestion
 from kvedit.evals.methods.reread import Reread, RereadParams
+from kvedit.evals.methods.select import Select, SelectParams
 from kvedit.evals.methods.snapkv import SnapKV, SnapKVParams
 from kvedit.focus import adaptive_strengths, content_free_question  # moved to kvedit.focus
 
@@ -72,6 +76,8 @@ __all__ = [
     "ExampleContext",
     "GoldOnly",
     "Method",
+    "MiniCache",
+    "MiniCacheParams",
     "NoEdit",
     "NoParams",
     "Oracle",
@@ -80,6 +86,8 @@ __all__ = [
     "RepeatQuestion",
     "Reread",
     "RereadParams",
+    "Select",
+    "SelectParams",
     "SnapKV",
     "SnapKVParams",
     "adaptive_strengths",

@@ -84,7 +84,7 @@ class ExampleContext:
 
     ``notes`` holds what is computed once per example (:meth:`memo`: the attention shares
     ``auto`` and ``reread`` share) and what methods leave for inspection (``"auto_choice"``,
-    ``"auto_strengths"``, ``"blend_report"``).
+    ``"auto_strengths"``, ``"blend_report"``, ``"cache_bytes"``).
     """
 
     model: object
@@ -128,6 +128,13 @@ class ExampleContext:
         """Answer another variant of the example from scratch (baselines)."""
         prefix, cont, _ = split_prompt(self.tokenizer, example, self.prompt_format)
         return capture(self.model, self.tokenizer, prefix).generate(cont, self.max_new_tokens)
+
+    def compressed(self, state: KVState) -> KVState:
+        """Note ``state``'s bytes as a fraction of the full capture's (``notes["cache_bytes"]``,
+        which the run records as ``"bytes"``); returns ``state``. Compression methods call it on
+        the state they answer from."""
+        self.notes["cache_bytes"] = state.nbytes / self.state.nbytes
+        return state
 
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
         """Compute ``fn()`` once per example (e.g. document scores shared by auto and reread)."""

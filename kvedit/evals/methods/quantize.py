@@ -48,4 +48,5 @@ class Quantize(Method):
     def predict(self, ctx: ExampleContext) -> str:
         p = self.params
         state = ops.quantize(ctx.state, bits=p.bits, residual=p.residual, group=p.group)
+        ctx.compressed(state)
         return state.generate(ctx.continuation, ctx.max_new_tokens)

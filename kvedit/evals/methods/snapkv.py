@@ -2,7 +2,8 @@
 
 ``snapkv:keep=0.5`` scores the cache by the question (the continuation text: question and chat
 template, the tokens that come next); ``observe=window`` scores it by the documents' last
-``window`` tokens instead.
+``window`` tokens instead. ``select:scorer=snapkv`` (:mod:`.select`) is the same selection through
+the scorer protocol, with AdaKV budgets (``adaptive=True``) and protected documents on top.
 """
 
 from __future__ import annotations
@@ -63,4 +64,5 @@ class SnapKV(Method):
             window=p.window,
             kernel=p.kernel,
         )
+        ctx.compressed(state)
         return state.generate(ctx.continuation, ctx.max_new_tokens)

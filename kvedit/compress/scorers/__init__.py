@@ -1,0 +1,29 @@
+"""The scorers, one module each, registered by name (:data:`SCORERS`).
+
+==========  ===========================================================================
+``snapkv``  pooled attention of an observation window or a query (:mod:`.snapkv`)
+``knorm``   minus the key's L2 norm (:mod:`.knorm`)
+``tova``    the last token's attention, averaged over heads (:mod:`.tova`)
+``h2o``     attention accumulated over the whole text, plus a recent window (:mod:`.h2o`)
+==========  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from .base import SCORERS, Scorer, make_scorer, register_scorer
+from .h2o import H2O
+from .knorm import KNorm
+from .snapkv import SnapKV, pool_scores
+from .tova import TOVA
+
+__all__ = [
+    "H2O",
+    "SCORERS",
+    "TOVA",
+    "KNorm",
+    "Scorer",
+    "SnapKV",
+    "make_scorer",
+    "pool_scores",
+    "register_scorer",
+]

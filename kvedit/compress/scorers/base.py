@@ -1,0 +1,88 @@
+"""The scorer protocol and the registry of scorers by name.
+
+A scorer says how much each cache entry is worth keeping, per KV head: ``score(state, layers)``
+returns, for each layer index asked for, a ``[batch, kv_heads, n]`` float tensor (``n`` the
+layer's entries; higher is kept first). :func:`kvedit.compress.select` does the keeping, the
+same way for every scorer. A scorer may give ``+inf`` to entries it insists on (SnapKV's
+observation window): they are kept before any finite score, the latest first when a head's
+budget cannot hold them all.
+
+``budgets(scores, budget)`` splits a layer's budget over its heads; the default gives every head
+the same ``budget``, :class:`kvedit.compress.AdaKV` shares it by score mass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from ...errors import InvalidInputError
+from ...state import KVState
+
+__all__ = ["SCORERS", "Scorer", "make_scorer", "register_scorer"]
+
+
+class Scorer:
+    """Base class of the scorers (subclasses are frozen dataclasses of their parameters)."""
+
+    name: ClassVar[str] = "scorer"
+    """The registered name (set by :func:`register_scorer`)."""
+
+    def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """``{layer index: [batch, kv_heads, n] scores}`` for each of ``layers``."""
+        raise NotImplementedError
+
+    def budgets(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """How many entries each KV head keeps: ``[batch, kv_heads]`` ints summing to
+        ``kv_heads * budget`` per batch row. ``scores`` ``[batch, kv_heads, n]`` are the
+        layer's scores as :func:`~kvedit.compress.select` ranks them (``+inf`` on entries that
+        must be kept, ``-inf`` on entries a head already dropped). Uniform by default."""
+        b, heads, _ = scores.shape
+        return torch.full((b, heads), budget, dtype=torch.long, device=scores.device)
+
+
+SCORERS: dict[str, type[Scorer]] = {}
+"""Scorer name -> scorer class."""
+
+ScorerType = TypeVar("ScorerType", bound=type[Scorer])
+
+
+def register_scorer(name: str) -> Callable[[ScorerType], ScorerType]:
+    """Class decorator registering a :class:`Scorer` subclass (a dataclass whose fields all
+    have defaults) under ``name``; registering the same class again is allowed."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise InvalidInputError(f"bad scorer name {name!r}")
+
+    def decorator(cls: ScorerType) -> ScorerType:
+        old = SCORERS.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise InvalidInputError(f"scorer {name!r} is already registered")
+        cls.name = name
+        SCORERS[name] = cls
+        return cls
+
+    return decorator
+
+
+def make_scorer(name: str, **params: Any) -> Scorer:
+    """The scorer registered as ``name``, with ``params`` (its dataclass fields).
+
+    Raises:
+        InvalidInputError: an unknown name or parameter, or a value the scorer refuses.
+    """
+    cls = SCORERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise InvalidInputError(f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise InvalidInputError(
+            f"scorer {name!r}: unknown parameter(s) {unknown}; known: {sorted(fields) or 'none'}"
+        )
+    return cls(**params)

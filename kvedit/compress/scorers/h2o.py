@@ -1,0 +1,64 @@
+"""H2O: entries scored by the attention they accumulated over the whole text.
+
+Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+Language Models" (arXiv:2306.14048). The "heavy hitters" are the entries that received the most
+attention summed over every query of the prompt (the column sums of the causal attention
+matrix), kept alongside the most recent tokens. Here an entry's score is that sum over every
+text token and the query heads sharing its KV head (the text is run again in chunks, one
+forward pass over the state), and the entries of the last ``window`` tokens score ``+inf``.
+Early entries are seen by more queries, so the sums favour them; the recent window is what
+balances that in H2O. States whose sliding-window layers no longer hold every token (Gemma-3
+past its window) are refused: the re-read would lack its context on those layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ... import checks
+from ...errors import UnsupportedModelError
+from ...state import KVState
+from ..observe import accumulated_attention, to_kv_heads
+from .base import Scorer, register_scorer
+
+__all__ = ["H2O"]
+
+
+@register_scorer("h2o")
+@dataclass(frozen=True)
+class H2O(Scorer):
+    """Accumulated attention (heavy hitters) plus a recent window.
+
+    Attributes:
+        window: The last ``window`` tokens are always kept (0: none but the last token).
+        chunk: Tokens run at once when re-reading the text (memory ``[heads, chunk, n]``).
+    """
+
+    window: int = 32
+    chunk: int = 512
+
+    def __post_init__(self) -> None:
+        checks.count("window", self.window)
+        checks.count("chunk", self.chunk, minimum=1)
+
+    def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        for i, layer in enumerate(state.layers):
+            if layer.window is not None and len(layer) < len(state):
+                raise UnsupportedModelError(
+                    f"h2o re-reads the whole text over the cache, but sliding-window layer {i} "
+                    f"keeps only its last {len(layer)} of {len(state)} tokens: the early chunks "
+                    "would run without their context there"
+                )
+        probs = accumulated_attention(state, self.chunk)
+        recent = len(state) - self.window
+        out = {}
+        for i in layers:
+            layer = state.layers[i]
+            scores = to_kv_heads(probs[i], layer.kv_shape[1])
+            window = (layer.token_index >= recent).nonzero().flatten()
+            scores[..., window.to(scores.device)] = float("inf")
+            out[i] = scores
+        return out
