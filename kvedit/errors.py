@@ -26,6 +26,7 @@ class                           raised when
 ``InvalidExampleError``         an evaluation example is malformed (``ValueError``)
 ``KernelInputError``            a tensor handed to a kvedit kernel is malformed (``ValueError``)
 ``TritonUnavailableError``      Triton cannot run here (``ImportError``)
+``VLLMUnavailableError``        vLLM is not installed (``ImportError``)
 ==============================  ===============================================================
 """
 
@@ -132,6 +133,11 @@ class TritonUnavailableError(KVEditError, ImportError):
     """Triton is not installed, or there is neither a CUDA device nor the Triton interpreter."""
 
 
+class VLLMUnavailableError(KVEditError, ImportError):
+    """vLLM is not installed (or not importable), so no engine can be built; the message names
+    the extra to install."""
+
+
 __all__ = [
     "CacheMismatchError",
     "CorruptCacheError",
@@ -151,5 +157,6 @@ __all__ = [
     "StoreLockTimeout",
     "StoreUnavailableError",
     "TritonUnavailableError",
+    "VLLMUnavailableError",
     "UnsupportedModelError",
 ]

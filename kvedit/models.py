@@ -157,16 +157,24 @@ def default_prompt(name_or_path: str | os.PathLike) -> str:
     return spec.prompt if spec is not None else "chat"
 
 
+CONVERSION_VERSION = 2
+"""Version of the converted-folder layout, part of its cache key (a new version rebuilds old
+folders). 2: ``config.json`` names the model class in ``architectures`` and a tied embedding is
+stored under its own name (``model.embed_tokens.weight``), so other loaders (vLLM) read it."""
+
+
 def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
     """A Hugging Face copy of a GGUF model in the cache dir, made once; de-quantizing GGUF and
     converting its tokenizer takes ~15 s, loading the copy ~1 s.
 
     Returns ``(directory, None)`` for the copy, or the GGUF itself when the copy cannot be made.
-    The copy is keyed by the GGUF's name, size and mtime and written atomically.
+    The copy is keyed by the GGUF's name, size and mtime and :data:`CONVERSION_VERSION`, and
+    written atomically.
     """
     src = folder / gguf
     st = src.stat()
-    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}:v{CONVERSION_VERSION}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     target = _cache_dir() / "converted" / f"{Path(gguf).stem}-{key}"
     if (target / "kvedit-converted.ok").exists():
         return target, None
@@ -177,13 +185,21 @@ def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
 
     def fill(tmp: Path) -> None:
         # transformers refuses save_pretrained on GGUF-loaded models; the de-quantized weights
-        # are plain tensors, so write them directly (save_model handles tied weights).
-        from safetensors.torch import save_model
+        # are plain tensors, so write them directly. A tied tensor is written once, under its
+        # first name (the input embedding, which every loader reads; the head is tied to it).
+        from safetensors.torch import save_file
 
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tensors, seen = {}, set()
+        for name, t in model.state_dict().items():
+            same = (t.data_ptr(), tuple(t.shape), t.stride())
+            if t.numel() == 0 or same not in seen:
+                seen.add(same)
+                tensors[name] = t.contiguous()
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.architectures = [type(model).__name__]  # else vLLM picks the headless model
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)

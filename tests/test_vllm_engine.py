@@ -1,0 +1,145 @@
+"""vLLM serves published kvedit caches: token-identical to ``state.generate`` (float32).
+
+One engine for the whole module (a start takes 30-45 s on 2 cores); every prompt goes through
+it in two batches (states with the same prompt ids replace each other's file, so the
+``scale_keys`` state, which has the plain state's ids, is served in the second batch).
+The bundled SmolLM2-135M has 9 query heads on 3 KV heads (GQA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import kvedit
+from kvedit.evals.tasks.records import records_examples
+from kvedit.integrations.vllm import engine, files, publish, publish_stock, to_stock
+
+pytestmark = pytest.mark.real
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def case(smollm2):
+    model, tok = smollm2
+    example = records_examples(positions=[6], trials=1, n_records=10)[0]
+    prefix, question = kvedit.chat_prefix(tok, example.user_message(), "\n\nQuestion:")
+    state = kvedit.capture(model, tok, prefix)
+    return model, tok, state, question, example.gold_document
+
+
+@pytest.fixture(scope="module")
+def served(case, tmp_path_factory):
+    """Publish every variant, serve them through one engine; returns name -> result."""
+    from vllm import SamplingParams
+
+    model, tok, state, question, gold = case
+    root = tmp_path_factory.mktemp("published")
+    qids = state.encode(question)
+    ops = kvedit.ops
+    batches = [
+        {
+            "plain": state,
+            "duplicate": ops.duplicate(state, gold, 3),
+            "suppress_full": ops.suppress(state, gold, 1e4),  # changes the answer
+            "emphasize_log4": ops.emphasize(state, gold, math.log(4)),
+            "emphasize_2": ops.emphasize(state, gold, 2.0),
+        },
+        {"scale_keys": ops.scale_keys(state, gold, 0.5)},  # changes the answer
+    ]
+    other = kvedit.capture(model, tok, "A short unrelated text about the weather today.")
+    llm = engine(model, root)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    out = {"block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    for b, batch in enumerate(batches):
+        names, prompts = [], []
+        for name, st in batch.items():
+            ids, stock, _ = publish_stock(st, root)
+            names.append(name)
+            prompts.append({"prompt_token_ids": ids + qids})
+            out[name] = {"state": st, "stock": stock, "ids": ids}
+        if b == 0:
+            # the plain state's ids alone: vLLM must compute one token, the last
+            names.append("no_question")
+            prompts.append({"prompt_token_ids": list(out["plain"]["ids"])})
+            out["no_question"] = {"state": state, "ids": out["plain"]["ids"], "q": ""}
+            # refused: another model's file, and a corrupt file
+            stock = to_stock(other)
+            stock.model_fingerprint = "0" * 32
+            publish(stock, root)
+            names.append("mismatch")
+            prompts.append({"prompt_token_ids": stock.token_ids + qids})
+            out["mismatch"] = {"state": other, "ids": stock.token_ids}
+            bad = [1, *other.token_ids.tolist()[1:-1], 13]
+            (root / files.file_name(bad)).write_bytes(b"\x80\x04 not a safetensors file")
+            names.append("corrupt")
+            prompts.append({"prompt_token_ids": bad + qids})
+            out["corrupt"] = {"ids": bad}
+        for name, result in zip(names, llm.generate(prompts, params), strict=True):
+            out[name]["vllm"] = result
+    for name, entry in out.items():
+        if isinstance(entry, dict) and "state" in entry and name != "mismatch":
+            entry["kvedit"] = entry["state"].answer(entry.get("q", question), MAX_TOKENS)
+    return out
+
+
+EXACT = ["plain", "scale_keys", "duplicate", "suppress_full", "emphasize_log4", "no_question"]
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_vllm_greedy_equals_kvedit_token_for_token(served, name):
+    entry = served[name]
+    got = entry["vllm"].outputs[0].token_ids
+    want = entry["kvedit"].token_ids
+    assert list(got[: len(want)]) == want, (entry["vllm"].outputs[0].text, entry["kvedit"].text)
+    if name != "no_question":
+        assert entry["stock"].exact, entry["stock"].report()
+
+
+@pytest.mark.parametrize("name", ["plain", "duplicate", "suppress_full", "scale_keys"])
+def test_every_published_token_is_served_from_the_file(served, name):
+    entry = served[name]
+    n = len(entry["ids"])
+    assert entry["vllm"].num_cached_tokens == n
+    assert entry["vllm"].kv_transfer_params["kvedit"]["served"] == n
+
+
+def test_a_partial_last_block_is_served(served):
+    n = len(served["plain"]["ids"])
+    assert n % served["block_size"], "pick a prompt that does not fill whole blocks"
+    assert served["plain"]["vllm"].num_cached_tokens == n
+
+
+def test_a_prompt_of_published_ids_only_recomputes_the_last_token(served):
+    entry = served["no_question"]
+    assert entry["vllm"].num_cached_tokens == len(entry["ids"]) - 1
+
+
+def test_the_edits_change_the_answer_in_vllm(served):
+    """Guards against a connector that serves nothing: vLLM follows each edit where kvedit
+    does, and at least one edit changes kvedit's answer."""
+    plain = served["plain"]["vllm"].outputs[0].token_ids
+    before = served["plain"]["kvedit"].token_ids
+    changed = [n for n in EXACT[1:-1] if served[n]["kvedit"].token_ids != before]
+    assert {"scale_keys", "suppress_full"} <= set(changed)
+    for name in changed:
+        assert served[name]["vllm"].outputs[0].token_ids != plain
+
+
+def test_emphasize_is_realised_by_the_nearest_copy_count(served):
+    entry = served["emphasize_2"]
+    (r,) = {(x.asked, x.realized, x.copies) for x in entry["stock"].realizations}
+    assert r == (2.0, pytest.approx(math.log(7)), 6)
+    assert not entry["stock"].exact
+    got, want = entry["vllm"].outputs[0].token_ids, entry["kvedit"].token_ids
+    agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    print(f"emphasize 2.0 realised as {math.log(7):.3f}: {agree}/{len(want)} tokens agree")
+
+
+@pytest.mark.parametrize("name,reason", [("mismatch", "mismatch"), ("corrupt", "corrupt")])
+def test_what_cannot_be_served_is_refused_and_computed(served, name, reason):
+    out = served[name]["vllm"]
+    assert out.kv_transfer_params["kvedit"]["refused"] == reason
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids  # vLLM still answers, from its own computation
