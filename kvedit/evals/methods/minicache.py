@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.params import check_count, check_fraction
+from kvedit.evals.methods.params import check_count, check_fraction, check_int_choice
 from kvedit.evals.methods.registry import Method, register_method
 from kvedit.ops.minicache import minicache
 
@@ -43,10 +42,7 @@ class MiniCacheParams:
     def __post_init__(self) -> None:
         for name in ("start", "retain", "t"):
             object.__setattr__(self, name, check_fraction(name, getattr(self, name)))
-        bits = check_count("bits", self.bits)
-        if bits not in MINICACHE_BITS:
-            raise InvalidInputError(f"bits must be one of {MINICACHE_BITS}, not {bits}")
-        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "bits", check_int_choice("bits", self.bits, MINICACHE_BITS))
         object.__setattr__(self, "residual", check_count("residual", self.residual, minimum=1))
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "check_choice",
     "check_count",
     "check_fraction",
+    "check_int_choice",
     "check_real",
     "from_text",
     "parse_value",
@@ -75,6 +76,14 @@ def check_fraction(
 def check_count(name: str, value: object, *, minimum: int = 0, maximum: int | None = None) -> int:
     """A whole number in ``[minimum, maximum]`` (an int, never a float or a bool)."""
     return checks.count(name, value, minimum=minimum, maximum=maximum)
+
+
+def check_int_choice(name: str, value: object, choices: tuple[int, ...]) -> int:
+    """A whole number (:func:`check_count`) that is one of ``choices``."""
+    number = check_count(name, value)
+    if number not in choices:
+        raise InvalidInputError(f"{name} must be one of {choices}, not {number}")
+    return number
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:

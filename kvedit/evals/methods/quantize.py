@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvedit import ops
-from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.params import check_count
+from kvedit.evals.methods.params import check_count, check_int_choice
 from kvedit.evals.methods.registry import Method, register_method
 
 __all__ = ["QUANTIZE_BITS", "Quantize", "QuantizeParams"]
@@ -31,10 +30,7 @@ class QuantizeParams:
     group: int = 32
 
     def __post_init__(self) -> None:
-        bits = check_count("bits", self.bits)
-        if bits not in QUANTIZE_BITS:
-            raise InvalidInputError(f"bits must be one of {QUANTIZE_BITS}, not {bits}")
-        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "bits", check_int_choice("bits", self.bits, QUANTIZE_BITS))
         object.__setattr__(self, "residual", check_count("residual", self.residual))
         object.__setattr__(self, "group", check_count("group", self.group, minimum=1))
 

@@ -22,7 +22,12 @@ from kvedit.cache.quantized import BITS
 from kvedit.compress import SCORERS, AdaKV, Scorer, make_scorer, select
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.params import check_choice, check_count, check_fraction
+from kvedit.evals.methods.params import (
+    check_choice,
+    check_count,
+    check_fraction,
+    check_int_choice,
+)
 from kvedit.evals.methods.registry import Method, register_method
 from kvedit.focus import choose
 
@@ -74,8 +79,7 @@ class SelectParams:
         object.__setattr__(self, "window", check_count("window", self.window))
         object.__setattr__(self, "kernel", check_count("kernel", self.kernel, minimum=1))
         check_choice("protect", self.protect, PROTECT)
-        if self.bits not in (0, *BITS) or type(self.bits) is not int:
-            raise InvalidInputError(f"bits must be 0 or one of {BITS}, not {self.bits!r}")
+        object.__setattr__(self, "bits", check_int_choice("bits", self.bits, (0, *BITS)))
         build_scorer(self, "")  # refuse what the scorer refuses (an even kernel...) now
 
 
