@@ -41,3 +41,17 @@ def same_layer_but_last(a, b, last: int) -> bool:
     ta = [a.keys, a.values, a.token_index, a.positions] + ([a.bias] if a.bias is not None else [])
     tb = [b.keys, b.values, b.token_index, b.positions] + ([b.bias] if b.bias is not None else [])
     return same(ta, tb)
+
+
+def check_halved_globals(out, state) -> None:
+    """A keep-0.5 selection of a tiny Gemma-3 state (one KV head, so no union overhead):
+    sliding layers as they were (but the recomputed last token, and ``window`` entries),
+    global layers at half the entries."""
+    from kvedit.testing import TINY_SLIDING_WINDOW
+
+    for layer, orig in zip(out.layers, state.layers, strict=True):
+        if orig.window is not None:
+            assert same_layer_but_last(layer, orig, len(state) - 1)
+            assert len(layer) == TINY_SLIDING_WINDOW
+        else:
+            assert len(layer) == round(0.5 * len(state))
