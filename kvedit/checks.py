@@ -251,13 +251,6 @@ def _model_layers(model):
     return spec(model).layers
 
 
-def _kv_shape(layer, which: str) -> tuple[int, ...]:
-    packed = getattr(layer, f"packed_{which}", None)
-    if packed is not None:
-        return tuple(packed.shape)
-    return tuple(getattr(layer, which).shape)
-
-
 def _vocab_sizes(model) -> tuple[int | None, int | None]:
     """``(input vocabulary, output vocabulary)`` of ``model``, None where unknown."""
     n_in = n_out = None
@@ -324,7 +317,7 @@ def state_fits_model(
     n_tokens = int(state.token_ids.shape[0]) if state.token_ids.ndim == 1 else -1
     for i, (layer, ls) in enumerate(zip(state.layers, specs, strict=False)):
         window = ls.window
-        keys, values = _kv_shape(layer, "keys"), _kv_shape(layer, "values")
+        keys, values = tuple(layer.kv_shape), tuple(layer.value_shape)
         if len(keys) != 4 or len(values) != 4:
             problems.append(f"layer {i}: keys {keys} / values {values} are not 4-D")
             continue

@@ -173,6 +173,18 @@ def test_loaded_pairs_share_only_identical_contents(captured, tmp_path):
     assert not torch.equal(half.layers[0].keys, merged.layers[0].keys)
 
 
+def test_model_check_reads_merged_shapes_without_rebuilding(captured, monkeypatch):
+    model, tok, state = captured
+    merged = minicache(state, start=0.0, retain=0.1)
+    assert merged.layers[0].value_shape == tuple(merged.layers[0].values.shape)
+
+    def no_rebuild(self, which):
+        raise AssertionError("rebuilt a merged layer to read its shape")
+
+    monkeypatch.setattr(MergedLayerKV, "_rebuild", no_rebuild)
+    kvedit.checks.state_fits_model(merged, model, tok)  # runs before every forward
+
+
 def test_minicache_with_bits_keeps_earlier_merges(captured):
     model, tok, state = captured
     merged = minicache(state, start=0.0, retain=0.1)

@@ -58,6 +58,12 @@ class LayerKV:
         """``(batch, kv_heads, n, head_dim)`` of the keys (read without expanding a packed layer)."""
         return tuple(self.keys.shape)
 
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        """The values' shape ``(batch, kv_heads, n, value_dim)``, read as :attr:`kv_shape`
+        (the value head size may differ from the keys', e.g. MLA)."""
+        return tuple(self.values.shape)
+
     def dense_kv(
         self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -318,6 +318,11 @@ class MergedLayerKV(LayerKV):
         b, h, _, d = self.tail_keys.shape
         return b, h, len(self), d
 
+    @property
+    def value_shape(self) -> tuple[int, int, int, int]:
+        b, h, _, d = self.tail_values.shape
+        return b, h, len(self), d
+
     def _merged_part(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values ``[batch, kv_heads, m, head_dim]`` on the merged part."""
         return self._rebuild("keys"), self._rebuild("values")

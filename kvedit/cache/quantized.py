@@ -202,6 +202,10 @@ class QuantizedLayerKV(LayerKV):
     def kv_shape(self) -> tuple[int, int, int, int]:
         return self.packed_keys.shape
 
+    @property
+    def value_shape(self) -> tuple[int, int, int, int]:
+        return self.packed_values.shape
+
     def dense_kv(self, new_keys=None, new_values=None) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values dequantized (``[batch, kv_heads, n (+ k), head_dim]``),
         ``new_keys`` / ``new_values`` appended when given."""
