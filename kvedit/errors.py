@@ -27,6 +27,7 @@ class                           raised when
 ``KernelInputError``            a tensor handed to a kvedit kernel is malformed (``ValueError``)
 ``TritonUnavailableError``      Triton cannot run here (``ImportError``)
 ``VLLMUnavailableError``        vLLM is not installed (``ImportError``)
+``CacheNotServedError``         vLLM answered without the published cache (``RuntimeError``)
 ==============================  ===============================================================
 """
 
@@ -138,7 +139,13 @@ class VLLMUnavailableError(KVEditError, ImportError):
     the extra to install."""
 
 
+class CacheNotServedError(KVEditError, RuntimeError):
+    """vLLM answered a prompt without loading (all of) its published kvedit cache (the connector
+    refused it, or served fewer tokens), so the answer is not the edited cache's."""
+
+
 __all__ = [
+    "CacheNotServedError",
     "CacheMismatchError",
     "CorruptCacheError",
     "EmptySelectionError",

@@ -281,7 +281,7 @@ class KVState:
         log-probability the model gave each of them (under its unscaled distribution)."""
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
         dec = self.decoder(continuation)
-        eos = _eos_ids(dec.model, dec.tokenizer, eos_token_id)
+        eos = eos_ids(dec.model, dec.tokenizer, eos_token_id)
         new_tokens: list[int] = []
         logprobs: list[float] = []
         finished = False
@@ -357,7 +357,7 @@ class Decoder:
         # run() checks the state against its model; without a continuation, check here
         self.model, self.tokenizer = state.require_model() if ids else state.checked_model()
         self.device = state.device
-        self.eos_ids = _eos_ids(self.model, self.tokenizer, None)
+        self.eos_ids = eos_ids(self.model, self.tokenizer, None)
         """The token ids that end an answer (the model's and tokenizer's EOS)."""
         layers = state.layers
         self.position = state.next_position
@@ -385,7 +385,9 @@ class Decoder:
         return self.next_logits
 
 
-def _eos_ids(model, tok, override) -> set[int]:
+def eos_ids(model, tok, override: int | Sequence[int] | None = None) -> set[int]:
+    """The token ids greedy decoding stops at: ``override``, else the model's generation
+    config's ``eos_token_id``, else the tokenizer's (empty when none is known)."""
     if override is not None:
         return {override} if isinstance(override, int) else set(override)
     eos = getattr(model.generation_config, "eos_token_id", None)

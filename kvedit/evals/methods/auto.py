@@ -11,10 +11,11 @@ import torch
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import EditParams
-from kvedit.evals.methods.focus import example_focus, focused_answer
+from kvedit.evals.methods.focus import example_focus, focused_answer, focused_state
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.focus import SCORE_SMOOTHING
+from kvedit.focus import SCORE_SMOOTHING, Focus
+from kvedit.state import KVState
 
 __all__ = ["Auto", "AutoParams", "auto_hit_rate"]
 
@@ -96,15 +97,26 @@ class Auto(Method):
     Params = AutoParams
     needs_documents = True
 
+    def answer_state(self, ctx: ExampleContext) -> KVState:
+        state, found = focused_state(ctx, self.params)
+        if state is None:
+            return super().answer_state(ctx)
+        self._note(ctx, found)
+        return state
+
     def predict(self, ctx: ExampleContext) -> str:
+        answer, found = focused_answer(ctx, self.params)
+        self._note(ctx, found)
+        return answer
+
+    def _note(self, ctx: ExampleContext, found: Focus) -> None:
+        """Leave the choice (and the guard's verdict, the per-layer strengths) in ``ctx.notes``."""
         p = self.params
-        answer, found = focused_answer(ctx, p)
         ctx.notes["auto_choice"] = found.chosen
         if found.verdict is not None:
             ctx.notes["auto_verdict"] = found.verdict
         if p.edit == "emphasize" and p.target is not None:
             ctx.notes["auto_strengths"] = torch.tensor(found.strengths)
-        return answer
 
 
 def auto_hit_rate(contexts: list[ExampleContext], params: AutoParams | None = None) -> float:

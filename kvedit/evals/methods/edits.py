@@ -52,6 +52,11 @@ class EditParams:
         )
         checks.text("separator", self.separator)
 
+    @property
+    def edits_cache(self) -> bool:
+        """Whether the edit is a cache edit (a state answers); not for ``steer``."""
+        return self.edit != "steer"
+
 
 def edited_state(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams):
     """The captured state with ``spans`` edited as ``params.edit`` says (``None`` for

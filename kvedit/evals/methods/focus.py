@@ -11,8 +11,9 @@ from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
 from kvedit.focus import DEFAULT_GUARD, Focus, choose, focus, guarded
 from kvedit.guard import AgreementGuard
+from kvedit.state import KVState
 
-__all__ = ["example_focus", "focused_answer", "layer_slice"]
+__all__ = ["example_focus", "focused_answer", "focused_state", "layer_slice"]
 
 
 def layer_slice(layers: tuple[float, float], n_layers: int) -> slice:
@@ -28,19 +29,29 @@ def guard_of(params, ctx: ExampleContext) -> AgreementGuard | None:
     return AgreementGuard(DEFAULT_GUARD.margin, ctx.max_new_tokens)
 
 
-def focused_answer(ctx: ExampleContext, params) -> tuple[str, Focus]:
-    """The answer of ``auto``/``reread``: the documents :func:`kvedit.focus.choose` picks,
-    edited as ``params.edit`` says, kept only if the guard agrees (``params.guard``)."""
+def focused_state(ctx: ExampleContext, params) -> tuple[KVState | None, Focus]:
+    """The state ``auto``/``reread`` answer from, and the :class:`~kvedit.focus.Focus`: the
+    documents :func:`kvedit.focus.choose` picks, edited as ``params.edit`` says, kept only if
+    the guard agrees (``params.guard``). The state is None for ``edit="steer"`` (it edits no
+    cache)."""
     if params.edit == "emphasize":
         found = example_focus(ctx, params)
-        return found.generate(ctx.max_new_tokens), found
+        return found.state, found
     found = example_focus(ctx, params, edit=False)
     spans = [found.passages[i] for i in found.chosen]
-    guard = guard_of(params, ctx)
     edited = edited_state(ctx, spans, params)
-    if guard is None or edited is None:
-        return apply_edit(ctx, spans, params), found
-    found = guarded(found, edited, guard)
+    if edited is None:
+        return None, found
+    found = guarded(found, edited, guard_of(params, ctx))
+    return found.state, found
+
+
+def focused_answer(ctx: ExampleContext, params) -> tuple[str, Focus]:
+    """The answer of ``auto``/``reread``: :func:`focused_state` continued with the question
+    (for ``edit="steer"``, a steered run of the prompt)."""
+    state, found = focused_state(ctx, params)
+    if state is None:
+        return apply_edit(ctx, [found.passages[i] for i in found.chosen], params), found
     return found.generate(ctx.max_new_tokens), found
 
 

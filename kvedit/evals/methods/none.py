@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.registry import Method, register_method
+from kvedit.state import KVState
 
 __all__ = ["NoEdit"]
 
@@ -12,5 +13,8 @@ __all__ = ["NoEdit"]
 class NoEdit(Method):
     """The captured cache as is."""
 
+    def answer_state(self, ctx: ExampleContext) -> KVState:
+        return ctx.state
+
     def predict(self, ctx: ExampleContext) -> str:
-        return ctx.state.generate(ctx.continuation, ctx.max_new_tokens)
+        return self.answer_state(ctx).generate(ctx.continuation, ctx.max_new_tokens)

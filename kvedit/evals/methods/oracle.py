@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.edits import EditParams, apply_edit
+from kvedit.evals.methods.edits import EditParams, apply_edit, edited_state
 from kvedit.evals.methods.registry import Method, register_method
+from kvedit.state import KVState
 
 __all__ = ["Oracle"]
 
@@ -19,6 +20,10 @@ class Oracle(Method):
 
     Params = EditParams
     needs_documents = True
+
+    def answer_state(self, ctx: ExampleContext) -> KVState:
+        state = edited_state(ctx, [ctx.gold_span()], self.params)
+        return super().answer_state(ctx) if state is None else state
 
     def predict(self, ctx: ExampleContext) -> str:
         return apply_edit(ctx, [ctx.gold_span()], self.params)

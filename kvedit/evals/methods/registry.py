@@ -18,6 +18,7 @@ from kvedit.evals.methods.params import NoParams, from_text, to_dict
 
 if TYPE_CHECKING:
     from kvedit.evals.methods.context import ExampleContext
+    from kvedit.state import KVState
 
 __all__ = ["METHODS", "Method", "parse_spec", "register_method", "split_specs"]
 
@@ -66,6 +67,29 @@ class Method:
     def predict(self, ctx: ExampleContext) -> str:
         """The answer to ``ctx.example``."""
         raise NotImplementedError
+
+    @property
+    def answers_from_state(self) -> bool:
+        """Whether this method, with its parameters, answers by continuing one state with
+        ``ctx.continuation`` greedily (:meth:`answer_state`): what another engine can serve
+        (``kvedit eval litm --engine vllm``): the subclass defines :meth:`answer_state` and
+        its parameters do not say otherwise (``Params.edits_cache``, which
+        :class:`~kvedit.evals.methods.edits.EditParams` sets False for ``edit="steer"``)."""
+        defined = type(self).answer_state is not Method.answer_state
+        return defined and bool(getattr(self.params, "edits_cache", True))
+
+    def answer_state(self, ctx: ExampleContext) -> KVState:
+        """The state whose greedy continuation with ``ctx.continuation`` is this method's
+        answer (:meth:`predict` gives exactly ``answer_state(ctx).generate(ctx.continuation,
+        ctx.max_new_tokens)``). Leaves the same ``ctx.notes`` :meth:`predict` leaves.
+
+        Raises:
+            InvalidInputError: the method answers another way (:attr:`answers_from_state`).
+        """
+        raise InvalidInputError(
+            f"method {self.spec!r} does not answer from one state (it runs a fresh prompt or "
+            "steers the model), so only the transformers engine can run it"
+        )
 
     def __repr__(self) -> str:
         return f"<method {self.spec!r}: {self.params!r}>"

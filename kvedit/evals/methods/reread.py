@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from kvedit.evals.methods.auto import AutoParams
 from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.focus import focused_answer
+from kvedit.evals.methods.focus import focused_answer, focused_state
 from kvedit.evals.methods.registry import Method, register_method
+from kvedit.state import KVState
 
 __all__ = ["Reread", "RereadParams"]
 
@@ -25,6 +26,13 @@ class Reread(Method):
 
     Params = RereadParams
     needs_documents = True
+
+    def answer_state(self, ctx: ExampleContext) -> KVState:
+        state, found = focused_state(ctx, self.params)
+        if state is None:
+            return super().answer_state(ctx)
+        ctx.notes["auto_choice"] = found.chosen
+        return state
 
     def predict(self, ctx: ExampleContext) -> str:
         answer, found = focused_answer(ctx, self.params)
