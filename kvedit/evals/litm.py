@@ -14,12 +14,13 @@ from tqdm.auto import tqdm
 
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
+from kvedit.evals.engines import VLLM_BATCH, check_engine, result_record, run_on_vllm
 from kvedit.evals.jsonl import load_jsonl
 from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
 from kvedit.evals.methods.context import check_prompt
-from kvedit.evals.prompts import PROMPT_FORMATS, plain_answer
+from kvedit.evals.prompts import PROMPT_FORMATS
 from kvedit.evals.report import format_table, plot_curves, summarize, write_results
-from kvedit.evals.schema import Example, score
+from kvedit.evals.schema import Example
 from kvedit.evals.tasks import nq_examples, records_examples
 from kvedit.models import default_prompt, load_model
 
@@ -96,6 +97,9 @@ def run(
     on_record=None,
     done: dict[tuple[str, str], dict] | None = None,
     prompt: str = "chat",
+    engine: str = "transformers",
+    batch: int = VLLM_BATCH,
+    timings: dict | None = None,
 ) -> list[dict]:
     """Answer every example with every method. Returns one result record per pair.
 
@@ -108,10 +112,30 @@ def run(
     one is made (the CLI appends them to ``DIR/partial.jsonl``). Pairs found in ``done``
     (keyed by ``(id, method spec)``) are taken from there instead of recomputed. ``prompt``
     is the prompt format, ``"chat"`` or ``"plain"`` (:func:`~kvedit.evals.methods.split_prompt`).
+
+    ``engine`` decodes the answers (:mod:`kvedit.evals.engines`): ``"transformers"``, or
+    ``"vllm"`` (``batch`` examples per vLLM call; records also have ``"exact"``). ``timings``,
+    if given, receives the engine's own timings (``engine_start_seconds``, ``serve_seconds``).
     """
     done = done or {}
     check_prompt(tokenizer, prompt)
     methods = [parse_spec(m) if isinstance(m, str) else m for m in methods]
+    if check_engine(engine, methods) == "vllm":
+        records, spent = run_on_vllm(
+            model,
+            tokenizer,
+            examples,
+            methods,
+            max_new_tokens,
+            prompt,
+            done,
+            on_record,
+            progress,
+            batch,
+        )
+        if timings is not None:
+            timings.update(spent)
+        return records
     records = []
     bar = tqdm(examples, desc="litm", disable=not progress, unit="ex")
     for example in bar:
@@ -128,22 +152,8 @@ def run(
                 continue
             t0 = time.perf_counter()
             prediction = method.predict(ctx)
-            if prompt == "plain":
-                prediction = plain_answer(prediction)
-            record = {
-                "id": example.id,
-                "method": spec,
-                "gold_index": example.gold_index,
-                "prediction": prediction,
-                "correct": bool(score(example, prediction)),
-                "seconds": round(time.perf_counter() - t0, 3),
-            }
-            chosen = ctx.notes.pop("auto_choice", None)  # the documents auto/reread chose
-            if chosen is not None:
-                record["chosen"] = [int(i) for i in chosen]
-            cache_bytes = ctx.notes.pop("cache_bytes", None)  # a compression method's bytes
-            if cache_bytes is not None:
-                record["bytes"] = round(float(cache_bytes), 4)
+            seconds = time.perf_counter() - t0
+            record = result_record(example, spec, prediction, seconds, ctx.notes, prompt)
             records.append(record)
             if on_record is not None:
                 on_record(records[-1])
@@ -166,6 +176,8 @@ def evaluate(
     resume: bool = False,
     reuse: str | Path | None = None,
     prompt: str = "auto",
+    engine: str = "transformers",
+    batch: int = VLLM_BATCH,
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
@@ -176,16 +188,20 @@ def evaluate(
     format; ValueError otherwise), that run's answers are taken for the methods it ran with the
     same parameters (see :func:`_reused`). Answers are deterministic, so such a run writes what
     a full run would. ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
-    :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``.
+    :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine``
+    decodes the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`;
+    recorded as ``extra["engine"]``, with the engine's timings and ``seconds_per_example``);
+    ``--resume`` and ``--reuse`` never mix engines.
     """
-    for spec in methods:  # fail on a bad spec before loading anything
-        parse_spec(spec)
+    check_engine(engine, [parse_spec(spec) for spec in methods])  # before loading anything
     prompt = resolve_prompt(prompt, model_name)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     task_name = f"data:{Path(data).name}" if data else task
     params = {spec: json.loads(json.dumps(parse_spec(spec).param_dict())) for spec in methods}
     reused = (
-        _reused(reuse, model_name, task_name, seed, params, prompt) if reuse is not None else {}
+        _reused(reuse, model_name, task_name, seed, params, prompt, engine)
+        if reuse is not None
+        else {}
     )
     model, tokenizer = load_model(model_name)
     check_prompt(tokenizer, prompt)  # before anything is written
@@ -199,6 +215,7 @@ def evaluate(
         "seed": seed,
         "prompt": prompt,
         "max_new_tokens": max_new_tokens,
+        "engine": engine,
         "params": params,
     }
     done = {}
@@ -213,16 +230,38 @@ def evaluate(
             f.write(json.dumps(record) + "\n")
 
     t0 = time.perf_counter()
-    records = run(model, tokenizer, examples, methods, max_new_tokens, progress, keep, done, prompt)
+    timings: dict = {}
+    records = run(
+        model,
+        tokenizer,
+        examples,
+        methods,
+        max_new_tokens,
+        progress,
+        keep,
+        done,
+        prompt,
+        engine=engine,
+        batch=batch,
+        timings=timings,
+    )
+    seconds = time.perf_counter() - t0
     summary = summarize(records)
     extra = {
         "seed": seed,
         "n_examples": len(examples),
         "max_new_tokens": max_new_tokens,
         "prompt": prompt,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "engine": engine,
+        "seconds": round(seconds, 1),
+        "seconds_per_example": round(seconds / max(1, len(examples)), 3),
         "params": params,
     }
+    if engine == "vllm":
+        extra["batch"] = batch
+        extra.update(timings)
+        warm = seconds - timings.get("engine_start_seconds", 0.0)
+        extra["seconds_per_example_after_start"] = round(warm / max(1, len(examples)), 3)
     write_results(out, model_name, task_name, records, extra=extra)
     plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
     partial.unlink()
@@ -243,6 +282,7 @@ def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple
             "be checked; delete it or run without --resume"
         )
     theirs = json.loads(settings_path.read_text())
+    theirs.setdefault("engine", "transformers")  # written before there was a choice
     differ = [
         f"{k} {theirs.get(k)!r} (now {v!r})"
         for k, v in settings.items()
@@ -267,11 +307,13 @@ def _reused(
     seed: int,
     params: dict[str, dict],
     prompt: str = "chat",
+    engine: str = "transformers",
 ) -> dict[tuple[str, str], dict]:
     """The ``(id, method) -> record`` pairs of an earlier ``results.json`` worth reusing.
 
-    The earlier run must be of the same model, task, seed and prompt format (a file that
-    recorded no format was made with ``"chat"``, the only one there was). A method's records
+    The earlier run must be of the same model, task, seed, prompt format and engine (a file
+    that recorded no format was made with ``"chat"``, one that recorded no engine with
+    ``"transformers"``: the only ones there were). A method's records
     are reused only when that run recorded the same resolved parameters for its spec (a spec
     such as ``auto`` means other parameters once its defaults change), or, for files that
     recorded none, when the method takes no parameters (``none``, ``repeat``, ...).
@@ -287,6 +329,11 @@ def _reused(
     if their_prompt != prompt:
         raise InvalidInputError(
             f"--reuse {path}: made with the prompt format {their_prompt!r}, not {prompt!r}"
+        )
+    their_engine = extra.get("engine", "transformers")
+    if their_engine != engine:
+        raise InvalidInputError(
+            f"--reuse {path}: answered by the {their_engine!r} engine, not {engine!r}"
         )
     recorded = extra.get("params", {})
     same = {
@@ -312,6 +359,8 @@ def main(args) -> int:
         resume=getattr(args, "resume", False),
         reuse=getattr(args, "reuse", None),
         prompt=getattr(args, "prompt", "auto"),
+        engine=getattr(args, "engine", "transformers"),
+        batch=getattr(args, "batch", VLLM_BATCH),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")
