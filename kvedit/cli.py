@@ -1,4 +1,5 @@
-"""The ``kvedit`` command line: ``kvedit demo``, ``kvedit eval litm``, ``kvedit app``."""
+"""The ``kvedit`` command line: ``kvedit demo``, ``kvedit eval litm``, ``kvedit app``,
+``kvedit publish`` and ``kvedit serve`` (vLLM)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,20 @@ def _litm_parser(sub) -> None:
     p.add_argument("--out", default="runs/litm")
     p.add_argument("--limit", type=int, default=None, help="cap on the number of examples")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--engine",
+        default="transformers",
+        choices=["transformers", "vllm"],
+        help="what decodes the answers: kvedit on the Hugging Face model, or vLLM serving "
+        "each method's published cache (methods none, oracle, auto, reread; needs "
+        "kvedit[vllm])",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="--engine vllm: examples whose prompts vLLM answers in one batch (default 8)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
         "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"
@@ -138,6 +153,135 @@ def _run_app(args) -> int:
     return 0
 
 
+_SERVE_EPILOG = """\
+Further arguments after -- go to vLLM's server as they are, e.g.
+  kvedit serve --root published/ -- --max-model-len 8192 --tensor-parallel-size 2
+Then publish contexts into the same root (kvedit publish) and POST their token ids to
+http://HOST:PORT/v1/completions. Needs kvedit[vllm]; in a checkout: make vllm-setup, then
+.venv-vllm/bin/kvedit serve ...
+"""
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server, answering from the caches published under ROOT",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument("--root", default="published", help="the folder kvedit publish writes to")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: this machine)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name", default=None, help="the name requests give (default: --model)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command, do not run it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from .integrations.vllm.server import serve
+
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    argv = serve(
+        args.model,
+        args.root,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        vllm_args=extra,
+        dry_run=args.dry_run,
+    )
+    if args.dry_run:
+        print(" ".join(argv))
+    return 0
+
+
+def _publish_parser(sub) -> None:
+    p = sub.add_parser(
+        "publish",
+        help="capture a context, edit it, publish it for kvedit serve; prints what to send",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument("--root", default="published", help="the folder kvedit serve serves")
+    p.add_argument("--context", required=True, help="a text file with the context (- for stdin)")
+    p.add_argument("--question", default=None, help="the question requests ask")
+    p.add_argument(
+        "--focus",
+        default=None,
+        metavar="QUESTION",
+        help="emphasize the passage QUESTION points at (kvedit.focus); also the question",
+    )
+    p.add_argument("--emphasize", action="append", default=[], metavar="TEXT")
+    p.add_argument("--suppress", action="append", default=[], metavar="TEXT")
+    p.add_argument("--duplicate", action="append", default=[], metavar="TEXT")
+    p.add_argument("--strength", type=float, default=2.0, help="--emphasize bias, nats")
+    p.add_argument(
+        "--suppress-strength",
+        type=float,
+        default=1e4,
+        help="--suppress bias, nats (at least 20: vLLM realises a suppress as a removal)",
+    )
+    p.add_argument("--copies", type=int, default=3, help="--duplicate extra copies")
+    p.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"])
+    p.add_argument("--served-model-name", default=None, help="default: --model")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the request")
+    p.add_argument(
+        "--request", default=None, metavar="FILE", help="also write the request body to FILE"
+    )
+    p.set_defaults(run=_run_publish)
+
+
+def _run_publish(args) -> int:
+    import json
+
+    from .atomic import atomic_write
+    from .errors import InvalidInputError
+    from .integrations.vllm.contexts import publish_context
+    from .models import default_prompt, load_model
+
+    if args.request and args.question is None and args.focus is None:
+        raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
+    path = args.context
+    context = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    prompt = default_prompt(args.model) if args.prompt == "auto" else args.prompt
+    model, tok = load_model(args.model)
+    published = publish_context(
+        model,
+        tok,
+        context,
+        args.root,
+        question=args.question,
+        focus_on=args.focus,
+        emphasize=args.emphasize,
+        suppress=args.suppress,
+        duplicate=args.duplicate,
+        strength=args.strength,
+        suppress_strength=args.suppress_strength,
+        copies=args.copies,
+        prompt=prompt,
+        served_model_name=args.served_model_name or args.model,
+    )
+    out = published.to_dict()
+    if published.prompt_token_ids is not None:
+        out["request"] = published.request(args.max_tokens)
+        if args.request:
+            atomic_write(args.request, json.dumps(out["request"]).encode())
+    print(json.dumps(out))
+    print(published.report, file=sys.stderr)
+    if args.request:
+        print(
+            f"send: curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: "
+            f"application/json' -d @{args.request}",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvedit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="interface to bind (default: this machine only)"
     )
     app.set_defaults(run=_run_app)
+    _publish_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def reference_generate(model, tok, prefix_ids, continuation: str, max_new_tokens: int) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client
+from helpers import free_port
 
 import kvedit
 from apps import highlight
@@ -416,12 +417,6 @@ def test_the_wheel_installs_the_app(tmp_path):
 
 
 # ------------------------------------------------------------------------- the server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_app(model: str, log_path: Path, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:

@@ -57,7 +57,10 @@ __all__ = [
     "BiasRealization",
     "StockCache",
     "VLLMUnavailableError",
+    "connector_config",
     "engine",
+    "model_folder",
+    "on_cpu",
     "publish",
     "publish_stock",
     "to_stock",
@@ -105,9 +108,14 @@ def publish(
     return publish_stock(state, root, remove_at=remove_at)[0]
 
 
-def _model_folder(model: str | os.PathLike | PreTrainedModel) -> tuple[str, str]:
+def model_folder(model: str | os.PathLike | PreTrainedModel) -> tuple[str, str]:
     """``(Hugging Face folder vLLM loads, kvedit model fingerprint)`` for a kvedit model name,
-    a folder or ``.gguf`` file, or a model ``load_model`` returned."""
+    a folder or ``.gguf`` file, or a model :func:`kvedit.load_model` returned (loading it on
+    CPU if a name or path is given).
+
+    Raises:
+        InvalidInputError: a tiny in-memory test model, or a model without a folder.
+    """
     from ...fingerprint import model_fingerprint
     from ...models import load_model
 
@@ -127,7 +135,8 @@ def _model_folder(model: str | os.PathLike | PreTrainedModel) -> tuple[str, str]
     return str(folder), model_fingerprint(model)
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend here (False when vLLM cannot tell)."""
     try:
         from vllm.platforms import current_platform
 
@@ -170,7 +179,7 @@ def engine(
         ) from e
     if "kv_transfer_config" in llm_kwargs:
         raise InvalidInputError("engine sets kv_transfer_config itself (the kvedit connector)")
-    folder, fingerprint = _model_folder(model)
+    folder, fingerprint = model_folder(model)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {
@@ -178,7 +187,7 @@ def engine(
         "dtype": "float32",
         "enable_prefix_caching": False,
     }
-    if _on_cpu():
+    if on_cpu():
         kwargs["enforce_eager"] = True
         if "gpu_memory_utilization" not in llm_kwargs:  # on CPU: a share of all RAM
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
@@ -189,11 +198,22 @@ def engine(
             "ids (and plain prompts with those ids) can then reuse each other's blocks",
             stacklevel=2,
         )
-    kwargs["kv_transfer_config"] = KVTransferConfig(
-        kv_connector=CONNECTOR,
-        kv_connector_module_path=CONNECTOR_MODULE,
-        kv_role="kv_consumer",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"root": str(root.resolve()), "model_fingerprint": fingerprint},
-    )
+    kwargs["kv_transfer_config"] = KVTransferConfig(**connector_config(root, fingerprint))
     return vllm.LLM(**kwargs)
+
+
+def connector_config(root: str | os.PathLike, model_fingerprint: str | None) -> dict[str, Any]:
+    """The ``KVTransferConfig`` fields that make vLLM serve the caches published under
+    ``root`` (vLLM's ``--kv-transfer-config`` JSON): the kvedit connector, as a KV consumer,
+    recomputing what it fails to load; with a fingerprint, files another model made are
+    refused."""
+    extra: dict[str, Any] = {"root": str(Path(root).resolve())}
+    if model_fingerprint:
+        extra["model_fingerprint"] = model_fingerprint
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }

@@ -133,14 +133,16 @@ class StockCache:
             f"{self.n_slots} slots (state next_position {self.next_position}, keys moved by "
             f"{self.shift:+d}); {'exact' if self.exact else 'approximate'}"
         ]
-        seen: dict[tuple, list[int]] = {}
-        for r in self.realizations:
-            seen.setdefault((r.asked, r.realized, r.how, r.copies), []).append(r.layer)
-        for (asked, realized, how, copies), layers in seen.items():
+        seen: dict[tuple, tuple[list[float], set[int]]] = {}
+        for r in self.realizations:  # one line per outcome: the range of biases asked
+            asked, layers = seen.setdefault((r.realized, r.how, r.copies), ([], set()))
+            asked.append(r.asked)
+            layers.add(r.layer)
+        for (realized, how, copies), (asked, layers) in seen.items():
             what = f"{copies} copies" if how == "copies" else how
-            lines.append(
-                f"  bias {asked:+.3f} -> {realized:+.3f} nats ({what}) on {len(layers)} layers"
-            )
+            lo, hi = min(asked), max(asked)
+            ask = f"{lo:+.3f}" if lo == hi else f"{lo:+.3f}..{hi:+.3f}"
+            lines.append(f"  bias {ask} -> {realized:+.3f} nats ({what}) on {len(layers)} layers")
         if any(self.null_entries):
             lines.append(f"  null entries (slot x KV head) per layer: {self.null_entries}")
         return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""Publish a context (a document, a set of passages), edited, and say what a client sends.
+
+:func:`publish_context` is what ``kvedit publish`` runs: it captures the context the way the
+evaluation suite and :func:`kvedit.focus.focus_text` prompt it (the chat template with one
+user turn ``context + "\\n\\nQuestion: " + question``, cut before ``"\\n\\nQuestion:"``; or,
+for a base model, the plain context), edits it (:func:`kvedit.focus` for a question, then any
+``emphasize``/``suppress``/``duplicate`` spans), publishes it (:func:`publish_stock`) and
+returns a :class:`PublishedPrompt`: the token ids to send to a server
+``kvedit serve`` started (OpenAI completions API, ``"prompt": [ids]``), and the body of such a
+request.
+
+A client sends ``published_token_ids`` followed by the token ids of ``continuation`` (the
+question in the prompt format); with ``question`` given, ``prompt_token_ids`` is that whole
+prompt. Without a question, ``continuation`` is a template with ``{question}`` in it.
+Edits a stock kernel cannot realise at all (``suppress`` by less than
+:data:`~kvedit.integrations.vllm.REMOVE_AT` nats) are refused: the server would answer from
+the unedited entries.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ... import ops
+from ...errors import InvalidInputError
+from ...focus import QUESTION_MARK, focus, focus_text
+from ...state import capture, chat_prefix
+from .stock import to_stock
+
+__all__ = ["ANSWER_CUE", "PROMPTS", "PublishedPrompt", "publish_context"]
+
+PROMPTS = ("chat", "plain")
+"""Prompt formats: the tokenizer's chat template, or plain text (base models)."""
+
+ANSWER_CUE = "\nAnswer:"
+"""What the plain format puts after the question (as the evaluation suite does)."""
+
+PLACEHOLDER = "{question}"
+
+
+@dataclass(frozen=True)
+class PublishedPrompt:
+    """What to send for a published context.
+
+    Attributes:
+        model: the served model name the request names.
+        file: the published file.
+        published_token_ids: the ids the server serves from the file (one per cache slot).
+        continuation: the text after them: the question in the prompt format, or with no
+            question a template containing ``{question}``.
+        prompt_token_ids: ``published_token_ids`` + the continuation's ids (None without a
+            question).
+        question: the question, or None.
+        exact: whether vLLM attends over the file exactly as kvedit attends over the edited
+            state (:attr:`~kvedit.integrations.vllm.StockCache.exact`).
+        report: the realisation report (slots, shift, each bias asked vs realised).
+        chosen: the passages :func:`kvedit.focus` emphasized (text), if it ran.
+    """
+
+    model: str
+    file: str
+    published_token_ids: list[int]
+    continuation: str
+    prompt_token_ids: list[int] | None
+    question: str | None
+    exact: bool
+    report: str
+    chosen: list[str]
+
+    def request(self, max_tokens: int = 32) -> dict[str, Any]:
+        """The JSON body of a greedy ``POST /v1/completions`` for the whole prompt.
+
+        Raises:
+            InvalidInputError: no question was given (the prompt is not complete).
+        """
+        if self.prompt_token_ids is None:
+            raise InvalidInputError(
+                "no question was given: send published_token_ids followed by the ids of "
+                "the continuation with your question"
+            )
+        return {
+            "model": self.model,
+            "prompt": self.prompt_token_ids,
+            "max_tokens": int(max_tokens),
+            "temperature": 0.0,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _prefix(tokenizer, context: str, question: str, prompt: str) -> tuple[str, str]:
+    if prompt == "chat":
+        return chat_prefix(tokenizer, context + QUESTION_MARK + " " + question, QUESTION_MARK)
+    return context, QUESTION_MARK + " " + question + ANSWER_CUE
+
+
+def publish_context(
+    model,
+    tokenizer,
+    context: str,
+    root: str | os.PathLike,
+    *,
+    question: str | None = None,
+    focus_on: str | None = None,
+    emphasize: Sequence[str] = (),
+    suppress: Sequence[str] = (),
+    duplicate: Sequence[str] = (),
+    strength: float = 2.0,
+    suppress_strength: float = 1e4,
+    copies: int = 3,
+    prompt: str = "chat",
+    served_model_name: str = "",
+) -> PublishedPrompt:
+    """Capture ``context``, edit it, publish it under ``root``; returns what to send.
+
+    Args:
+        context: the text (documents, passages) to publish.
+        question: the question a request asks (optional; ``focus_on`` sets it too).
+        focus_on: a question: :func:`kvedit.focus` emphasizes the passage it points at.
+        emphasize, suppress, duplicate: substrings of ``context`` to edit (each occurrence),
+            after any focus; with ``strength`` nats, ``suppress_strength`` nats (at least
+            :data:`~kvedit.integrations.vllm.REMOVE_AT`: removal), ``copies`` extra copies.
+        prompt: ``"chat"`` (the chat template) or ``"plain"`` (base models).
+        served_model_name: the model name requests give (``kvedit serve`` serves the kvedit
+            model name).
+
+    Raises:
+        InvalidInputError: empty context, a question differing from ``focus_on``, a context
+            containing ``"\\n\\nQuestion:"``, an unknown prompt format, or an edit vLLM
+            cannot realise (nothing is published then).
+        SpanNotFoundError: a span is not in the context.
+    """
+    if not isinstance(context, str) or not context.strip():
+        raise InvalidInputError("the context is empty")
+    if QUESTION_MARK in context:
+        raise InvalidInputError(f"the context must not contain {QUESTION_MARK!r}: it is cut there")
+    if prompt not in PROMPTS:
+        raise InvalidInputError(f"unknown prompt format {prompt!r}; choose one of {PROMPTS}")
+    if focus_on is not None and question is not None and focus_on != question:
+        raise InvalidInputError("--focus and --question name different questions")
+    question = focus_on if focus_on is not None else question
+    prefix, continuation = _prefix(tokenizer, context, question or PLACEHOLDER, prompt)
+    chosen: list[str] = []
+    if focus_on is not None and prompt == "chat":
+        found = focus_text(model, tokenizer, context, focus_on)
+        state = found.state
+    elif focus_on is not None:
+        state = capture(model, tokenizer, prefix)
+        found = focus(state, continuation, region=(0, len(context)), query=focus_on)
+        state = found.state
+    else:
+        state = capture(model, tokenizer, prefix)
+    if focus_on is not None:
+        chosen = [state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
+    if emphasize:
+        state = ops.emphasize(state, list(emphasize), strength)
+    if suppress:
+        state = ops.suppress(state, list(suppress), suppress_strength)
+    if duplicate:
+        state = ops.duplicate(state, list(duplicate), copies)
+    stock = to_stock(state)
+    unrealized = sorted({r.asked for r in stock.realizations if r.how == "unrealized"})
+    if unrealized:
+        raise InvalidInputError(
+            f"bias(es) {unrealized} nats cannot be realised on vLLM's kernels (no per-key "
+            "bias; a suppress must be a removal, at least 20 nats): nothing was published"
+        )
+    from . import publish_stock
+
+    ids, stock, path = publish_stock(stock, root)
+    full = None if question is None else ids + list(state.encode(continuation))
+    return PublishedPrompt(
+        model=served_model_name,
+        file=str(path),
+        published_token_ids=ids,
+        continuation=continuation,
+        prompt_token_ids=full,
+        question=question,
+        exact=stock.exact,
+        report=stock.report(),
+        chosen=chosen,
+    )

