@@ -22,9 +22,15 @@ each layer's rows ``[tokens, kv_heads, head_dim]`` into the request's slots thro
 attention backend's own ``do_kv_cache_update`` (so the code is independent of the cache
 layout, which differs by backend and instruction set), per KV-cache group (sliding-window
 layers have their own block table; slots in the null block are skipped), KV heads sliced to
-this worker's tensor-parallel rank. A load that fails (file gone, corrupted, shapes off) reports
-its blocks through :meth:`get_block_ids_with_load_errors`, and with
-``kv_load_failure_policy="recompute"`` (set by ``engine``) vLLM computes them itself.
+this worker's tensor-parallel rank by vLLM's own rule (:mod:`~kvedit.integrations.vllm.heads`:
+split evenly, or one replicated head per rank when the ranks outnumber the KV heads). Under
+pipeline parallelism each stage's worker sees only its own attention layers (named by their
+global index) and loads those. A load that fails (file gone, corrupted, shapes off) reports
+its blocks through :meth:`get_block_ids_with_load_errors`: with
+``kv_load_failure_policy="fail"`` (``engine``'s and ``kvedit serve``'s default) vLLM ends the
+request with ``finish_reason == "error"``; with ``"recompute"`` it computes the blocks itself
+(the state's answer only for an unedited state). The scheduler's outcome
+(``kv_transfer_params["kvedit"]``) is decided before the load, so it still says "served".
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import KVEditError
-from . import files
+from . import files, heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -143,9 +149,10 @@ class KVEditConnector(KVConnectorBase_V1):
     def _check(self, meta: dict) -> str | None:
         """Why this engine cannot serve a published file, or None."""
         mc = self._vllm_config.model_config
-        pc = self._vllm_config.parallel_config
+        # All the model's layers: under pipeline parallelism get_num_layers(parallel_config)
+        # counts one stage's only; each stage's worker loads its own layers from the file.
         want = {
-            "n_layers": mc.get_num_layers(pc),
+            "n_layers": mc.get_total_num_hidden_layers(),
             "kv_heads": mc.get_total_num_kv_heads(),
             "head_dim": mc.get_head_size(),
         }
@@ -257,7 +264,8 @@ class KVEditConnector(KVConnectorBase_V1):
                 TypeError,
             ) as e:
                 logger.warning(
-                    "kvedit connector: load of %s for request %s failed (%s); vLLM recomputes it",
+                    "kvedit connector: load of %s for request %s failed (%s); vLLM fails the request "
+                    "or recomputes it (kv_load_failure_policy)",
                     load.path,
                     load.req_id,
                     e,
@@ -289,12 +297,11 @@ class KVEditConnector(KVConnectorBase_V1):
                 raise ValueError(f"layer {i}: window {window} published, {engine_window} served")
             first = meta["first_slot"][i]
             keys, values = tensors[f"layer.{i}.keys"], tensors[f"layer.{i}.values"]
-            heads = layer.num_kv_heads
-            if keys.shape[1] != heads:
-                if keys.shape[1] != heads * tp_size:
-                    raise ValueError(f"layer {i}: {keys.shape[1]} KV heads for {heads} per rank")
-                keys = keys[:, rank * heads : (rank + 1) * heads]
-                values = values[:, rank * heads : (rank + 1) * heads]
+            try:  # this rank's KV heads (vLLM's rule: split, or replicated when tp > heads)
+                keys = heads.slice_for_rank(keys, tp_size, rank, layer.num_kv_heads)
+                values = heads.slice_for_rank(values, tp_size, rank, layer.num_kv_heads)
+            except KVEditError as e:
+                raise ValueError(f"layer {i}: {e}") from e
             blocks = load.block_ids[self._layer_group.get(name, 0)]
             start = max(first, 0)
             token = torch.arange(start, load.tokens)
