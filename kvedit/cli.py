@@ -176,6 +176,13 @@ def _serve_parser(sub) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="the name requests give (default: --model)"
     )
+    p.add_argument(
+        "--on-load-failure",
+        default="fail",
+        choices=["fail", "recompute"],
+        help="a published cache a worker cannot load: end the request with an error (default), "
+        "or let vLLM compute the prompt (the right answer only for unedited caches)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command, do not run it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(run=_run_serve)
@@ -195,6 +202,7 @@ def _run_serve(args) -> int:
         served_model_name=args.served_model_name,
         vllm_args=extra,
         dry_run=args.dry_run,
+        load_failure=args.on_load_failure,
     )
     if args.dry_run:
         print(" ".join(argv))

@@ -145,8 +145,16 @@ def on_cpu() -> bool:
         return False
 
 
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+"""What vLLM does when a worker cannot load a claimed published cache (``load_failure``)."""
+
+
 def engine(
-    model: str | os.PathLike | PreTrainedModel, root: str | os.PathLike, **llm_kwargs: Any
+    model: str | os.PathLike | PreTrainedModel,
+    root: str | os.PathLike,
+    *,
+    load_failure: str = "fail",
+    **llm_kwargs: Any,
 ) -> vllm.LLM:
     """A ``vllm.LLM`` for a kvedit model whose KV connector serves the caches published
     under ``root``.
@@ -157,6 +165,11 @@ def engine(
             here (on CPU) to find its folder and its fingerprint; the connector refuses files
             another model made.
         root: the folder :func:`publish` writes to (created if missing).
+        load_failure: when a worker cannot load a published cache the scheduler claimed
+            (file gone or corrupted after the lookup, shapes off): ``"fail"`` ends the
+            request with ``finish_reason == "error"``; ``"recompute"`` lets vLLM compute the
+            prompt from its token ids, which is the state's answer only for an unedited state
+            (an edited cache's copies would be read as repeated text).
         **llm_kwargs: passed to ``vllm.LLM``. Defaults: ``dtype="float32"`` (what kvedit's
             exactness is measured in), ``enable_prefix_caching=False`` (two published caches
             that share leading ids would otherwise reuse each other's blocks), and
@@ -198,15 +211,23 @@ def engine(
             "ids (and plain prompts with those ids) can then reuse each other's blocks",
             stacklevel=2,
         )
-    kwargs["kv_transfer_config"] = KVTransferConfig(**connector_config(root, fingerprint))
+    kwargs["kv_transfer_config"] = KVTransferConfig(
+        **connector_config(root, fingerprint, load_failure=load_failure)
+    )
     return vllm.LLM(**kwargs)
 
 
-def connector_config(root: str | os.PathLike, model_fingerprint: str | None) -> dict[str, Any]:
+def connector_config(
+    root: str | os.PathLike, model_fingerprint: str | None, *, load_failure: str = "fail"
+) -> dict[str, Any]:
     """The ``KVTransferConfig`` fields that make vLLM serve the caches published under
-    ``root`` (vLLM's ``--kv-transfer-config`` JSON): the kvedit connector, as a KV consumer,
-    recomputing what it fails to load; with a fingerprint, files another model made are
+    ``root`` (vLLM's ``--kv-transfer-config`` JSON): the kvedit connector, as a KV consumer;
+    ``load_failure`` (see :func:`engine`); with a fingerprint, files another model made are
     refused."""
+    if load_failure not in LOAD_FAILURE_POLICIES:
+        raise InvalidInputError(
+            f"load_failure must be one of {LOAD_FAILURE_POLICIES}, not {load_failure!r}"
+        )
     extra: dict[str, Any] = {"root": str(Path(root).resolve())}
     if model_fingerprint:
         extra["model_fingerprint"] = model_fingerprint
@@ -214,6 +235,6 @@ def connector_config(root: str | os.PathLike, model_fingerprint: str | None) -> 
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": load_failure,
         "kv_connector_extra_config": extra,
     }

@@ -151,6 +151,11 @@ class VLLMAnswerer:
                 p.path.unlink(missing_ok=True)
         share = (time.perf_counter() - t0) / len(pending)
         for p, out in zip(pending, outs, strict=True):
+            if out.outputs and out.outputs[0].finish_reason == "error":
+                raise CacheNotServedError(
+                    "vLLM ended a request with an error (a worker could not load its published "
+                    "cache; see the connector's log lines)"
+                )
             outcome = (out.kv_transfer_params or {}).get("kvedit", {})
             served = int(outcome.get("served", 0))
             if served < len(p.ids) - (len(p.prompt) == len(p.ids)):

@@ -49,6 +49,7 @@ def serve_command(
     vllm_args: Sequence[str] = (),
     cpu: bool | None = None,
     python: str = sys.executable,
+    load_failure: str = "fail",
 ) -> list[str]:
     """The command that serves ``model`` with the caches published under ``root``.
 
@@ -63,6 +64,8 @@ def serve_command(
         cpu: whether vLLM runs on CPU (adds ``--enforce-eager`` and a 1 GiB KV cache unless
             ``vllm_args`` size the memory); default: ask vLLM.
         python: the interpreter that has vLLM.
+        load_failure: ``"fail"`` (a request whose published cache a worker cannot load ends
+            with an error) or ``"recompute"`` (see :func:`~kvedit.integrations.vllm.engine`).
 
     Raises:
         InvalidInputError: ``vllm_args`` set ``--kv-transfer-config``, or the model has no
@@ -99,7 +102,7 @@ def serve_command(
         "float32",
         "--no-enable-prefix-caching",
         "--kv-transfer-config",
-        json.dumps(connector_config(root, fingerprint)),
+        json.dumps(connector_config(root, fingerprint, load_failure=load_failure)),
     ]
     if on_cpu() if cpu is None else cpu:
         argv.append("--enforce-eager")
@@ -117,6 +120,7 @@ def serve(
     served_model_name: str | None = None,
     vllm_args: Sequence[str] = (),
     dry_run: bool = False,
+    load_failure: str = "fail",
 ) -> list[str]:
     """Print :func:`serve_command`'s command to stderr and run it in place of this process
     (it returns only with ``dry_run``, giving the command).
@@ -135,6 +139,7 @@ def serve(
         port=port,
         served_model_name=served_model_name,
         vllm_args=vllm_args,
+        load_failure=load_failure,
     )
     print(shlex.join(argv), file=sys.stderr, flush=True)
     if not dry_run:
