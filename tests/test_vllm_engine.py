@@ -71,6 +71,13 @@ def served(case, tmp_path_factory):
             names.append("mismatch")
             prompts.append({"prompt_token_ids": stock.token_ids + qids})
             out["mismatch"] = {"state": other, "ids": stock.token_ids}
+            # a file the scheduler accepts but a worker cannot load (a layer lost a KV head)
+            broken = to_stock(kvedit.capture(model, tok, "Rivers run to the sea, mostly."))
+            broken.keys[1], broken.values[1] = broken.keys[1][:, :2], broken.values[1][:, :2]
+            publish(broken, root)
+            names.append("load_fails")
+            prompts.append({"prompt_token_ids": broken.token_ids + qids})
+            out["load_fails"] = {"ids": broken.token_ids}
             bad = [1, *other.token_ids.tolist()[1:-1], 13]
             (root / files.file_name(bad)).write_bytes(b"\x80\x04 not a safetensors file")
             names.append("corrupt")
@@ -143,3 +150,10 @@ def test_what_cannot_be_served_is_refused_and_computed(served, name, reason):
     assert out.kv_transfer_params["kvedit"]["refused"] == reason
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids  # vLLM still answers, from its own computation
+
+
+def test_a_cache_a_worker_cannot_load_fails_the_request(served):
+    """engine's default load_failure="fail": no answer from vLLM's own reading of the ids."""
+    out = served["load_fails"]["vllm"]
+    assert out.outputs[0].finish_reason == "error"
+    assert not out.outputs[0].token_ids

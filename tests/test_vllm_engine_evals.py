@@ -54,7 +54,8 @@ def test_the_edit_reaches_vllm(results, reference):
     changed = [
         k
         for k in got
-        if k[1] == METHODS[1] and reference[k]["prediction"] != reference[(k[0], "none")]["prediction"]
+        if k[1] == METHODS[1]
+        and reference[k]["prediction"] != reference[(k[0], "none")]["prediction"]
     ]
     assert changed, "pick an edit that changes an answer"
     for key in changed:
