@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,8 @@ another format (files without it were made with chat).
 
 
 def _litm_parser(sub) -> None:
+    from .evals.engines import ENGINES, VLLM_BATCH
+
     p = sub.add_parser(
         "litm",
         help="lost-in-the-middle accuracy by gold position",
@@ -59,7 +62,7 @@ def _litm_parser(sub) -> None:
     p.add_argument(
         "--engine",
         default="transformers",
-        choices=["transformers", "vllm"],
+        choices=list(ENGINES),
         help="what decodes the answers: kvedit on the Hugging Face model, or vLLM serving "
         "each method's published cache (methods none, oracle, auto, reread; needs "
         "kvedit[vllm])",
@@ -67,8 +70,9 @@ def _litm_parser(sub) -> None:
     p.add_argument(
         "--batch",
         type=int,
-        default=8,
-        help="--engine vllm: examples whose prompts vLLM answers in one batch (default 8)",
+        default=VLLM_BATCH,
+        help=f"--engine vllm: examples whose prompts vLLM answers in one batch (default "
+        f"{VLLM_BATCH}; ignored by --engine transformers)",
     )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -174,7 +178,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: this machine)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--served-model-name", default=None, help="the name requests give (default: --model)"
+        "--served-model-name",
+        default=None,
+        help="the name requests give (default: --model as given, as kvedit publish uses)",
     )
     p.add_argument(
         "--on-load-failure",
@@ -204,8 +210,8 @@ def _run_serve(args) -> int:
         dry_run=args.dry_run,
         load_failure=args.on_load_failure,
     )
-    if args.dry_run:
-        print(" ".join(argv))
+    if args.dry_run:  # serve() printed the command (quoted) to stderr; stdout gets it too
+        print(shlex.join(argv))
     return 0
 
 
@@ -236,7 +242,12 @@ def _publish_parser(sub) -> None:
     )
     p.add_argument("--copies", type=int, default=3, help="--duplicate extra copies")
     p.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"])
-    p.add_argument("--served-model-name", default=None, help="default: --model")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name in the request (default: --model as given, as kvedit serve does)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="the server's port, for the curl hint")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the request")
     p.add_argument(
         "--request", default=None, metavar="FILE", help="also write the request body to FILE"
@@ -283,8 +294,9 @@ def _run_publish(args) -> int:
     print(published.report, file=sys.stderr)
     if args.request:
         print(
-            f"send: curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: "
-            f"application/json' -d @{args.request}",
+            f"send: curl -s http://127.0.0.1:{args.port}/v1/completions -H 'Content-Type: "
+            f"application/json' -d @{args.request}  (check kv_transfer_params.kvedit.served"
+            f" == {published.served})",
             file=sys.stderr,
         )
     return 0

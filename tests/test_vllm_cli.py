@@ -15,13 +15,14 @@ import torch
 
 import kvedit
 from kvedit.cli import main as cli_main
-from kvedit.errors import InvalidInputError, VLLMUnavailableError
+from kvedit.errors import CacheNotServedError, InvalidInputError, VLLMUnavailableError
 from kvedit.evals.engines import check_engine
-from kvedit.evals.litm import _reused
+from kvedit.evals.litm import reused_records
 from kvedit.evals.methods import ExampleContext, parse_spec
 from kvedit.evals.tasks.records import records_examples
 from kvedit.focus import QUESTION_MARK
 from kvedit.integrations.vllm import connector_config, files, to_stock
+from kvedit.integrations.vllm.answer import VLLMAnswerer, check_served
 from kvedit.integrations.vllm.contexts import publish_context
 from kvedit.integrations.vllm.server import serve, serve_command
 
@@ -61,7 +62,11 @@ def test_publish_context_writes_what_it_says_to_send(smollm2, example, tmp_path)
         "prompt": got.prompt_token_ids,
         "max_tokens": 8,
         "temperature": 0.0,
+        "ignore_eos": True,  # vLLM's own EOS ids off: it stops where kvedit stops
+        "stop_token_ids": sorted(kvedit.state.eos_ids(model, tok)),
+        "return_token_ids": True,
     }
+    assert got.served == len(got.published_token_ids) and Path(got.file).is_absolute()
 
 
 def test_publish_without_a_question_gives_a_template(smollm2, example, tmp_path):
@@ -87,9 +92,10 @@ def test_focus_publishes_the_chosen_passage_emphasized(smollm2, example, tmp_pat
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"suppress": ["Diego"], "suppress_strength": 2.0}, "cannot be realised"),
+        ({"suppress": ["Diego"], "suppress_strength": 2.0}, "cannot be served"),
         ({"question": "a", "focus_on": "b"}, "different questions"),
         ({"prompt": "markdown"}, "unknown prompt format"),
+        ({"emphasize": ["Diego"], "strength": 0.3}, "log 1.5"),  # rounds to 0 copies
     ],
 )
 def test_what_vllm_cannot_serve_is_refused_and_nothing_written(
@@ -144,6 +150,7 @@ def test_serve_command_configures_the_connector(smollm2, tmp_path):
     want = connector_config(tmp_path / "root", kvedit.fingerprint.model_fingerprint(model))
     assert config == want and config["kv_connector_extra_config"]["model_fingerprint"]
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
+    assert opts["--generation-config"] == "vllm"  # no sampling defaults from the model
     assert opts["--kv-cache-memory-bytes"] == str(1 << 30)
     assert (tmp_path / "root").is_dir()
 
@@ -155,10 +162,31 @@ def test_serve_command_passes_vllm_arguments_on(tmp_path):
     assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" not in argv
     argv = serve_command("smollm2-135m-instruct", tmp_path, vllm_args=extra[:2], cpu=True)
     assert "--kv-cache-memory-bytes" not in argv  # the caller sized the memory
-    with pytest.raises(InvalidInputError, match="kv-transfer-config"):
-        serve_command("smollm2-135m-instruct", tmp_path, vllm_args=["--kv-transfer-config={}"])
+    argv = serve_command(
+        "smollm2-135m-instruct", tmp_path, vllm_args=["--gpu_memory_utilization=.5"], cpu=True
+    )
+    assert "--kv-cache-memory-bytes" not in argv  # vLLM reads underscores as dashes
     with pytest.raises(InvalidInputError, match="port"):
         serve_command("smollm2-135m-instruct", tmp_path, port=0)
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "--kv-transfer-config={}",
+        "--kv_transfer_config={}",  # vLLM turns underscores into dashes
+        "--kv-transfer-config.kv_load_failure_policy",  # a dotted sub-key replaces the JSON
+        "--kv-transfer-c",  # argparse takes unique abbreviations
+        "--model",
+        "--tokenizer=other",
+        "--enable-prefix-caching",
+        "--generation-config=auto",
+        "--config",
+    ],
+)
+def test_serve_refuses_what_would_change_the_answer_in_any_spelling(tmp_path, arg):
+    with pytest.raises(InvalidInputError, match="refuses the vLLM argument"):
+        serve_command("smollm2-135m-instruct", tmp_path, vllm_args=[arg, "x"], cpu=True)
 
 
 def test_serve_needs_vllm(tmp_path):
@@ -191,6 +219,18 @@ def test_the_cli_refuses_a_method_vllm_cannot_serve_before_loading(tmp_path):
         cli_main([*args, "--model", "no-such-model", "--out", str(tmp_path)])
 
 
+def test_the_vllm_engine_needs_vllm_before_loading(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    args = ["eval", "litm", "--engine", "vllm", "--model", "no-such-model", "--out", str(tmp_path)]
+    with pytest.raises(VLLMUnavailableError, match="make vllm-setup"):
+        cli_main(args)
+    with pytest.raises(InvalidInputError, match="batch"):
+        check_engine("vllm", [parse_spec("none")], batch=0)
+
+
 def test_reuse_never_mixes_engines(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(
@@ -204,8 +244,8 @@ def test_reuse_never_mixes_engines(tmp_path):
         )
     )
     with pytest.raises(InvalidInputError, match="'vllm' engine"):
-        _reused(path, "m", "records", 0, {}, "chat", "transformers")
-    assert _reused(path, "m", "records", 0, {}, "chat", "vllm") == {}
+        reused_records(path, "m", "records", 0, {}, "chat", "transformers")
+    assert reused_records(path, "m", "records", 0, {}, "chat", "vllm") == {}
 
 
 @pytest.mark.parametrize(
@@ -226,3 +266,127 @@ def test_a_method_answers_from_its_answer_state(smollm2, spec):
     )
     if spec in ("auto", "reread"):
         assert "auto_choice" in notes
+
+
+# ---------------------------------------------------------------- the answerer, on a fake engine
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: serves each prompt from the longest published file it starts
+    with (as the connector does), answering with the round number; records what it saw."""
+
+    def __init__(self, root, outcome=None):
+        self.index = files.PublishedIndex(root)
+        self.rounds: list[list[str]] = []
+        self.outcome = outcome  # overrides the connector's report
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        seen, outs = [], []
+        for p in prompts:
+            path, n = self.index.lookup(p["prompt_token_ids"])
+            seen.append(files.read_header(path)["checksum"])
+            report = {"served": n, "published": n, "file": path.name}
+            outs.append(
+                SimpleNamespace(
+                    outputs=[
+                        SimpleNamespace(token_ids=[len(self.rounds) + 7], finish_reason="stop")
+                    ],
+                    kv_transfer_params={"kvedit": self._report(report)},
+                )
+            )
+        self.rounds.append(seen)
+        return outs
+
+    def _report(self, report):
+        if self.outcome is None:
+            return report
+        return self.outcome(report) if callable(self.outcome) else self.outcome
+
+
+class FakeAnswerer(VLLMAnswerer):
+    def _sampling(self, max_new_tokens):
+        return max_new_tokens
+
+
+@pytest.fixture
+def fake(smollm2, tmp_path):
+    model, tok = smollm2
+    ex = records_examples(positions=[3], trials=1, n_records=6)[0]
+    ctx = ExampleContext(model, tok, ex, max_new_tokens=4)
+    llm = FakeLLM(tmp_path)
+    return FakeAnswerer(model, tok, tmp_path, llm=llm), llm, ctx
+
+
+def test_states_with_the_same_ids_are_answered_in_separate_rounds(fake, tmp_path):
+    answerer, llm, ctx = fake
+    plain = ctx.state
+    scaled = kvedit.ops.scale_keys(plain, ctx.gold_span(), 0.5)  # the same token ids
+    duplicated = kvedit.ops.duplicate(plain, ctx.gold_span(), 2)
+    for state in (plain, scaled, duplicated):
+        answerer.submit(state, ctx.continuation, 4)
+    answers = answerer.flush()
+    crc = [
+        files.read_header(files.write(to_stock(s), tmp_path / f"ref{i}", "x"))["checksum"]
+        for i, s in enumerate((plain, scaled, duplicated))
+    ]
+    assert llm.rounds == [[crc[0], crc[2]], [crc[1]]]  # each prompt read its own state's file
+    assert [a.token_ids for a in answers] == [[7], [8], [7]]  # in submission order
+    assert not list(answerer.root.glob("*.safetensors"))  # answered files are removed
+
+
+@pytest.mark.parametrize(
+    "outcome,match",
+    [
+        ({"refused": "mismatch"}, "did not serve"),
+        (  # a longer file that starts with the same ids was served: all tokens "served"
+            lambda r: {
+                **r,
+                "served": r["served"] + 3,
+                "published": r["published"] + 3,
+                "file": "x",
+            },
+            "did not serve",
+        ),
+    ],
+)
+def test_an_answer_not_served_from_its_own_file_raises_and_drops_the_flush(fake, outcome, match):
+    answerer, llm, ctx = fake
+    llm.outcome = outcome
+    answerer.submit(ctx.state, ctx.continuation, 4)
+    with pytest.raises(CacheNotServedError, match=match):
+        answerer.flush()
+    assert not list(answerer.root.glob("*.safetensors"))  # the published file is gone
+    llm.outcome = None
+    answerer.submit(ctx.state, ctx.continuation, 4)
+    assert len(answerer.flush()) == 1  # nothing of the failed flush comes back
+
+
+def test_check_served_needs_the_whole_file():
+    from types import SimpleNamespace
+
+    def out(reason="stop", **kv):
+        return SimpleNamespace(
+            outputs=[SimpleNamespace(finish_reason=reason, token_ids=[])],
+            kv_transfer_params={"kvedit": kv},
+        )
+
+    assert (
+        check_served(out(served=9, published=9, file="9-a.safetensors"), "9-a.safetensors", 9) == 9
+    )
+    with pytest.raises(CacheNotServedError, match="error"):
+        check_served(
+            out("error", served=9, published=9, file="9-a.safetensors"), "9-a.safetensors", 9
+        )
+    with pytest.raises(CacheNotServedError):
+        check_served(out(served=8, published=9, file="9-a.safetensors"), "9-a.safetensors", 9)
+
+
+def test_the_answerer_refuses_recompute_and_empty_continuations(fake, smollm2):
+    answerer, _, ctx = fake
+    model, tok = smollm2
+    with pytest.raises(InvalidInputError, match="load_failure"):
+        VLLMAnswerer(model, tok, answerer.root, llm=object(), load_failure="recompute")
+    with pytest.raises(InvalidInputError, match="continuation is empty"):
+        answerer.submit(ctx.state, "", 4)

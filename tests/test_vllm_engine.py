@@ -145,11 +145,14 @@ def test_emphasize_is_realised_by_the_nearest_copy_count(served):
 
 
 @pytest.mark.parametrize("name,reason", [("mismatch", "mismatch"), ("corrupt", "corrupt")])
-def test_what_cannot_be_served_is_refused_and_computed(served, name, reason):
+def test_what_cannot_be_served_is_refused_with_an_error(served, name, reason):
+    """load_failure="fail" (engine's default): a refused file ends its request with an error,
+    not with vLLM's answer to the published ids read as text."""
     out = served[name]["vllm"]
-    assert out.kv_transfer_params["kvedit"]["refused"] == reason
-    assert out.num_cached_tokens == 0
-    assert out.outputs[0].token_ids  # vLLM still answers, from its own computation
+    assert out.outputs[0].finish_reason == "error"
+    if out.kv_transfer_params is not None:  # vLLM 0.32 returns none for a failed request
+        assert out.kv_transfer_params["kvedit"]["refused"] == reason
+    assert not out.outputs[0].token_ids
 
 
 def test_a_cache_a_worker_cannot_load_fails_the_request(served):

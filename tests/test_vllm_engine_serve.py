@@ -105,10 +105,10 @@ def test_a_curl_request_gets_the_edited_answer(server, case, tmp_path, capsys):
     assert cli_main(args) == 0
     published = json.loads(capsys.readouterr().out)
     body = json.loads(req.read_text())  # what `curl -d @request.json` sends
-    got = post(url, {**body, "return_token_ids": True})
+    got = post(url, body)
     assert got["choices"][0]["token_ids"][: len(want["edited"])] == want["edited"]
     served = got["kv_transfer_params"]["kvedit"]["served"]
-    assert served == len(published["published_token_ids"])
+    assert served == published["served"] == len(published["published_token_ids"])
 
 
 def test_the_openai_client_gets_the_plain_answer_for_the_plain_context(server, case, smollm2):
@@ -129,3 +129,5 @@ def test_the_openai_client_gets_the_plain_answer_for_the_plain_context(server, c
     text = tok.decode(want["plain"], skip_special_tokens=True)
     assert out.choices[0].text.strip() == text.strip()
     assert out.usage.prompt_tokens == len(published.prompt_token_ids)
+    served = (out.model_extra or {})["kv_transfer_params"]["kvedit"]["served"]
+    assert served == published.served  # from the file, not computed by vLLM

@@ -19,14 +19,18 @@ the published cache realises the method's edit exactly (an ``emphasize`` strengt
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvedit.errors import InvalidInputError
+from kvedit.errors import InvalidInputError, KVEditError, VLLMUnavailableError
 from kvedit.evals.methods import ExampleContext, Method
 from kvedit.evals.prompts import plain_answer
 from kvedit.evals.schema import Example, score
+
+if TYPE_CHECKING:
+    from kvedit.integrations.vllm.answer import VLLMAnswerer
 
 __all__ = [
     "ENGINES",
@@ -44,14 +48,21 @@ VLLM_BATCH = 8
 """Examples whose prompts vLLM answers in one ``generate`` call (``--batch``)."""
 
 VLLM_KV_CACHE_BYTES = 4 << 30
-"""vLLM's KV cache for an evaluation on CPU: room for a batch of edited long prompts."""
+"""vLLM's KV cache for an evaluation on CPU (on a GPU vLLM sizes it itself): room for a batch
+of edited long prompts."""
 
 
-def check_engine(engine: str, methods: Sequence[Method]) -> str:
-    """``engine`` if it can run every method; else :class:`~kvedit.errors.InvalidInputError`
-    naming the methods it cannot run."""
+def check_engine(engine: str, methods: Sequence[Method], batch: int = VLLM_BATCH) -> str:
+    """``engine`` if it can run every method here; checked before any model is loaded.
+
+    Raises:
+        InvalidInputError: an unknown engine, a method it cannot run, a ``batch`` below 1.
+        VLLMUnavailableError: ``"vllm"`` and vLLM is not installed.
+    """
     if engine not in ENGINES:
         raise InvalidInputError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidInputError(f"batch must be a whole number of examples >= 1, not {batch!r}")
     if engine != "transformers":
         cannot = [m.spec for m in methods if not m.answers_from_state]
         if cannot:
@@ -59,6 +70,11 @@ def check_engine(engine: str, methods: Sequence[Method]) -> str:
                 f"--engine {engine} serves methods that answer from one state (none, oracle, "
                 f"auto, reread with a cache edit); not {', '.join(cannot)}: run them with "
                 "--engine transformers"
+            )
+        if importlib.util.find_spec("vllm") is None:
+            raise VLLMUnavailableError(
+                "--engine vllm needs vLLM: pip install 'kvedit[vllm]' (in a checkout: make "
+                "vllm-setup, then .venv-vllm/bin/kvedit)"
             )
     return engine
 
@@ -103,7 +119,7 @@ def run_on_vllm(
     on_record: Callable[[dict], None] | None = None,
     progress: bool = True,
     batch: int = VLLM_BATCH,
-    answerer: Any = None,
+    answerer: VLLMAnswerer | None = None,
     **llm_kwargs: Any,
 ) -> tuple[list[dict], dict[str, float]]:
     """:func:`kvedit.evals.litm.run` with vLLM decoding (see the module doc).
@@ -117,13 +133,13 @@ def run_on_vllm(
 
     from kvedit.integrations.vllm.answer import VLLMAnswerer
 
-    check_engine("vllm", methods)
-    batch = int(batch)
-    if batch < 1:
-        raise InvalidInputError(f"batch must be >= 1 example, not {batch}")
+    check_engine("vllm", methods, batch)
     own = answerer is None
     if own:
-        llm_kwargs.setdefault("kv_cache_memory_bytes", VLLM_KV_CACHE_BYTES)
+        from kvedit.integrations.vllm import on_cpu
+
+        if on_cpu() and "gpu_memory_utilization" not in llm_kwargs:
+            llm_kwargs.setdefault("kv_cache_memory_bytes", VLLM_KV_CACHE_BYTES)
         answerer = VLLMAnswerer(model, tokenizer, **llm_kwargs)
     records: list[dict] = []
     timings = {"engine_start_seconds": answerer.start_seconds if own else 0.0}
@@ -150,7 +166,13 @@ def run_on_vllm(
                     ctx.notes.pop("cache_bytes", None)
                     answerer.submit(state, ctx.continuation, max_new_tokens)
                     slots.append((example, method.spec, seconds, notes))
-            answers = iter(answerer.flush())
+            served_list = answerer.flush()
+            expected = sum(not isinstance(slot, dict) for slot in slots)
+            if len(served_list) != expected:  # never pair an answer with another example
+                raise KVEditError(
+                    f"the engine returned {len(served_list)} answers for {expected} prompts"
+                )
+            answers = iter(served_list)
             for slot in slots:
                 if isinstance(slot, dict):  # taken from an earlier run
                     records.append(slot)

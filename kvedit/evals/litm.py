@@ -120,7 +120,7 @@ def run(
     done = done or {}
     check_prompt(tokenizer, prompt)
     methods = [parse_spec(m) if isinstance(m, str) else m for m in methods]
-    if check_engine(engine, methods) == "vllm":
+    if check_engine(engine, methods, batch) == "vllm":
         records, spent = run_on_vllm(
             model,
             tokenizer,
@@ -186,20 +186,20 @@ def evaluate(
     kept and only the missing (example, method) pairs are computed. With
     ``reuse`` (an earlier run's ``results.json`` of the same model, task, seed and prompt
     format; ValueError otherwise), that run's answers are taken for the methods it ran with the
-    same parameters (see :func:`_reused`). Answers are deterministic, so such a run writes what
+    same parameters (see :func:`reused_records`). Answers are deterministic, so such a run writes what
     a full run would. ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
     :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine``
     decodes the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`;
     recorded as ``extra["engine"]``, with the engine's timings and ``seconds_per_example``);
     ``--resume`` and ``--reuse`` never mix engines.
     """
-    check_engine(engine, [parse_spec(spec) for spec in methods])  # before loading anything
+    check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
     prompt = resolve_prompt(prompt, model_name)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     task_name = f"data:{Path(data).name}" if data else task
     params = {spec: json.loads(json.dumps(parse_spec(spec).param_dict())) for spec in methods}
     reused = (
-        _reused(reuse, model_name, task_name, seed, params, prompt, engine)
+        reused_records(reuse, model_name, task_name, seed, params, prompt, engine)
         if reuse is not None
         else {}
     )
@@ -300,7 +300,7 @@ def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple
     return done
 
 
-def _reused(
+def reused_records(
     path: str | Path,
     model: str,
     task: str,

@@ -1,17 +1,20 @@
 """Answer many (state, continuation) pairs with vLLM doing the batching: :class:`VLLMAnswerer`.
 
-Each state is published (:func:`~kvedit.integrations.vllm.publish_stock`) under a private root
-as it is submitted, so the caller can drop it; :meth:`VLLMAnswerer.flush` sends every pending
-prompt (published ids + continuation ids) to vLLM in one ``generate`` call and returns the
-answers in submission order, greedy, decoded by the state's tokenizer exactly as
-:meth:`kvedit.KVState.answer` decodes (stopping at the same EOS ids), so an answer differs from
-kvedit's own only where vLLM's arithmetic does (or where an edit's bias is realised
-approximately: :attr:`Served.exact`).
+Each state is published (:func:`~kvedit.integrations.vllm.publish_stock`) under the answerer's
+root as it is submitted, so the caller can drop it; :meth:`VLLMAnswerer.flush` sends the
+pending prompts (published ids + continuation ids) to vLLM in one ``generate`` call and
+returns the answers in submission order: greedy, stopping exactly at the EOS ids kvedit's own
+decoding stops at (vLLM's own EOS handling is off), decoded by the state's tokenizer as
+:meth:`kvedit.KVState.answer` decodes. An answer differs from kvedit's only where vLLM's
+arithmetic does, or where an edit's bias is realised approximately (:attr:`Served.exact`).
 
 Two states with the same published token ids (``scale_keys`` keeps the ids) would share one
-file: submitting the second flushes the first before its file is replaced. A prompt vLLM did
-not serve wholly from its file raises :class:`~kvedit.errors.CacheNotServedError` (its answer
-would be the unedited prompt's). Needs vLLM (the extra ``kvedit[vllm]``).
+file: the second is kept in memory and published after the first is answered, in a second
+``generate`` call of the same flush. Every answer is checked against what the connector did
+(:func:`check_served`): a prompt vLLM did not serve wholly from its own file, or whose load
+failed, raises :class:`~kvedit.errors.CacheNotServedError` (its answer would not be the
+state's); nothing of a failed flush is kept. Needs vLLM (the extra ``kvedit[vllm]``) unless an
+engine is given.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import Any
 from ...errors import CacheNotServedError, InvalidInputError
 from ...state import KVState, eos_ids
 from . import files
+from .stock import StockCache, to_stock
 
-__all__ = ["Served", "VLLMAnswerer"]
+__all__ = ["Served", "VLLMAnswerer", "check_served"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,45 @@ class Served:
 
 
 @dataclass
-class _Pending:
+class _Job:
+    """A submitted state: its stock cache until published, then the published file."""
+
+    stock: StockCache | None
     ids: list[int]
-    prompt: list[int]
+    question: list[int]
     max_new_tokens: int
     exact: bool
-    path: Path
-    publish_seconds: float
+    seconds: float
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return files.file_name(self.ids)
+
+
+def check_served(output: Any, file_name: str, published: int) -> int:
+    """How many prompt tokens vLLM served from the file ``file_name`` (``published`` ids) for
+    one ``RequestOutput``; raises unless it served exactly those, from that file.
+
+    Raises:
+        CacheNotServedError: the request ended with an error (a worker could not load the
+            file), the connector refused it or matched another file, or it served another
+            count.
+    """
+    outputs = getattr(output, "outputs", None) or []
+    if outputs and outputs[0].finish_reason == "error":
+        raise CacheNotServedError(
+            f"vLLM ended the request for {file_name} with an error (a worker could not load "
+            "its published cache; see the connector's log lines)"
+        )
+    outcome = (getattr(output, "kv_transfer_params", None) or {}).get("kvedit") or {}
+    got = (outcome.get("file"), outcome.get("published"), outcome.get("served"))
+    if got != (file_name, published, published):
+        raise CacheNotServedError(
+            f"vLLM did not serve the prompt from {file_name} ({published} tokens): the "
+            f"connector reported {outcome or 'nothing'}; its answer is not the state's"
+        )
+    return published
 
 
 class VLLMAnswerer:
@@ -72,118 +108,177 @@ class VLLMAnswerer:
             returns them); vLLM loads the same weights from the model's folder.
         root: where states are published; a fresh temporary folder (removed by :meth:`close`)
             when None.
+        llm: an engine :func:`~kvedit.integrations.vllm.engine` built for ``root``; by
+            default one is built here.
         **llm_kwargs: passed to :func:`~kvedit.integrations.vllm.engine` (and ``vllm.LLM``).
+            ``load_failure`` can only be ``"fail"``: with ``"recompute"`` a failed load would
+            answer the published ids as text.
 
     Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(
-        self, model, tokenizer, root: str | os.PathLike | None = None, **llm_kwargs: Any
+        self,
+        model: Any,
+        tokenizer: Any,
+        root: str | os.PathLike | None = None,
+        *,
+        llm: Any = None,
+        **llm_kwargs: Any,
     ) -> None:
-        from . import engine
-
-        self._own_root = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="kvedit-answer-") if root is None else root)
-        t0 = time.perf_counter()
-        self.llm = engine(model, self.root, **llm_kwargs)
-        self.start_seconds = time.perf_counter() - t0
-        """Seconds the engine took to start."""
+        if llm_kwargs.get("load_failure", "fail") != "fail":
+            raise InvalidInputError(
+                "VLLMAnswerer needs load_failure='fail': a recomputed load would answer the "
+                "published ids as text, not from the state"
+            )
+        if llm is not None and root is None:
+            raise InvalidInputError("an engine passed as llm= needs the root it serves")
         self.tokenizer = tokenizer
         self.stop_ids = sorted(eos_ids(model, tokenizer))
-        self._pending: list[_Pending] = []
-        self._done: list[Served] = []
+        self._jobs: list[_Job] = []
+        self._own_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="kvedit-answer-") if root is None else root)
+        self.start_seconds = 0.0
+        """Seconds the engine took to start (0 when it was given)."""
+        if llm is None:
+            from . import engine
+
+            t0 = time.perf_counter()
+            try:
+                llm = engine(model, self.root, **llm_kwargs)
+            except BaseException:
+                self._remove_root()
+                raise
+            self.start_seconds = time.perf_counter() - t0
+        self.llm = llm
 
     def submit(self, state: KVState, continuation: str, max_new_tokens: int) -> None:
-        """Publish ``state`` and queue it, continued by ``continuation``, for :meth:`flush`."""
-        from . import publish_stock
-        from .stock import to_stock
+        """Queue ``state``, continued by ``continuation``, for :meth:`flush`; it is published
+        now unless a queued state has the same published ids.
 
+        Raises:
+            InvalidInputError: ``max_new_tokens`` below 1, or an empty continuation (vLLM would
+                compute the last published token itself, from its id).
+            CorruptCacheError, StorageError, ...: what :func:`to_stock` or publishing raise;
+                the queue is then dropped.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise InvalidInputError(f"max_new_tokens must be an int, not {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+        question = list(state.encode(continuation)) if continuation else []
+        if not question:
+            raise InvalidInputError("the continuation is empty: vLLM must answer after the cache")
         t0 = time.perf_counter()
-        stock = to_stock(state)
-        seconds = time.perf_counter() - t0
-        if any(p.path.name == files.file_name(stock.token_ids) for p in self._pending):
-            self._run_pending()  # answer the earlier prompt before its file is replaced
-        t0 = time.perf_counter()
-        ids, stock, path = publish_stock(stock, self.root)
-        question = state.encode(continuation) if continuation else []
-        self._pending.append(
-            _Pending(
-                ids=ids,
-                prompt=ids + list(question),
-                max_new_tokens=max_new_tokens,
-                exact=stock.exact,
-                path=path,
-                publish_seconds=seconds + time.perf_counter() - t0,
-            )
-        )
+        try:
+            stock = to_stock(state)
+            job = _Job(stock, list(stock.token_ids), question, max_new_tokens, stock.exact, 0.0)
+            if job.name not in {j.name for j in self._jobs if j.path is not None}:
+                self._publish(job)
+        except BaseException:
+            self._drop()
+            raise
+        job.seconds = time.perf_counter() - t0
+        self._jobs.append(job)
 
     def flush(self) -> list[Served]:
-        """Answer every pending prompt; returns the answers not returned before, in the order
-        their states were submitted."""
-        self._run_pending()
-        out, self._done = self._done, []
-        return out
+        """Answer every queued state; returns their answers in the order they were submitted.
 
-    def _run_pending(self) -> None:
+        Raises:
+            CacheNotServedError: vLLM did not serve a prompt from its state's file (nothing of
+                this flush is returned; the queue is dropped).
+        """
+        jobs, self._jobs = self._jobs, []
+        out: list[Served | None] = [None] * len(jobs)
+        try:
+            while any(a is None for a in out):
+                waiting = [i for i, a in enumerate(out) if a is None]
+                names = {jobs[i].name for i in waiting if jobs[i].path is not None}
+                for i in waiting:  # states kept back for a name in use: publish them now
+                    if jobs[i].path is None and jobs[i].name not in names:
+                        t0 = time.perf_counter()
+                        self._publish(jobs[i])
+                        jobs[i].seconds += time.perf_counter() - t0
+                        names.add(jobs[i].name)
+                round_ = [i for i in waiting if jobs[i].path is not None]
+                for i, served in zip(
+                    round_, self._generate([jobs[i] for i in round_]), strict=True
+                ):
+                    out[i] = served
+        except BaseException:
+            self._jobs = jobs
+            self._drop()
+            raise
+        return [a for a in out if a is not None]
+
+    def _publish(self, job: _Job) -> None:
+        from . import publish_stock
+
+        ids, _, path = publish_stock(job.stock, self.root)
+        job.ids, job.path, job.stock = ids, path, None
+
+    def _sampling(self, max_new_tokens: int) -> Any:
+        """Greedy sampling that stops exactly where kvedit's decoding stops."""
         from vllm import SamplingParams
 
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        params = [
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=p.max_new_tokens,
-                stop_token_ids=self.stop_ids,
-                skip_special_tokens=True,
-            )
-            for p in pending
-        ]
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            ignore_eos=True,  # vLLM's own EOS ids may differ from kvedit's; stop at kvedit's
+            stop_token_ids=self.stop_ids,
+            skip_special_tokens=True,
+        )
+
+    def _generate(self, jobs: list[_Job]) -> list[Served]:
         t0 = time.perf_counter()
         try:
             outs = self.llm.generate(
-                [{"prompt_token_ids": p.prompt} for p in pending], params, use_tqdm=False
+                [{"prompt_token_ids": j.ids + j.question} for j in jobs],
+                [self._sampling(j.max_new_tokens) for j in jobs],
+                use_tqdm=False,
             )
         finally:
-            for p in pending:
-                p.path.unlink(missing_ok=True)
-        share = (time.perf_counter() - t0) / len(pending)
-        for p, out in zip(pending, outs, strict=True):
-            if out.outputs and out.outputs[0].finish_reason == "error":
-                raise CacheNotServedError(
-                    "vLLM ended a request with an error (a worker could not load its published "
-                    "cache; see the connector's log lines)"
-                )
-            outcome = (out.kv_transfer_params or {}).get("kvedit", {})
-            served = int(outcome.get("served", 0))
-            if served < len(p.ids) - (len(p.prompt) == len(p.ids)):
-                raise CacheNotServedError(
-                    f"vLLM served {served} of the {len(p.ids)} published tokens of a prompt "
-                    f"({outcome or 'no connector outcome'}); its answer is not the state's"
-                )
+            for j in jobs:
+                if j.path is not None:
+                    j.path.unlink(missing_ok=True)
+        share = (time.perf_counter() - t0) / len(jobs)
+        answers = []
+        for j, out in zip(jobs, outs, strict=True):
+            served = check_served(out, j.name, len(j.ids))
             tokens = list(out.outputs[0].token_ids)
             while tokens and tokens[-1] in self.stop_ids:
                 tokens.pop()
-            self._done.append(
+            answers.append(
                 Served(
                     text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                     token_ids=tokens,
                     served=served,
-                    prompt_tokens=len(p.prompt),
-                    exact=p.exact,
-                    seconds=p.publish_seconds + share,
+                    prompt_tokens=len(j.ids) + len(j.question),
+                    exact=j.exact,
+                    seconds=j.seconds + share,
                 )
             )
+        return answers
 
-    def close(self) -> None:
-        """Drop pending prompts and the engine (vLLM stops its workers when it is collected);
-        remove a temporary root."""
-        self._pending = []
-        self.llm = None
+    def _drop(self) -> None:
+        """Forget the queue and remove its published files."""
+        for job in self._jobs:
+            if job.path is not None:
+                job.path.unlink(missing_ok=True)
+        self._jobs = []
+
+    def _remove_root(self) -> None:
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def close(self) -> None:
+        """Drop the queue, stop the engine's processes, remove a temporary root."""
+        self._drop()
+        llm, self.llm = self.llm, None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self._remove_root()
 
     def __enter__(self) -> VLLMAnswerer:
         return self

@@ -13,7 +13,10 @@ finds the longest published cache whose token ids start the prompt
 and claims all its tokens, a partial last block included, so vLLM never computes them; only
 when the prompt is exactly the published ids does it claim one fewer (vLLM must run at least
 one token). What it cannot serve it refuses: a log line with the running count per reason
-(:attr:`KVEditConnector.refusals`), and the prompt is computed by vLLM as usual. Each finished
+(:attr:`KVEditConnector.refusals`); with ``kv_load_failure_policy="fail"`` (the default of
+``engine`` and ``kvedit serve``) a refused file's tokens are still claimed and their load
+fails, so the request ends with an error; with ``"recompute"`` vLLM computes the prompt as
+usual. Each finished
 request's ``RequestOutput.kv_transfer_params["kvedit"]`` says what happened to it
 (``{"served": n, "file": ...}`` or ``{"refused": reason}``).
 
@@ -108,6 +111,7 @@ class KVEditConnector(KVConnectorBase_V1):
         self.root = Path(extra["root"])
         self.model_fingerprint: str | None = extra.get("model_fingerprint")
         self.block_size = vllm_config.cache_config.block_size
+        self._fail = self._kv_transfer_config.kv_load_failure_policy == "fail"
         self.index = files.PublishedIndex(self.root)
         self.refusals: Counter[str] = Counter()
         """Refused requests per reason (scheduler side)."""
@@ -117,7 +121,7 @@ class KVEditConnector(KVConnectorBase_V1):
         self._outcome: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, tuple[str, int]] = {}
         self._load_errors: set[int] = set()
-        self._files: OrderedDict[tuple[str, int, int], tuple[dict, dict]] = OrderedDict()
+        self._files: OrderedDict[tuple[str, str], tuple[dict, dict]] = OrderedDict()
         self._layer_group: dict[str, int] = {
             name: g
             for g, group in enumerate(kv_cache_config.kv_cache_groups)
@@ -132,8 +136,16 @@ class KVEditConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def _refuse(self, request: Request, reason: str, detail: str) -> tuple[int, bool]:
+    def _refuse(
+        self, request: Request, reason: str, detail: str, published: int = 0
+    ) -> tuple[int, bool]:
+        """Refuse to serve ``request``. With ``kv_load_failure_policy="fail"`` and a matched
+        file of ``published`` tokens, the tokens are still claimed and their load fails on
+        the worker, so vLLM ends the request with an error instead of answering the published
+        ids as text (which is not the published cache's answer when it was edited)."""
         rid = request.request_id
+        if self._fail and published > 0:
+            self._matches[rid] = ("", published)  # "": a load that must fail
         if rid not in self._outcome:  # this may be asked again for the same request
             self.refusals[reason] += 1
             self._outcome[rid] = {"refused": reason, "detail": detail}
@@ -144,6 +156,8 @@ class KVEditConnector(KVConnectorBase_V1):
                 detail,
                 dict(self.refusals),
             )
+        if rid in self._matches:
+            return min(published, request.num_tokens - 1), False
         return 0, False
 
     def _check(self, meta: dict) -> str | None:
@@ -178,12 +192,13 @@ class KVEditConnector(KVConnectorBase_V1):
         try:
             meta = files.read_header(path)
         except (KVEditError, OSError) as e:
-            return self._refuse(request, "corrupt", str(e))
+            return self._refuse(request, "corrupt", str(e), n)
         if meta.get("token_ids") != ids[:n]:
-            return self._refuse(request, "corrupt", f"{path.name}: token ids differ from its name")
+            detail = f"{path.name}: token ids differ from its name"
+            return self._refuse(request, "corrupt", detail, n)
         why = self._check(meta)
         if why is not None:
-            return self._refuse(request, "mismatch", f"{path.name}: {why}")
+            return self._refuse(request, "mismatch", f"{path.name}: {why}", n)
         claim = min(n, request.num_tokens - 1)  # vLLM must compute at least one token
         if num_computed_tokens > 0:
             return self._refuse(
@@ -202,6 +217,8 @@ class KVEditConnector(KVConnectorBase_V1):
         if num_external_tokens > 0 and rid in self._matches:
             path, n = self._matches[rid]
             self._pending[rid] = (path, num_external_tokens)
+            if not path:  # refused: the load fails on the worker (see _refuse)
+                return
             if rid not in self._outcome:
                 self.served += 1
             self._outcome[rid] = {
@@ -237,8 +254,11 @@ class KVEditConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def _read(self, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-        st = Path(path).stat()  # a republished file is a new inode (atomic rename)
-        key = (path, st.st_ino, st.st_mtime_ns)
+        if not path:
+            raise ValueError("the scheduler refused this published cache (see its log line)")
+        # Keyed by the file's own checksum: a file republished under the same name may reuse
+        # the old one's inode and modification time.
+        key = (path, str(files.read_header(path).get("checksum")))
         if key in self._files:
             self._files.move_to_end(key)
             return self._files[key]

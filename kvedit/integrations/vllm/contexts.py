@@ -12,9 +12,15 @@ request.
 A client sends ``published_token_ids`` followed by the token ids of ``continuation`` (the
 question in the prompt format); with ``question`` given, ``prompt_token_ids`` is that whole
 prompt. Without a question, ``continuation`` is a template with ``{question}`` in it.
-Edits a stock kernel cannot realise at all (``suppress`` by less than
-:data:`~kvedit.integrations.vllm.REMOVE_AT` nats) are refused: the server would answer from
-the unedited entries.
+Edits a stock kernel cannot realise at all are refused before anything is written: a
+``suppress`` by less than :data:`~kvedit.integrations.vllm.REMOVE_AT` nats, an ``emphasize``
+too weak for one copy (below ``log 1.5`` nats), and any bias on a sliding-window layer (no
+copies are added there): the server would answer from the unedited entries.
+
+The request stops where kvedit's own decoding stops (``stop_token_ids``, vLLM's own EOS
+handling off); a client checks ``kv_transfer_params["kvedit"]["served"] == served`` in the
+response: anything else means the server did not answer from this file (another root, a
+refused file) and the answer is not the edited cache's.
 """
 
 from __future__ import annotations
@@ -22,21 +28,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ... import ops
 from ...errors import InvalidInputError
+from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from ...focus import QUESTION_MARK, focus, focus_text
-from ...state import capture, chat_prefix
+from ...state import capture, chat_prefix, eos_ids
 from .stock import to_stock
 
-__all__ = ["ANSWER_CUE", "PROMPTS", "PublishedPrompt", "publish_context"]
-
-PROMPTS = ("chat", "plain")
-"""Prompt formats: the tokenizer's chat template, or plain text (base models)."""
-
-ANSWER_CUE = "\nAnswer:"
-"""What the plain format puts after the question (as the evaluation suite does)."""
+__all__ = ["PublishedPrompt", "publish_context"]
 
 PLACEHOLDER = "{question}"
 
@@ -58,6 +60,9 @@ class PublishedPrompt:
             state (:attr:`~kvedit.integrations.vllm.StockCache.exact`).
         report: the realisation report (slots, shift, each bias asked vs realised).
         chosen: the passages :func:`kvedit.focus` emphasized (text), if it ran.
+        served: the prompt tokens the server must report serving from the file
+            (``kv_transfer_params["kvedit"]["served"]``): all of ``published_token_ids``.
+        stop_token_ids: where kvedit's decoding stops (the model's EOS ids).
     """
 
     model: str
@@ -69,9 +74,12 @@ class PublishedPrompt:
     exact: bool
     report: str
     chosen: list[str]
+    served: int
+    stop_token_ids: list[int]
 
     def request(self, max_tokens: int = 32) -> dict[str, Any]:
-        """The JSON body of a greedy ``POST /v1/completions`` for the whole prompt.
+        """The JSON body of a greedy ``POST /v1/completions`` for the whole prompt: it stops
+        at kvedit's EOS ids only and asks for the token ids back.
 
         Raises:
             InvalidInputError: no question was given (the prompt is not complete).
@@ -86,9 +94,13 @@ class PublishedPrompt:
             "prompt": self.prompt_token_ids,
             "max_tokens": int(max_tokens),
             "temperature": 0.0,
+            "ignore_eos": True,
+            "stop_token_ids": list(self.stop_token_ids),
+            "return_token_ids": True,
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (what ``kvedit publish`` prints)."""
         return asdict(self)
 
 
@@ -138,8 +150,10 @@ def publish_context(
         raise InvalidInputError("the context is empty")
     if QUESTION_MARK in context:
         raise InvalidInputError(f"the context must not contain {QUESTION_MARK!r}: it is cut there")
-    if prompt not in PROMPTS:
-        raise InvalidInputError(f"unknown prompt format {prompt!r}; choose one of {PROMPTS}")
+    if prompt not in PROMPT_FORMATS:
+        raise InvalidInputError(
+            f"unknown prompt format {prompt!r}; choose one of {', '.join(PROMPT_FORMATS)}"
+        )
     if focus_on is not None and question is not None and focus_on != question:
         raise InvalidInputError("--focus and --question name different questions")
     question = focus_on if focus_on is not None else question
@@ -163,19 +177,26 @@ def publish_context(
     if duplicate:
         state = ops.duplicate(state, list(duplicate), copies)
     stock = to_stock(state)
-    unrealized = sorted({r.asked for r in stock.realizations if r.how == "unrealized"})
-    if unrealized:
-        raise InvalidInputError(
-            f"bias(es) {unrealized} nats cannot be realised on vLLM's kernels (no per-key "
-            "bias; a suppress must be a removal, at least 20 nats): nothing was published"
-        )
+    lost = [
+        r
+        for r in stock.realizations
+        if r.how == "unrealized" or (r.how == "copies" and r.copies == 0 and r.asked > 0)
+    ]
+    if lost:
+        sliding = sorted({r.layer for r in lost if state.layers[r.layer].window is not None})
+        why = "no per-key bias on vLLM's kernels: a suppress must be a removal (at least 20 "
+        why += "nats), an emphasize at least log 1.5 nats (one copy)"
+        if sliding:
+            why += f"; sliding-window layers {sliding} get no copies or removals"
+        asked = sorted({round(r.asked, 3) for r in lost})
+        raise InvalidInputError(f"bias(es) {asked} nats cannot be served ({why}): nothing written")
     from . import publish_stock
 
     ids, stock, path = publish_stock(stock, root)
     full = None if question is None else ids + list(state.encode(continuation))
     return PublishedPrompt(
         model=served_model_name,
-        file=str(path),
+        file=str(Path(path).resolve()),
         published_token_ids=ids,
         continuation=continuation,
         prompt_token_ids=full,
@@ -183,4 +204,6 @@ def publish_context(
         exact=stock.exact,
         report=stock.report(),
         chosen=chosen,
+        served=len(ids),
+        stop_token_ids=sorted(eos_ids(model, tokenizer)),
     )

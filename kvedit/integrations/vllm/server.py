@@ -31,12 +31,32 @@ __all__ = ["SERVER_MODULE", "serve", "serve_command"]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module vLLM's OpenAI-compatible server runs as."""
 
-_OURS = ("--kv-transfer-config",)
+_REFUSED = {
+    "--kv-transfer-config": "kvedit serve sets the KV connector itself",
+    "--model": "give the model to kvedit serve (--model), which reads its fingerprint",
+    "--tokenizer": "the tokenizer is the model's: kvedit's token ids are its ids",
+    "--enable-prefix-caching": "two published caches sharing leading ids would reuse each "
+    "other's blocks",
+    "--generation-config": "kvedit serve turns the model's sampling defaults off "
+    "(--generation-config vllm), so a greedy request is kvedit's greedy answer",
+    "--override-generation-config": "the model's sampling defaults stay off",
+    "--config": "a config file could set any of the above",
+}
 _MEMORY = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
 
 
 def _flag(arg: str) -> str:
-    return arg.split("=", 1)[0]
+    """A vLLM flag as its parser reads it: ``--a_b.c=x`` is ``--a-b`` (vLLM turns underscores
+    into dashes and gathers dotted sub-keys into the flag)."""
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+
+
+def _names(arg: str, flag: str) -> bool:
+    """Whether ``arg`` sets ``flag``, also as an abbreviation (argparse takes unique prefixes)."""
+    if not arg.startswith("--"):
+        return False
+    given = _flag(arg)
+    return len(given) > 3 and flag.startswith(given)
 
 
 def serve_command(
@@ -58,9 +78,13 @@ def serve_command(
             (its folder and kvedit fingerprint are read; the connector refuses files another
             model made).
         root: the publish root (created if missing).
-        served_model_name: the name requests give; default the kvedit model name, else the
-            folder's name.
+        served_model_name: the name requests give; default ``model`` as given (what
+            ``kvedit publish --model`` puts in its requests), or the folder's name for a
+            loaded model.
         vllm_args: further vLLM server arguments, appended (they override the defaults).
+            Arguments that would change what a request is answered from are refused, in any
+            spelling vLLM accepts: ``--kv-transfer-config``, ``--model``, ``--tokenizer``,
+            ``--enable-prefix-caching``, ``--generation-config``, ``--config``.
         cpu: whether vLLM runs on CPU (adds ``--enforce-eager`` and a 1 GiB KV cache unless
             ``vllm_args`` size the memory); default: ask vLLM.
         python: the interpreter that has vLLM.
@@ -68,21 +92,24 @@ def serve_command(
             with an error) or ``"recompute"`` (see :func:`~kvedit.integrations.vllm.engine`).
 
     Raises:
-        InvalidInputError: ``vllm_args`` set ``--kv-transfer-config``, or the model has no
-            folder.
+        InvalidInputError: a refused vLLM argument, a bad port or ``load_failure``, or a
+            model without a folder (checked before the model is loaded).
     """
     from . import CPU_KV_CACHE_BYTES, connector_config, model_folder, on_cpu
 
     vllm_args = [str(a) for a in vllm_args]
-    ours = [a for a in vllm_args if _flag(a) in _OURS]
-    if ours:
-        raise InvalidInputError(f"kvedit serve sets {', '.join(_OURS)} itself (the connector)")
+    for arg in vllm_args:
+        for flag, why in _REFUSED.items():
+            if _names(arg, flag):
+                raise InvalidInputError(f"kvedit serve refuses the vLLM argument {arg}: {why}")
+    if load_failure not in ("fail", "recompute"):
+        raise InvalidInputError(f"load_failure must be 'fail' or 'recompute', not {load_failure!r}")
     port = int(port)
     if not 0 < port < 65536:
         raise InvalidInputError(f"port must be in 1..65535, not {port}")
     folder, fingerprint = model_folder(model)
-    if served_model_name is None:
-        named = isinstance(model, str) and not Path(model).exists()
+    if served_model_name is None:  # what kvedit publish puts in its requests by default
+        named = isinstance(model, (str, os.PathLike))
         served_model_name = str(model) if named else Path(folder).name
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -101,12 +128,14 @@ def serve_command(
         "--dtype",
         "float32",
         "--no-enable-prefix-caching",
+        "--generation-config",
+        "vllm",
         "--kv-transfer-config",
         json.dumps(connector_config(root, fingerprint, load_failure=load_failure)),
     ]
     if on_cpu() if cpu is None else cpu:
         argv.append("--enforce-eager")
-        if not any(_flag(a) in _MEMORY for a in vllm_args):
+        if not any(_names(a, flag) for a in vllm_args for flag in _MEMORY):
             argv += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
     return argv + vllm_args
 
