@@ -231,6 +231,19 @@ def test_the_vllm_engine_needs_vllm_before_loading(tmp_path):
         check_engine("vllm", [parse_spec("none")], batch=0)
 
 
+def test_resume_never_mixes_engines(tmp_path):
+    from kvedit.evals.litm import evaluate
+
+    common = dict(methods=["none"], task="records", n_docs=4, positions=[0], trials=1)
+    evaluate("tiny-llama", out=tmp_path, progress=False, max_new_tokens=2, **common)
+    settings = {"model": "tiny-llama", "task": "records", "seed": 0, "prompt": "chat"}
+    settings |= {"max_new_tokens": 2, "engine": "vllm", "params": {"none": {}}}
+    (tmp_path / "partial.settings.json").write_text(json.dumps(settings))
+    (tmp_path / "partial.jsonl").write_text("")
+    with pytest.raises(InvalidInputError, match="engine 'vllm'"):
+        evaluate("tiny-llama", out=tmp_path, resume=True, max_new_tokens=2, **common)
+
+
 def test_reuse_never_mixes_engines(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(
@@ -249,23 +262,32 @@ def test_reuse_never_mixes_engines(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "spec", ["none", "oracle", "oracle:edit=duplicate:copies=2", "auto", "reread"]
+    "spec,prompt",
+    [
+        ("none", "chat"),
+        ("oracle", "chat"),
+        ("oracle:edit=duplicate:copies=2", "chat"),
+        ("auto", "chat"),
+        ("auto:guard=True", "chat"),  # the guard's verdict answer is reused by predict
+        ("auto:edit=scale_keys", "plain"),
+        ("reread", "chat"),
+    ],
 )
-def test_a_method_answers_from_its_answer_state(smollm2, spec):
-    """What the vLLM engine serves (answer_state, continued greedily) is what predict answers."""
+def test_a_method_answers_from_its_answer_state(smollm2, spec, prompt):
+    """What the vLLM engine serves (answer_state, continued greedily) is what predict answers,
+    and both leave the same notes."""
     model, tok = smollm2
     ex = records_examples(positions=[3], trials=1, n_records=6)[0]
     method = parse_spec(spec)
     assert method.answers_from_state
-    ctx = ExampleContext(model, tok, ex, max_new_tokens=8)
+    ctx = ExampleContext(model, tok, ex, max_new_tokens=8, prompt_format=prompt)
     state = method.answer_state(ctx)
-    notes = dict(ctx.notes)
-    ctx.notes.clear()
-    assert method.predict(ExampleContext(model, tok, ex, max_new_tokens=8)) == state.generate(
-        ctx.continuation, 8
-    )
-    if spec in ("auto", "reread"):
-        assert "auto_choice" in notes
+    other = ExampleContext(model, tok, ex, max_new_tokens=8, prompt_format=prompt)
+    assert method.predict(other) == state.generate(ctx.continuation, 8)
+    assert ctx.notes.keys() == other.notes.keys()
+    if "auto_choice" in ctx.notes:
+        assert list(ctx.notes["auto_choice"]) == list(other.notes["auto_choice"])
+    assert ("auto_choice" in ctx.notes) == (spec != "none" and not spec.startswith("oracle"))
 
 
 # ---------------------------------------------------------------- the answerer, on a fake engine
