@@ -37,8 +37,10 @@ __all__ = [
     "VLLM_BATCH",
     "VLLM_KV_CACHE_BYTES",
     "check_engine",
+    "RECORDED_NOTES",
     "result_record",
     "run_on_vllm",
+    "take_recorded",
 ]
 
 ENGINES = ("transformers", "vllm")
@@ -79,6 +81,16 @@ def check_engine(engine: str, methods: Sequence[Method], batch: int = VLLM_BATCH
     return engine
 
 
+RECORDED_NOTES = ("auto_choice", "cache_bytes")
+"""What a method leaves in ``ctx.notes`` that goes into its record (``chosen``, ``bytes``)."""
+
+
+def take_recorded(notes: dict[str, Any]) -> dict[str, Any]:
+    """The notes of :data:`RECORDED_NOTES` a method left, taken out of ``notes`` (so the next
+    method on the example starts without them)."""
+    return {key: notes.pop(key) for key in RECORDED_NOTES if key in notes}
+
+
 def result_record(
     example: Example,
     spec: str,
@@ -87,8 +99,8 @@ def result_record(
     notes: dict[str, Any],
     prompt: str,
 ) -> dict:
-    """One result record (see :func:`kvedit.evals.litm.run`); takes the notes a method left
-    that are recorded (``auto_choice``, ``cache_bytes``) out of ``notes``."""
+    """One result record (see :func:`kvedit.evals.litm.run`), with what ``notes`` (from
+    :func:`take_recorded`) holds."""
     if prompt == "plain":
         prediction = plain_answer(prediction)
     record = {
@@ -99,10 +111,10 @@ def result_record(
         "correct": bool(score(example, prediction)),
         "seconds": round(seconds, 3),
     }
-    chosen = notes.pop("auto_choice", None)  # the documents auto/reread chose
+    chosen = notes.get("auto_choice")  # the documents auto/reread chose
     if chosen is not None:
         record["chosen"] = [int(i) for i in chosen]
-    cache_bytes = notes.pop("cache_bytes", None)  # a compression method's bytes
+    cache_bytes = notes.get("cache_bytes")  # a compression method's bytes
     if cache_bytes is not None:
         record["bytes"] = round(float(cache_bytes), 4)
     return record
@@ -161,9 +173,7 @@ def run_on_vllm(
                     t0 = time.perf_counter()
                     state = method.answer_state(ctx)
                     seconds = time.perf_counter() - t0
-                    notes = dict(ctx.notes)
-                    ctx.notes.pop("auto_choice", None)
-                    ctx.notes.pop("cache_bytes", None)
+                    notes = take_recorded(ctx.notes)
                     answerer.submit(state, ctx.continuation, max_new_tokens)
                     slots.append((example, method.spec, seconds, notes))
             served_list = answerer.flush()

@@ -14,7 +14,13 @@ from tqdm.auto import tqdm
 
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
-from kvedit.evals.engines import VLLM_BATCH, check_engine, result_record, run_on_vllm
+from kvedit.evals.engines import (
+    VLLM_BATCH,
+    check_engine,
+    result_record,
+    run_on_vllm,
+    take_recorded,
+)
 from kvedit.evals.jsonl import load_jsonl
 from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
 from kvedit.evals.methods.context import check_prompt
@@ -153,7 +159,8 @@ def run(
             t0 = time.perf_counter()
             prediction = method.predict(ctx)
             seconds = time.perf_counter() - t0
-            record = result_record(example, spec, prediction, seconds, ctx.notes, prompt)
+            notes = take_recorded(ctx.notes)
+            record = result_record(example, spec, prediction, seconds, notes, prompt)
             records.append(record)
             if on_record is not None:
                 on_record(records[-1])

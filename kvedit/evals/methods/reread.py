@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvedit.evals.methods.auto import AutoParams
-from kvedit.evals.methods.context import ExampleContext
-from kvedit.evals.methods.focus import focused_answer, focused_state
-from kvedit.evals.methods.registry import Method, register_method
-from kvedit.state import KVState
+from kvedit.evals.methods.auto import Auto, AutoParams
+from kvedit.evals.methods.registry import register_method
 
 __all__ = ["Reread", "RereadParams"]
 
@@ -21,20 +18,8 @@ class RereadParams(AutoParams):
 
 
 @register_method("reread")
-class Reread(Method):
-    """Like ``auto``, but the chosen documents are re-read at the end of the cache."""
+class Reread(Auto):
+    """Like ``auto``, but the chosen documents are re-read at the end of the cache (``auto``
+    with :class:`RereadParams`: the same choice, guard and notes)."""
 
     Params = RereadParams
-    needs_documents = True
-
-    def answer_state(self, ctx: ExampleContext) -> KVState:
-        state, found = focused_state(ctx, self.params)
-        if state is None:
-            return super().answer_state(ctx)
-        ctx.notes["auto_choice"] = found.chosen
-        return state
-
-    def predict(self, ctx: ExampleContext) -> str:
-        answer, found = focused_answer(ctx, self.params)
-        ctx.notes["auto_choice"] = found.chosen
-        return answer
