@@ -260,14 +260,15 @@ def _run_publish(args) -> int:
 
     from .atomic import atomic_write
     from .errors import InvalidInputError
+    from .evals.litm import resolve_prompt
     from .integrations.vllm.contexts import publish_context
-    from .models import default_prompt, load_model
+    from .models import load_model
 
     if args.request and args.question is None and args.focus is None:
         raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
     path = args.context
     context = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    prompt = default_prompt(args.model) if args.prompt == "auto" else args.prompt
+    prompt = resolve_prompt(args.prompt, args.model)
     model, tok = load_model(args.model)
     published = publish_context(
         model,

@@ -19,12 +19,11 @@ the published cache realises the method's edit exactly (an ``emphasize`` strengt
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvedit.errors import InvalidInputError, KVEditError, VLLMUnavailableError
+from kvedit.errors import InvalidInputError, KVEditError
 from kvedit.evals.methods import ExampleContext, Method
 from kvedit.evals.prompts import plain_answer
 from kvedit.evals.schema import Example, score
@@ -73,11 +72,9 @@ def check_engine(engine: str, methods: Sequence[Method], batch: int = VLLM_BATCH
                 f"auto, reread with a cache edit); not {', '.join(cannot)}: run them with "
                 "--engine transformers"
             )
-        if importlib.util.find_spec("vllm") is None:
-            raise VLLMUnavailableError(
-                "--engine vllm needs vLLM: pip install 'kvedit[vllm]' (in a checkout: make "
-                "vllm-setup, then .venv-vllm/bin/kvedit)"
-            )
+        from kvedit.integrations.vllm import require_vllm
+
+        require_vllm("--engine vllm (in a checkout: make vllm-setup, then .venv-vllm/bin/kvedit)")
     return engine
 
 

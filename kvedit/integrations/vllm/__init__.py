@@ -59,12 +59,14 @@ __all__ = [
     "BiasRealization",
     "StockCache",
     "VLLMUnavailableError",
+    "check_load_failure",
     "connector_config",
     "engine",
     "model_folder",
     "on_cpu",
     "publish",
     "publish_stock",
+    "require_vllm",
     "to_stock",
 ]
 
@@ -194,7 +196,7 @@ def engine(
         ) from e
     if "kv_transfer_config" in llm_kwargs:
         raise InvalidInputError("engine sets kv_transfer_config itself (the kvedit connector)")
-    connector_config(root, None, load_failure=load_failure)  # a bad policy: before any load
+    check_load_failure(load_failure)  # before the model is loaded
     folder, fingerprint = model_folder(model)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -220,6 +222,25 @@ def engine(
     return vllm.LLM(**kwargs)
 
 
+def check_load_failure(load_failure: str) -> str:
+    """``load_failure`` if it is one of :data:`LOAD_FAILURE_POLICIES`; else
+    :class:`~kvedit.errors.InvalidInputError`."""
+    if load_failure not in LOAD_FAILURE_POLICIES:
+        raise InvalidInputError(
+            f"load_failure must be one of {LOAD_FAILURE_POLICIES}, not {load_failure!r}"
+        )
+    return load_failure
+
+
+def require_vllm(what: str) -> None:
+    """Raise :class:`~kvedit.errors.VLLMUnavailableError` (naming ``what`` needs it and the
+    extra to install) unless vLLM is installed; imports nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMUnavailableError(f"{what} needs vLLM; install the extra: {VLLM_EXTRA}")
+
+
 def connector_config(
     root: str | os.PathLike, model_fingerprint: str | None, *, load_failure: str = "fail"
 ) -> dict[str, Any]:
@@ -227,10 +248,7 @@ def connector_config(
     ``root`` (vLLM's ``--kv-transfer-config`` JSON): the kvedit connector, as a KV consumer;
     ``load_failure`` (see :func:`engine`); with a fingerprint, files another model made are
     refused."""
-    if load_failure not in LOAD_FAILURE_POLICIES:
-        raise InvalidInputError(
-            f"load_failure must be one of {LOAD_FAILURE_POLICIES}, not {load_failure!r}"
-        )
+    check_load_failure(load_failure)
     extra: dict[str, Any] = {"root": str(Path(root).resolve())}
     if model_fingerprint:
         extra["model_fingerprint"] = model_fingerprint

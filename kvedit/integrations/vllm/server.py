@@ -12,7 +12,6 @@ defaults, so it overrides them; ``--kv-transfer-config`` is kvedit's and is refu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import InvalidInputError, VLLMUnavailableError
+from ...errors import InvalidInputError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -95,14 +94,14 @@ def serve_command(
         InvalidInputError: a refused vLLM argument, a bad port or ``load_failure``, or a
             model without a folder (checked before the model is loaded).
     """
-    from . import CPU_KV_CACHE_BYTES, connector_config, model_folder, on_cpu
+    from . import CPU_KV_CACHE_BYTES, check_load_failure, connector_config, model_folder, on_cpu
 
     vllm_args = [str(a) for a in vllm_args]
     for arg in vllm_args:
         for flag, why in _REFUSED.items():
             if _names(arg, flag):
                 raise InvalidInputError(f"kvedit serve refuses the vLLM argument {arg}: {why}")
-    connector_config(root, None, load_failure=load_failure)  # a bad policy: before any load
+    check_load_failure(load_failure)  # before the model is loaded
     port = int(port)
     if not 0 < port < 65536:
         raise InvalidInputError(f"port must be in 1..65535, not {port}")
@@ -156,10 +155,9 @@ def serve(
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
     """
-    from . import VLLM_EXTRA
+    from . import require_vllm
 
-    if importlib.util.find_spec("vllm") is None:
-        raise VLLMUnavailableError(f"kvedit serve needs vLLM; install the extra: {VLLM_EXTRA}")
+    require_vllm("kvedit serve")
     argv = serve_command(
         model,
         root,
