@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +69,11 @@ class _Job:
     exact: bool
     seconds: float
     path: Path | None = None
+    name: str = field(init=False)
+    """The published file's name (a hash of ``ids``, which publishing keeps), computed once."""
 
-    @property
-    def name(self) -> str:
-        return files.file_name(self.ids)
+    def __post_init__(self) -> None:
+        self.name = files.file_name(self.ids)
 
 
 def check_served(output: Any, file_name: str, published: int) -> int:
@@ -214,8 +215,8 @@ class VLLMAnswerer:
     def _publish(self, job: _Job) -> None:
         from . import publish_stock
 
-        ids, _, path = publish_stock(job.stock, self.root)
-        job.ids, job.path, job.stock = ids, path, None
+        _, _, path = publish_stock(job.stock, self.root)  # its ids are job.ids (the stock's)
+        job.path, job.stock = path, None
 
     def _sampling(self, max_new_tokens: int) -> Any:
         """Greedy sampling that stops exactly where kvedit's decoding stops."""
