@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover
 
 GIB = 2**30
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768]
-QUICK_LENGTHS = [1024, 16384, 32768]
+QUICK_LENGTHS = [1024, 4096, 16384, 32768]
 METHODS = ["kvedit", "sdpa", "sdpa_repeat", "sdpa_mask", "flash_attn", "flex"]
 TARGET_LEN = 16384
 
@@ -425,10 +425,12 @@ def sweep(
     ``lengths``: the prefill and the decode length to sweep at.
     """
     from kvedit.triton import _attention as impl
+    from kvedit.triton import configs as table
 
     Config = impl.KernelConfig
     prefill_configs = [
         None,
+        *dict.fromkeys(c for by_d in table.PREFILL_CONFIGS.values() for c in by_d.values()),
         Config(128, 64, 8, 3),
         Config(128, 128, 8, 3),
         Config(128, 32, 4, 3),
@@ -456,7 +458,44 @@ def sweep(
                     continue
                 print(f"sweep {label}: {ms:.3f} ms")
                 rows.append({"case": label, "ms": ms})
+    rows += decode_threshold_sweep(impl, device, dtype, shape, args)
     return rows
+
+
+def decode_threshold_sweep(impl, device: str, dtype: torch.dtype, shape: dict, args) -> list[dict]:
+    """One-pass decode against split-K at growing lengths, to place
+    ``kvedit.triton.configs.DECODE_SINGLE_PASS_MAX_KEYS`` (the longest length where one pass
+    is at least as fast)."""
+    if device != "cuda":
+        return []
+    rows, best = [], 0
+    for length in (512, 1024, 2048, 4096, 8192, 16384):
+        p = Problem("decode", length, dtype=dtype, device=device, **shape)
+        x = make_inputs(p)
+        programs = p.batch * p.kv_heads
+        splits = impl._default_num_splits(programs, triton_cdiv(length, 64), x.q.device)
+        single = time_ms(_kernel_call(impl, x, None, 1), device, args.warmup_ms, args.rep_ms)
+        split = time_ms(_kernel_call(impl, x, None, splits), device, args.warmup_ms, args.rep_ms)
+        if single <= split and best == (length // 2 if length > 512 else 0):
+            best = length  # one pass has won at every length so far
+        print(
+            f"sweep decode-threshold {length}: one pass {single:.4f} ms, split-K x{splits} "
+            f"{split:.4f} ms"
+        )
+        rows.append(
+            {"case": f"decode-threshold {length}", "single_ms": single, "split_ms": split,
+             "splits": splits}
+        )  # fmt: skip
+    print(
+        f"sweep decode-threshold: one pass wins up to {best or 'none'} keys "
+        f"(DECODE_SINGLE_PASS_MAX_KEYS is {impl.DECODE_SINGLE_PASS_MAX_KEYS})"
+    )
+    rows.append({"case": "decode-threshold suggestion", "max_keys": best})
+    return rows
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _kernel_call(impl, x: Inputs, cfg, splits: int | None) -> Callable[[], torch.Tensor]:

@@ -3,20 +3,27 @@
 #   1. the kernel tests with TRITON_INTERPRET unset (compiled kernels, real fp16/bf16 math);
 #   2. the runtime seam on CUDA (benchmarks/gpu_seam_check.py: unsteered bit-identical, continuation
 #      through the Triton kernel, gpt-oss sinks);
-#   3. the attention benchmark (--quick unless --full is given), with its PASS/MISS targets.
-# Everything lands in "${OUT:-/tmp}": gpu_env.txt, triton_tests.log, triton_tests.xml,
-# seam_check.log, seam_check.json, attention_bench.log and attention_bench.json. Budget: about 5 minutes in all (quick).
+#   3. the attention benchmark (--quick unless --full is given: 1K, 4K, 16K, 32K), with its
+#      PASS/MISS targets; with --sweep also the launch-config sweep and the one-pass/split-K
+#      decode threshold (kvedit/triton/configs.py takes its numbers from there);
+#   4. the end-to-end benchmark (benchmarks/gpu_e2e.py: 8B- and 4B-shaped models, 4K and 16K,
+#      unsteered / steer / captured state + edit).
+# Everything lands in "${OUT:-reports/benchmarks/gpu_<gpu>_<date>}": gpu_env.txt,
+# triton_tests.log/.xml, seam_check.log/.json, attention_bench.log/.json, e2e.log/.json.
+# Budget: under 6 minutes in all (quick; each step has its own timeout; --sweep adds about 1).
 #
 # Usage: benchmarks/gpu_check.sh [--full] [--sweep]      (PYTHON=... to pick the interpreter)
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
-out_dir="${OUT:-/tmp}"
 py="${PYTHON:-python3}"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+    | tr 'A-Z' 'a-z' | sed 's/nvidia//; s/[^a-z0-9]\+/_/g; s/^_//; s/_$//')
+out_dir="${OUT:-reports/benchmarks/gpu_${gpu:-unknown}_$(date -u +%Y-%m-%d)}"
 mkdir -p "$out_dir"
 
 bench_args=(--quick)
-bench_limit=120
+bench_limit=70
 for arg in "$@"; do
     case "$arg" in
         --full) bench_args=(); bench_limit=540 ;;
@@ -38,14 +45,15 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
 } 2>&1 | tee "$out_dir/gpu_env.txt"
 
 start=$SECONDS
-timeout 160 "$py" -m pytest -q -p no:cacheprovider \
-    tests/test_triton_attention.py tests/test_triton_rerotate.py \
+timeout 130 "$py" -m pytest -q -p no:cacheprovider \
+    tests/test_triton_attention.py tests/test_triton_rerotate.py tests/test_triton_decode.py \
+    tests/test_triton_configs.py \
     --junitxml="$out_dir/triton_tests.xml" 2>&1 | tee "$out_dir/triton_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: exit $tests_rc after $((SECONDS - start)) s" | tee -a "$out_dir/triton_tests.log"
 
 start=$SECONDS
-timeout 60 "$py" benchmarks/gpu_seam_check.py --json "$out_dir/seam_check.json" 2>&1 \
+timeout 40 "$py" benchmarks/gpu_seam_check.py --json "$out_dir/seam_check.json" 2>&1 \
     | tee "$out_dir/seam_check.log"
 seam_rc=${PIPESTATUS[0]}
 echo "seam check: exit $seam_rc after $((SECONDS - start)) s" | tee -a "$out_dir/seam_check.log"
@@ -56,4 +64,10 @@ timeout "$bench_limit" "$py" benchmarks/attention.py "${bench_args[@]}" \
 bench_rc=${PIPESTATUS[0]}
 echo "benchmark: exit $bench_rc after $((SECONDS - start)) s" | tee -a "$out_dir/attention_bench.log"
 
-[[ $tests_rc -eq 0 && $seam_rc -eq 0 && $bench_rc -eq 0 ]]
+start=$SECONDS
+timeout 110 "$py" benchmarks/gpu_e2e.py --json "$out_dir/e2e.json" 2>&1 | tee "$out_dir/e2e.log"
+e2e_rc=${PIPESTATUS[0]}
+echo "end to end: exit $e2e_rc after $((SECONDS - start)) s" | tee -a "$out_dir/e2e.log"
+
+echo "gpu_check: tests $tests_rc, seam $seam_rc, kernel bench $bench_rc, e2e $e2e_rc; results in $out_dir"
+[[ $tests_rc -eq 0 && $seam_rc -eq 0 && $bench_rc -eq 0 && $e2e_rc -eq 0 ]]

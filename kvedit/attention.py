@@ -13,6 +13,7 @@ Shapes used throughout: queries ``[batch, heads, q_len, head_dim]``; keys and va
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -84,19 +85,20 @@ def attend(
             )
         if Sq == 1:  # exactly stock sdpa's decode call
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    use_triton = _use_triton(q)
     if (
         Sq == 1
         and plain
         and unbiased_queries == 0
         and (window is None or Sk <= window)
-        and not _use_triton(q)
+        and not use_triton
     ):  # biased decode: pack the query group into the query axis, the bias is the whole mask
         G = H // Hkv
         kb = _bias_to_groups(bias.to(q.dtype), Hkv, G)[:, :, :, 0]  # [B, Hkv|1, G|1, Sk]
         kb = kb.clamp_min(torch.finfo(q.dtype).min)
         out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v, attn_mask=kb, scale=scale)
         return out.view(B, H, 1, -1)
-    if _use_triton(q) and softcap is None and custom_mask is None:
+    if use_triton and softcap is None and custom_mask is None:
         return _attend_triton(q, k, v, scale, bias, unbiased_queries, padding, window, sinks)
     return _attend_torch(
         q, k, v, scale, bias, unbiased_queries, padding, window, softcap, custom_mask, sinks
@@ -162,6 +164,13 @@ def _use_triton(q: torch.Tensor) -> bool:
         return choice == "triton"
     if not q.is_cuda:
         return False
+    return _triton_on_cuda()
+
+
+@functools.cache
+def _triton_on_cuda() -> bool:
+    """Whether the Triton kernels run on this machine's GPU (asked once per process, not per
+    decode step)."""
     from . import triton as kt
 
     return kt.is_available()
@@ -177,6 +186,9 @@ def _fold_padding(bias: torch.Tensor | None, padding: torch.Tensor | None, neg: 
 
 
 def _attend_triton(q, k, v, scale, bias, unbiased, padding, window, sinks=None) -> torch.Tensor:
+    """kvedit.triton.attention on the biased and unbiased queries. A decode step without
+    padding (one query, biased or not) is one kernel call and no other device work: the bias
+    goes in as an ``expand``-ed view, the sinks as they are (the kernel converts them)."""
     from . import triton as kt
 
     B, H, Sq, D = q.shape

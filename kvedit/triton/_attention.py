@@ -13,7 +13,11 @@ sees key ``j`` iff ``j <= pos`` and ``pos - j < window`` (the wrapper encodes "n
 blocks that some row must mask (window edge, causal diagonal, ragged end) and blocks every
 row sees whole; only the former pay for the mask.
 
-Split-K. When ``tiles x batch x kv heads`` is too small to fill the GPU (decode), the key
+Decode. With ``Sq * G <= 64`` rows a tile holds every query row of a KV head, so one program
+per (batch row, KV head) covers the cache in one launch and writes the final output; this is
+the path up to :data:`~kvedit.triton.configs.DECODE_SINGLE_PASS_MAX_KEYS` visible keys.
+
+Split-K. Beyond that, when ``tiles x batch x kv heads`` is too small to fill the GPU, the key
 range of every tile is divided among ``num_splits`` programs, which write normalised partial
 outputs with their softmax statistics (running max ``m`` and denominator ``l``);
 :func:`_combine_kernel` merges them. The statistics are kept apart rather than folded into a
@@ -23,14 +27,16 @@ log-sum-exp: with a huge finite bias such as ``-1e30``, ``m + log2(l)`` would ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from kvedit.triton import configs as _configs
 from kvedit.triton._common import KernelInputError, check_attention_inputs
+from kvedit.triton.configs import DECODE_SINGLE_PASS_MAX_KEYS, KernelConfig
+from kvedit.triton.counting import record
 from kvedit.triton.reference import check_sinks
 
 LOG2E = 1.4426950408889634
@@ -168,6 +174,7 @@ def _attn_fwd_kernel(
     stride_tsplit,
     stride_ts,
     stride_tc,
+    stride_sink,
     Hkv,
     G,
     Sq,
@@ -178,6 +185,7 @@ def _attn_fwd_kernel(
     qk_scale,
     BIAS_MODE: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    WRITE_STATS: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -189,7 +197,8 @@ def _attn_fwd_kernel(
     Writes ``Out[b, h, split, i, :]`` (normalised by this split's denominator) and
     ``Stats[b, h, split, i, :] = (m, l)``: the max logit in log2 units (``-inf`` if the split
     saw no key) and the softmax denominator relative to it. Without split-K, ``Out`` is the
-    final output and ``stride_osplit`` is 0.
+    final output, ``stride_osplit`` is 0 and ``WRITE_STATS`` is False (no ``Stats``).
+    ``Sinks`` are in nats (converted to log2 units here, so the host does no work per call).
     """
     # Largest causal tiles first: they have the most key blocks.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -250,7 +259,8 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:  # split 0 starts from the sink: a logit (log2 units) holding weight 1
-        sink = tl.load(Sinks + h_row, mask=row_ok, other=0.0).to(tl.float32)
+        sink = tl.load(Sinks + h_row * stride_sink, mask=row_ok, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634
         first = split == 0
         m_i = tl.where(first, sink, m_i)
         l_i = tl.where(first, 1.0, l_i)
@@ -291,9 +301,12 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-    t_ptrs = Stats + b * stride_tb + h_row * stride_th + split * stride_tsplit + i_row * stride_ts
-    tl.store(t_ptrs, m_i, mask=row_ok)
-    tl.store(t_ptrs + stride_tc, l_i, mask=row_ok)
+    if WRITE_STATS:
+        t_ptrs = (
+            Stats + b * stride_tb + h_row * stride_th + split * stride_tsplit + i_row * stride_ts
+        )
+        tl.store(t_ptrs, m_i, mask=row_ok)
+        tl.store(t_ptrs + stride_tc, l_i, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n_splits", "D"])
@@ -360,14 +373,9 @@ def _combine_kernel(
     )
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of :func:`_attn_fwd_kernel` (rows per tile, keys per tile, ...)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
+# Read once at import (the kernels' type says whether Triton interprets them).
+_KERNEL_TYPE = type(_attn_fwd_kernel).__name__
+_TL_TYPE = type(tl.zeros).__name__
 
 
 def kernels_interpreted() -> bool:
@@ -377,8 +385,8 @@ def kernels_interpreted() -> bool:
         RuntimeError: the kernels are interpreted but ``triton.language`` was imported before
             ``TRITON_INTERPRET=1`` was set, a mix the interpreter cannot run.
     """
-    interpreted = type(_attn_fwd_kernel).__name__ == "InterpretedFunction"
-    if interpreted and type(tl.zeros).__name__ != "InterpretedFunction":
+    interpreted = _KERNEL_TYPE == "InterpretedFunction"
+    if interpreted and _TL_TYPE != "InterpretedFunction":
         raise RuntimeError(
             "TRITON_INTERPRET=1 was set after triton.language had been imported (importing "
             "kvedit or transformers imports it); set it before importing them"
@@ -390,40 +398,36 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
-def _candidate_configs(rows: int, block_d: int, dtype: torch.dtype) -> list[KernelConfig]:
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device`` (cached), None off CUDA or interpreted."""
+    if device.type != "cuda" or kernels_interpreted():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITY[index]
+
+
+def _candidate_configs(
+    rows: int, block_d: int, dtype: torch.dtype, device: torch.device | None = None
+) -> list[KernelConfig]:
     """Launch configs to try in order; later ones need less shared memory and registers.
 
-    ``rows`` is ``Sq * G`` (query rows per kv head). With 64 rows or fewer (decode, short
-    chunks) the tile is just tall enough for them and split-K provides the parallelism.
+    ``rows`` is ``Sq * G`` (query rows per kv head). The first comes from
+    :mod:`kvedit.triton.configs` (the table for this GPU and head dim, else the default); with
+    64 rows or fewer (decode, short chunks) the tile is just tall enough for them.
     """
     if kernels_interpreted():  # a fixed small config; speed here is the interpreter's
         return [KernelConfig(block_m=min(32, _pow2_at_least(rows)), block_n=32)]
-    fp32 = dtype == torch.float32
-    if rows <= 64:
-        first = KernelConfig(
-            _pow2_at_least(rows), 64 if block_d <= 128 else 32, 4, 2 if fp32 else 3
-        )
-    elif block_d <= 64:
-        first = KernelConfig(128, 64, 4, 2 if fp32 else 3)
-    elif block_d <= 128:
-        first = KernelConfig(64, 32, 4, 2) if fp32 else KernelConfig(128, 64, 8, 3)
-    else:
-        first = KernelConfig(32, 32, 4, 1) if fp32 else KernelConfig(64, 64, 8, 2)
-    configs = [first]
-    c = first
-    while c.num_stages > 1 or c.block_n > 16 or c.block_m > 16:
-        if c.num_stages > 1:
-            c = KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages - 1)
-        elif c.block_n > 16:
-            c = KernelConfig(c.block_m, c.block_n // 2, c.num_warps, 2)
-        else:
-            c = KernelConfig(c.block_m // 2, c.block_n, max(4, c.num_warps // 2), 2)
-        configs.append(c)
-    return configs
+    capability = None if device is None else _capability(device)
+    return _configs.fallbacks(_configs.pick_config(rows, block_d, dtype, capability))
 
 
 _SM_COUNT: dict[int, int] = {}
-# (rows bucket, block_d, dtype, device index) -> index of the first config that compiled.
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+# (rows bucket, block_d, dtype, device) -> the candidate configs, and the index of the first one
+# that compiled (the config is chosen once per bucket, never per call).
+_CANDIDATES: dict[tuple, list[KernelConfig]] = {}
 _WORKING_CONFIG: dict[tuple, int] = {}
 
 
@@ -434,12 +438,19 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _default_num_splits(programs: int, key_blocks: int, device: torch.device) -> int:
+def _default_num_splits(
+    programs: int, key_blocks: int, device: torch.device, visible_keys: int | None = None
+) -> int:
     """Split the key range when the grid alone would leave most of the GPU idle (decode).
 
-    Aims at about two programs per multiprocessor with at least 4 key blocks per split.
+    Never below :data:`~kvedit.triton.configs.DECODE_SINGLE_PASS_MAX_KEYS` visible keys (one
+    launch, no combine). Otherwise aims at about two programs per multiprocessor with at least
+    4 key blocks per split. Depends on shapes only (never on values): no host sync, and a
+    captured CUDA graph stays valid for the shapes it was captured with.
     """
     if device.type != "cuda" or kernels_interpreted():
+        return 1
+    if visible_keys is not None and visible_keys <= DECODE_SINGLE_PASS_MAX_KEYS:
         return 1
     sms = _sm_count(device)
     if programs >= sms:
@@ -463,9 +474,14 @@ def attention(
     """Attention forward with grouped KV heads and an additive per-key bias (Triton).
 
     Same contract as :func:`kvedit.triton.reference.attention_reference`; ``num_splits``
-    (split-K factor, default chosen from the GPU's size) and ``config`` (launch config,
-    default chosen per shape, falling back to smaller ones if a config does not fit the GPU)
+    (split-K factor, default: 1 up to ``DECODE_SINGLE_PASS_MAX_KEYS`` visible keys, else chosen
+    from the GPU's size) and ``config`` (launch config, default from
+    :mod:`kvedit.triton.configs`, falling back to smaller ones if a config does not fit the GPU)
     are for tests and benchmarks.
+
+    Per call on CUDA: one kernel launch (two with split-K), one output allocation (plus the
+    split-K workspace), no host-device synchronisation, and launch decisions that depend only on
+    shapes, so the call can be captured in a CUDA graph.
 
     Returns:
         ``[B, H, Sq, D]`` in ``q.dtype``. Forward only: no autograd graph is recorded.
@@ -488,14 +504,16 @@ def attention(
         return torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if Sk == 0:
         return torch.zeros(q.shape, dtype=out_dtype, device=q.device)
-    # Sinks in log2 units, like the kernel's logits; a dummy pointer without them.
-    sinks_arg = q if sinks is None else (sinks.float() * LOG2E).contiguous()
+    # Sinks stay in nats (the kernel converts them); a dummy pointer without them.
+    sinks_arg, sink_stride = (q, 0) if sinks is None else (sinks, sinks.stride(0))
 
     if interpreted and q.dtype != torch.float32:
         # The interpreter mishandles bf16 in tl.dot (triton#11584); run it in fp32 there.
         q, k, v = q.float(), k.float(), v.float()
         if bias is not None:
             bias = bias.float()
+        if sinks is not None:
+            sinks_arg = sinks.float()
 
     # Query i sits at absolute position Sk - Sq + i; without causal, "after" every key.
     diag_offset = Sk - Sq if causal else Sk
@@ -509,9 +527,16 @@ def attention(
 
     rows = Sq * G
     block_d = _pow2_at_least(D)
-    configs = [config] if config is not None else _candidate_configs(rows, block_d, q.dtype)
-    cache_key = (min(rows, 65), block_d, q.dtype, q.device)
-    first = _WORKING_CONFIG.get(cache_key, 0) if config is None else 0
+    cache_key = (_pow2_at_least(rows) if rows <= 64 else 65, block_d, q.dtype, q.device)
+    if config is not None:
+        configs, first = [config], 0
+    else:
+        configs = _CANDIDATES.get(cache_key)
+        if configs is None:
+            configs = _CANDIDATES[cache_key] = _candidate_configs(rows, block_d, q.dtype, q.device)
+        first = _WORKING_CONFIG.get(cache_key, 0)
+    # Keys some query sees: the whole cache, or the window (plus the queries' own span).
+    visible_keys = min(Sk, window_arg + Sq - 1)
 
     out = torch.empty((B, H, Sq, D), dtype=out_dtype, device=q.device)
     last_error: Exception | None = None
@@ -519,22 +544,30 @@ def attention(
         cfg = configs[index]
         row_tiles = triton.cdiv(rows, cfg.block_m)
         key_blocks = triton.cdiv(min(Sk, window_arg + cfg.block_m), cfg.block_n)
-        splits = num_splits or _default_num_splits(row_tiles * B * Hkv, key_blocks, q.device)
+        splits = num_splits or _default_num_splits(
+            row_tiles * B * Hkv, key_blocks, q.device, visible_keys
+        )
         if splits == 1:
             part = out if out.dtype == q.dtype else torch.empty_like(q)
             part_strides = (part.stride(0), part.stride(1), 0, part.stride(2), part.stride(3))
-        else:
-            part = torch.empty((B, H, splits, Sq, D), dtype=torch.float32, device=q.device)
-            part_strides = part.stride()
-        stats = torch.empty((B, H, splits, Sq, 2), dtype=torch.float32, device=q.device)
+            stats, stats_strides = part, (0, 0, 0, 0, 0)  # not written
+        else:  # one workspace: fp32 partial outputs, then their (m, l) statistics
+            n_part = B * H * splits * Sq * D
+            work = torch.empty(
+                n_part + B * H * splits * Sq * 2, dtype=torch.float32, device=q.device
+            )
+            part = work[:n_part].view(B, H, splits, Sq, D)
+            stats = work[n_part:].view(B, H, splits, Sq, 2)
+            part_strides, stats_strides = part.stride(), stats.stride()
         try:
             _attn_fwd_kernel[(row_tiles, B * Hkv, splits)](
                 q, k, v, bias_arg, sinks_arg, part, stats,
                 *q.stride(), *k.stride(), *v.stride(), *bias_strides,
-                *part_strides, *stats.stride(),
+                *part_strides, *stats_strides, sink_stride,
                 Hkv, G, Sq, Sk, diag_offset, window_arg, D, scale * LOG2E,
                 BIAS_MODE=bias_mode,
                 HAS_SINKS=sinks is not None,
+                WRITE_STATS=splits > 1,
                 EVEN_D=block_d == D,
                 IEEE=q.dtype == torch.float32,
                 BLOCK_M=cfg.block_m,
@@ -546,9 +579,11 @@ def attention(
         except OutOfResources as error:  # config too big for this GPU: try the next one
             last_error = error
             continue
-        if config is None:
+        record("attention")
+        if config is None and index != first:
             _WORKING_CONFIG[cache_key] = index
         if splits > 1:
+            record("attention_combine")
             _combine_kernel[(Sq, B * H)](
                 part, stats, out,
                 *part.stride(), *stats.stride(), *out.stride(),

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvedit.triton._attention import kernels_interpreted
 from kvedit.triton._common import KernelInputError, check_rerotate_inputs
+from kvedit.triton.counting import record
 
 
 @triton.jit(do_not_specialize=["S", "HALF"])
@@ -116,6 +117,7 @@ def rerotate(
     half = D // 2
     block_half = triton.next_power_of_2(half)
     block_s = max(1, min(64, 2048 // block_half))  # ~16 fp32 values a thread per tile
+    record("rerotate")
     _rerotate_kernel[(triton.cdiv(S, block_s), B)](
         src, dst, delta, inv_freq,
         *src.stride(), *dst.stride(), delta.stride(0), inv_freq.stride(0),
