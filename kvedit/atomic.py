@@ -37,6 +37,7 @@ __all__ = [
     "atomic_write",
     "check_path",
     "is_temp_name",
+    "remove_temp",
     "temp_name",
 ]
 
@@ -103,7 +104,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def remove_temp(path: Path) -> None:
     """Remove a temporary file or directory, whatever is there; never raises."""
     with contextlib.suppress(OSError):
         if path.is_dir() and not path.is_symlink():
@@ -169,14 +170,14 @@ def atomic_write(path: str | os.PathLike, data: Data | Iterable[bytes] | Writer)
             _write_bytes(tmp, data)
             os.replace(tmp, path)
     except OSError as e:
-        _remove(tmp)
+        remove_temp(tmp)
         if isinstance(e, StorageError):
             raise
         raise _storage_error(path, e) from e
     except BaseException:
-        _remove(tmp)
+        remove_temp(tmp)
         raise
-    _remove(tmp)  # the (now empty, or holding a callback's leftovers) temporary directory
+    remove_temp(tmp)  # the (now empty, or holding a callback's leftovers) temporary directory
     _fsync_dir(parent)
     return path
 
@@ -205,11 +206,11 @@ def atomic_directory(path: str | os.PathLike, fill: Callable[[Path], object]) ->
             if not path.is_dir():
                 raise
     except OSError as e:
-        _remove(tmp)
+        remove_temp(tmp)
         raise _storage_error(path, e) from e
     except BaseException:
-        _remove(tmp)
+        remove_temp(tmp)
         raise
-    _remove(tmp)
+    remove_temp(tmp)
     _fsync_dir(parent)
     return path

@@ -50,16 +50,35 @@ global layer's cache by the span's length, so an unbounded count (``10**6``) wou
 memory; a larger bias is one :func:`kvedit.ops.emphasize` call, at no memory cost.
 """
 
+MAX_POSITIONS: int | None = None
+"""An override of every model's maximum positions for the context-length check
+(:func:`context_fits`), for a model whose configuration understates its context (RoPE scaling
+configured elsewhere, a config written for a shorter training run). None (the default): each
+model's ``max_position_embeddings`` (of its text config). A ``max_positions=`` keyword of
+:func:`kvedit.capture` / :func:`kvedit.capture_tokens` takes precedence over it; the CLI sets it
+from ``--max-positions``."""
+
+MAX_CHARS_PER_TOKEN = 1024
+"""A generous upper bound on the characters one token covers, for the cheap early refusal of
+:func:`context_fits`: a text of more than ``limit * MAX_CHARS_PER_TOKEN`` characters cannot
+tokenize to ``limit`` tokens or fewer, so it is refused before any tokenizer work. (Tokens of
+the vocabularies kvedit runs cover a few dozen characters at most; texts under the bound are
+tokenized and their tokens counted.)"""
+
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 __all__ = [
+    "MAX_CHARS_PER_TOKEN",
     "MAX_DUPLICATE_COPIES",
+    "MAX_POSITIONS",
     "MAX_SCALE_FACTOR",
     "MAX_STRENGTH",
+    "context_fits",
     "count",
     "layers",
     "path",
+    "positions_limit",
     "save_dtype",
     "state_fits_model",
     "strength",
@@ -384,3 +403,79 @@ def state_fits_model(
     if problems:
         name = getattr(model, "name_or_path", None) or type(model).__name__
         raise error(f"the cache does not fit the model {name!r}: " + "; ".join(problems[:5]))
+
+
+# ------------------------------------------------------------------------ context length
+
+
+def positions_limit(model, max_positions: int | None = None) -> int | None:
+    """The most positions ``model`` attends to: ``max_positions`` when given, else
+    :data:`MAX_POSITIONS` when set, else ``max_position_embeddings`` of the model's text config;
+    None when none of them is known (then nothing is checked)."""
+    if max_positions is None:
+        max_positions = MAX_POSITIONS
+    if max_positions is not None:
+        return count("max_positions", max_positions, minimum=1)
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    get_text = getattr(config, "get_text_config", None)
+    cfg = get_text() if callable(get_text) else config
+    value = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        return None
+    return int(value)
+
+
+def context_fits(
+    model,
+    *,
+    n_tokens: int | None = None,
+    n_chars: int | None = None,
+    reserve: int = 0,
+    max_positions: int | None = None,
+    what: str = "context",
+) -> None:
+    """Refuse a context ``model`` cannot attend to: more tokens than its maximum positions
+    (:func:`positions_limit`) minus ``reserve``, the room of what follows the context (a
+    question's tokens plus ``max_new_tokens``).
+
+    Give ``n_tokens`` (the context's token count) or ``n_chars`` (its length in characters,
+    before tokenizing). ``n_chars`` refuses only a text that certainly cannot fit: more than
+    ``room * MAX_CHARS_PER_TOKEN`` characters (:data:`MAX_CHARS_PER_TOKEN`); a shorter text must
+    be tokenized and checked again with ``n_tokens``. A model whose config states no maximum is
+    not checked (unless ``max_positions`` or :data:`MAX_POSITIONS` gives one).
+
+    Raises:
+        InvalidInputError: the context does not fit. The message names both numbers and the
+            override (``max_positions=``, ``kvedit.checks.MAX_POSITIONS``, ``--max-positions``).
+    """
+    limit = positions_limit(model, max_positions)
+    if limit is None:
+        return
+    reserve = count("reserve", reserve)
+    room = limit - reserve
+    if reserve:
+        budget = (
+            f"the model attends to {limit} positions, {reserve} of them kept for what follows "
+            f"(the question and the answer), leaving {max(room, 0)}"
+        )
+    else:
+        budget = f"the model attends to at most {limit} positions"
+    hint = (
+        " (a model whose config understates its context: pass max_positions=, set "
+        "kvedit.checks.MAX_POSITIONS, or give the CLI --max-positions)"
+    )
+    if room <= 0:
+        raise InvalidInputError(f"no room for a {what}: {budget}{hint}")
+    if n_tokens is not None:
+        n_tokens = count("n_tokens", n_tokens)
+        if n_tokens > room:
+            raise InvalidInputError(
+                f"the {what} is {n_tokens} tokens long and does not fit: {budget}{hint}"
+            )
+    if n_chars is not None and n_chars > room * MAX_CHARS_PER_TOKEN:
+        raise InvalidInputError(
+            f"the {what} is {n_chars} characters long, more than {room} tokens can hold "
+            f"(at most {MAX_CHARS_PER_TOKEN} characters a token): {budget}{hint}"
+        )

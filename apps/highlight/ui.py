@@ -134,9 +134,12 @@ def build_app(
                     label="Question", placeholder="What is ...?", lines=1, elem_id="question"
                 )
                 with gr.Row():
+                    # precision=None: Gradio's precision=0 would round 2.5 to 2 before
+                    # parse_focus sees it; parse_focus refuses what is not a whole number.
                     top_k = gr.Number(
                         value=1,
-                        precision=0,
+                        precision=None,
+                        step=1,
                         label="Passages to pick",
                         min_width=100,
                         elem_id="top-k",

@@ -18,12 +18,35 @@ __all__ = ["load_jsonl", "read_text", "write_jsonl"]
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """The UTF-8 text of ``path``, gunzipped when its name ends in ``.gz``."""
+    """The UTF-8 text of ``path``, gunzipped when its name ends in ``.gz``.
+
+    Raises:
+        InvalidExampleError: (a ``ValueError``) naming the file: it is missing, a directory,
+            unreadable, not gzip data (for ``.gz``), or not UTF-8 text (with the line).
+    """
     path = Path(path)
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return f.read()
-    return path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            data = path.read_bytes()
+    except FileNotFoundError:
+        raise InvalidExampleError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidExampleError(f"{path}: is a directory, not a file") from None
+    except (gzip.BadGzipFile, EOFError) as error:
+        raise InvalidExampleError(f"{path}: not a complete gzip file: {error}") from None
+    except OSError as error:
+        raise InvalidExampleError(f"{path}: cannot read it: {error.strerror or error}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise InvalidExampleError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}); a JSON-lines file "
+            "is UTF-8 text"
+        ) from None
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Example]:
@@ -54,6 +77,8 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Example]:
             data = json.loads(line)
         except json.JSONDecodeError as error:
             raise InvalidExampleError(f"{path}:{number}: bad JSON: {error}") from None
+        except RecursionError:
+            raise InvalidExampleError(f"{path}:{number}: JSON nested too deeply") from None
         try:
             example = Example.from_dict(data)
         except InvalidExampleError as error:
@@ -65,7 +90,7 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Example]:
         seen[example.id] = number
         examples.append(example)
     if not examples:
-        raise InvalidExampleError(f"{path}: no examples")
+        raise InvalidExampleError(f"{path}: no examples (the file is empty or only blank lines)")
     return examples
 
 

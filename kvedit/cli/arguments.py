@@ -1,0 +1,116 @@
+"""Argument types and input-file reading shared by the ``kvedit`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .status import UsageError
+
+
+def positive(name: str):
+    """An argparse type: an int >= 1 (``name`` is the option, for the message)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, not {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, not {value}")
+    return value
+
+
+def positions(text: str) -> list[int]:
+    """``--positions``: comma-separated whole numbers >= 0, e.g. ``0,5,10``."""
+    items = [item.strip() for item in text.split(",")]
+    out = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated whole numbers such as 0,5,10, not {text!r} "
+                f"({item!r} is not a number)"
+            ) from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"positions count from 0, not {value}")
+        out.append(value)
+    return out
+
+
+def nonempty(what: str):
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("must not be empty")
+        return text
+
+    parse.__name__ = what
+    return parse
+
+
+def read_input(path: str, option: str) -> str:
+    """The UTF-8 text of the input file ``path`` (``-``: stdin), or a :class:`UsageError` naming
+    the file (and the line, for text that is not UTF-8); an empty file is refused too."""
+    name = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else None
+            text = sys.stdin.read() if data is None else None
+        else:
+            data, text = Path(path).read_bytes(), None
+    except FileNotFoundError:
+        raise UsageError(f"{option} {name}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{option} {name}: is a directory, not a file") from None
+    except PermissionError:
+        raise UsageError(f"{option} {name}: permission denied") from None
+    except OSError as e:
+        raise UsageError(f"{option} {name}: cannot read it: {e.strerror or e}") from None
+    if text is None:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise UsageError(
+                f"{option} {name}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                f"{e.start}); give a text file"
+            ) from None
+    if "\x00" in text:
+        line = text[: text.index("\x00")].count("\n") + 1
+        raise UsageError(f"{option} {name}:{line}: a NUL byte: this is a binary file, not text")
+    if not text.strip():
+        raise UsageError(f"{option} {name}: the file is empty")
+    return text
+
+
+def max_positions_arg(p) -> None:
+    p.add_argument(
+        "--max-positions",
+        type=positive("--max-positions"),
+        default=None,
+        metavar="N",
+        help="the most positions the model attends to, for a model whose config understates "
+        "it (default: its max_position_embeddings); longer contexts are refused",
+    )
+
+
+def set_max_positions(args) -> None:
+    from .. import checks
+
+    if getattr(args, "max_positions", None) is not None:
+        checks.MAX_POSITIONS = args.max_positions

@@ -1,0 +1,150 @@
+"""``kvedit eval litm`` and ``kvedit demo``: the lost-in-the-middle suite from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .arguments import max_positions_arg, positions, positive, set_max_positions
+from .status import UsageError
+
+_LITM_EPILOG = """\
+prompt formats (--prompt):
+  chat   the tokenizer's chat template: one user turn (instruction, documents, question)
+         and the generation prompt; an error if the tokenizer has no chat template
+  plain  the raw user message followed by "\\nAnswer:", so the prompt ends
+         "Question: ...\\nAnswer:" (for base models)
+  auto   (default) the model's own format, stated in its registry entry
+         (kvedit/models.py, ModelSpec.prompt): chat for smollm2-135m-instruct, plain for
+         the base gemma3-270m; chat for the tiny test models and for any local folder or
+         .gguf file. It never depends on whether the weights happen to carry a template.
+The format used is recorded in results.json (extra.prompt); --reuse refuses a run made with
+another format (files without it were made with chat).
+"""
+
+
+def litm_parser(sub) -> None:
+    from ..evals.engines import ENGINES, VLLM_BATCH
+
+    p = sub.add_parser(
+        "litm",
+        help="lost-in-the-middle accuracy by gold position",
+        epilog=_LITM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", default="records", choices=["records", "nq"])
+    p.add_argument("--data", default=None, help="custom JSONL examples (replaces --task)")
+    p.add_argument("--methods", default="none,auto,oracle", help="comma-separated method specs")
+    p.add_argument("--n-docs", type=positive("--n-docs"), default=None, help="documents per prompt")
+    p.add_argument("--positions", type=positions, default=None, help="gold positions, e.g. 0,5,10")
+    p.add_argument(
+        "--trials", type=positive("--trials"), default=None, help="examples per position"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument(
+        "--prompt",
+        default="auto",
+        choices=["auto", "chat", "plain"],
+        help="prompt format: chat template or plain text with an answer cue; auto: the "
+        "model's registered format (see below)",
+    )
+    p.add_argument("--out", default="runs/litm")
+    p.add_argument(
+        "--limit", type=positive("--limit"), default=None, help="cap on the number of examples"
+    )
+    p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=32)
+    max_positions_arg(p)
+    p.add_argument(
+        "--engine",
+        default="transformers",
+        choices=list(ENGINES),
+        help="what decodes the answers: kvedit on the Hugging Face model, or vLLM serving "
+        "each method's published cache (methods none, oracle, auto, reread; needs "
+        "kvedit[vllm])",
+    )
+    p.add_argument(
+        "--batch",
+        type=positive("--batch"),
+        default=VLLM_BATCH,
+        help=f"--engine vllm: examples whose prompts vLLM answers in one batch (default "
+        f"{VLLM_BATCH}; ignored by --engine transformers)",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"
+    )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="take (example, method) results from an earlier run's results.json (same model, "
+        "task, seed and prompt format) instead of recomputing them: to add methods to a "
+        "finished run",
+    )
+    p.set_defaults(run=_run_litm)
+
+
+def _check_litm(args) -> None:
+    """Refuse, before any model is loaded, a run whose input is bad or that has no examples."""
+    from ..evals.jsonl import load_jsonl
+    from ..evals.litm import build_examples
+
+    if args.data is not None:
+        load_jsonl(args.data)  # names the file and the line of any problem
+    reuse = getattr(args, "reuse", None)
+    if reuse is not None and not Path(reuse).is_file():
+        raise UsageError(f"--reuse {reuse}: no such file")
+    examples = build_examples(
+        task=args.task,
+        data=args.data,
+        n_docs=args.n_docs,
+        positions=args.positions,
+        trials=args.trials,
+        seed=args.seed,
+        limit=args.limit,
+    )
+    if not examples:
+        raise UsageError("this run has no examples (check --trials, --limit, --positions)")
+
+
+def _litm_args(args) -> argparse.Namespace:
+    """``args`` as :func:`kvedit.evals.litm.main` reads them (``--positions`` as text)."""
+    ns = argparse.Namespace(**vars(args))
+    if args.positions is not None:
+        ns.positions = ",".join(str(p) for p in args.positions)
+    return ns
+
+
+def _run_litm(args) -> int:
+    from ..evals.litm import main
+
+    set_max_positions(args)
+    _check_litm(args)
+    return main(_litm_args(args))
+
+
+def run_demo(args) -> int:
+    from ..evals.litm import main
+
+    ns = argparse.Namespace(
+        task="records",
+        data=None,
+        methods="none,auto,oracle",
+        n_docs=20,
+        positions="0,5,10,15,19",
+        trials=args.trials,
+        seed=args.seed,
+        model=args.model,
+        out=args.out,
+        limit=None,
+        max_new_tokens=32,
+        no_progress=False,
+        prompt="auto",
+    )
+    _check_litm(argparse.Namespace(**{**vars(ns), "positions": [0, 5, 10, 15, 19]}))
+    print(
+        f"kvedit demo: lost in the middle on {args.model}: 20 records, the gold record at "
+        f"positions 0/5/10/15/19, {args.trials} trials each; methods none, auto, oracle."
+    )
+    return main(ns)

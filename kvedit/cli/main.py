@@ -1,0 +1,140 @@
+"""The ``kvedit`` parser, :func:`run` (raises) and :func:`main` (one error line, an exit status)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from ..errors import (
+    KVEditError,
+)
+from ..version import __version__
+from .app import run_app
+from .arguments import port, positive
+from .litm import litm_parser, run_demo
+from .serving import publish_parser, serve_parser
+from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvedit",
+        description="kvedit: edit a language model's KV cache to change what it attends to.",
+        epilog=EXIT_STATUS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvedit {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=False,
+        help="on an error, also print the traceback (or set KVEDIT_DEBUG=1)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="a short lost-in-the-middle run on the bundled model")
+    demo.add_argument("--model", default="smollm2-135m-instruct")
+    demo.add_argument("--trials", type=positive("--trials"), default=3)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="runs/demo")
+    demo.set_defaults(run=run_demo)
+    ev = sub.add_parser("eval", help="evaluations")
+    ev_sub = ev.add_subparsers(dest="suite", required=True)
+    litm_parser(ev_sub)
+    from ..evals.project import add_parser as _project_parser
+
+    _project_parser(ev_sub)
+    app = sub.add_parser("app", help="the highlight app (Gradio) on http://HOST:PORT")
+    app.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    app.add_argument("--port", type=port, default=7860)
+    app.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default: this machine only)"
+    )
+    app.set_defaults(run=run_app)
+    publish_parser(sub)
+    serve_parser(sub)
+    _label(parser)
+    return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.values()
+
+
+def _label(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand its name (for the error line) and a ``--debug`` of its own."""
+    for child in _subparsers(parser):
+        child.set_defaults(prog_name=child.prog)
+        if not any("--debug" in a.option_strings for a in child._actions):
+            child.add_argument(
+                "--debug",
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help="on an error, also print the traceback (or set KVEDIT_DEBUG=1)",
+            )
+        _label(child)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The command line without error handling: parses ``argv`` and runs the command; errors
+    propagate (argparse's own as ``SystemExit``)."""
+    return _execute(build_parser().parse_args(argv))
+
+
+def _execute(args) -> int:
+    """Run the parsed command; settings it changed (``--max-positions``) are restored after."""
+    from .. import checks
+
+    saved = checks.MAX_POSITIONS
+    try:
+        return int(args.run(args) or 0)
+    finally:
+        checks.MAX_POSITIONS = saved
+
+
+def _command_name(argv: list[str]) -> str:
+    """``kvedit <command>`` for an error that happened before the arguments were parsed."""
+    words = ["kvedit"]
+    for word in argv:
+        if word.startswith("-"):
+            continue
+        words.append(word)
+        if word != "eval" or len(words) > 2:
+            break
+    return " ".join(words)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``kvedit`` command line; returns the exit status (never raises, except that
+    ``--help`` and ``--version`` return 0 after printing).
+
+    Errors print ``kvedit <command>: error: <message>`` on stderr: status 2 for bad arguments
+    and input, 1 for other failures (:func:`exit_status`); with ``--debug`` or
+    ``KVEDIT_DEBUG=1`` the traceback is printed first.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("KVEDIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    name = _command_name(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed its message (status 2) or --help / --version
+        return e.code if isinstance(e.code, int) else (EXIT_USAGE if e.code else EXIT_OK)
+    debug = debug or bool(getattr(args, "debug", False))
+    name = getattr(args, "prog_name", name)
+    try:
+        return _execute(args)
+    except SystemExit as e:  # a command asked to exit
+        if e.code is None or isinstance(e.code, int):
+            return e.code or EXIT_OK
+        error: BaseException = KVEditError(str(e.code))
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001  the CLI's one error handler
+        error = e
+        if debug:
+            traceback.print_exc()
+    print(f"{name}: error: {message(error)}", file=sys.stderr)
+    if not debug and exit_status(error) == EXIT_FAILURE and not isinstance(error, KVEditError):
+        print(f"{name}: (an unexpected error: --debug shows the traceback)", file=sys.stderr)
+    return exit_status(error)

@@ -1,0 +1,188 @@
+"""``kvedit serve`` and ``kvedit publish``: vLLM serving kvedit caches."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from .arguments import max_positions_arg, nonempty, port, positive, read_input, set_max_positions
+
+_SERVE_EPILOG = """\
+Further arguments after -- go to vLLM's server as they are, e.g.
+  kvedit serve --root published/ -- --max-model-len 8192 --tensor-parallel-size 2
+Then publish contexts into the same root (kvedit publish) and POST their token ids to
+http://HOST:PORT/v1/completions. Needs kvedit[vllm]; in a checkout: make vllm-setup, then
+.venv-vllm/bin/kvedit serve ...
+"""
+
+
+def serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server, answering from the caches published under ROOT",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument(
+        "--root",
+        type=nonempty("--root"),
+        default="published",
+        help="the folder kvedit publish writes to",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: this machine)")
+    p.add_argument("--port", type=port, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests give (default: --model as given, as kvedit publish uses)",
+    )
+    p.add_argument(
+        "--on-load-failure",
+        default="fail",
+        choices=["fail", "recompute"],
+        help="a published cache a worker cannot load: end the request with an error (default), "
+        "or let vLLM compute the prompt (the right answer only for unedited caches)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command, do not run it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from ..integrations.vllm.server import serve
+
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    argv = serve(
+        args.model,
+        args.root,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        vllm_args=extra,
+        dry_run=args.dry_run,
+        load_failure=args.on_load_failure,
+    )
+    if args.dry_run:  # serve() printed the command (quoted) to stderr; stdout gets it too
+        print(shlex.join(argv))
+    return 0
+
+
+def publish_parser(sub) -> None:
+    p = sub.add_parser(
+        "publish",
+        help="capture a context, edit it, publish it for kvedit serve; prints what to send",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument(
+        "--root",
+        type=nonempty("--root"),
+        default="published",
+        help="the folder kvedit serve serves",
+    )
+    p.add_argument("--context", required=True, help="a text file with the context (- for stdin)")
+    p.add_argument("--question", default=None, help="the question requests ask")
+    p.add_argument(
+        "--focus",
+        default=None,
+        metavar="QUESTION",
+        help="emphasize the passage QUESTION points at (kvedit.focus); also the question",
+    )
+    p.add_argument("--emphasize", action="append", default=[], metavar="TEXT")
+    p.add_argument("--suppress", action="append", default=[], metavar="TEXT")
+    p.add_argument("--duplicate", action="append", default=[], metavar="TEXT")
+    p.add_argument("--strength", type=float, default=2.0, help="--emphasize bias, nats")
+    p.add_argument(
+        "--suppress-strength",
+        type=float,
+        default=1e4,
+        help="--suppress bias, nats (at least 20: vLLM realises a suppress as a removal)",
+    )
+    p.add_argument(
+        "--copies", type=positive("--copies"), default=3, help="--duplicate extra copies"
+    )
+    p.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"])
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name in the request (default: --model as given, as kvedit serve does)",
+    )
+    p.add_argument("--port", type=port, default=8000, help="the server's port, for the curl hint")
+    p.add_argument(
+        "--max-tokens",
+        type=positive("--max-tokens"),
+        default=32,
+        help="max_tokens of the request (the context must leave room for it)",
+    )
+    max_positions_arg(p)
+    p.add_argument(
+        "--request", default=None, metavar="FILE", help="also write the request body to FILE"
+    )
+    p.set_defaults(run=_run_publish)
+
+
+def _run_publish(args) -> int:
+    import json
+
+    from ..atomic import atomic_write
+    from ..evals.litm import resolve_prompt
+    from ..integrations.vllm.contexts import publish_context
+    from ..models import load_model
+    from .errors import InvalidInputError
+
+    if args.request and args.question is None and args.focus is None:
+        raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
+    set_max_positions(args)
+    context = read_input(args.context, "--context")
+    prompt = resolve_prompt(args.prompt, args.model)
+    model, tok = load_model(args.model)
+    _check_context_length(model, tok, context, args)
+    published = publish_context(
+        model,
+        tok,
+        context,
+        args.root,
+        question=args.question,
+        focus_on=args.focus,
+        emphasize=args.emphasize,
+        suppress=args.suppress,
+        duplicate=args.duplicate,
+        strength=args.strength,
+        suppress_strength=args.suppress_strength,
+        copies=args.copies,
+        prompt=prompt,
+        served_model_name=args.served_model_name or args.model,
+    )
+    out = published.to_dict()
+    if published.prompt_token_ids is not None:
+        out["request"] = published.request(args.max_tokens)
+        if args.request:
+            atomic_write(args.request, json.dumps(out["request"]).encode())
+    print(json.dumps(out))
+    print(published.report, file=sys.stderr)
+    if args.request:
+        print(
+            f"send: curl -s http://127.0.0.1:{args.port}/v1/completions -H 'Content-Type: "
+            f"application/json' -d @{args.request}  (check kv_transfer_params.kvedit.served"
+            f" == {published.served})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _check_context_length(model, tok, context: str, args) -> None:
+    """Refuse a context the model cannot attend to with the question and the answer after it
+    (before the model runs; from the characters alone when they decide it)."""
+    from .. import checks
+
+    question = args.focus if args.focus is not None else args.question
+    reserve = args.max_tokens if question is not None else 0
+    if question:
+        reserve += len(tok(question, add_special_tokens=False)["input_ids"])
+    what = f"--context {'stdin' if args.context == '-' else args.context}"
+    checks.context_fits(model, n_chars=len(context), reserve=reserve, what=what)
+    n_tokens = len(tok(context)["input_ids"])
+    checks.context_fits(model, n_tokens=n_tokens, reserve=reserve, what=what)
