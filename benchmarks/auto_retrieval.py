@@ -18,8 +18,8 @@ import torch
 import kvedit
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext, content_free_question
-from kvedit.readout import _Observer
-from kvedit.state import run_model
+from kvedit.observer import observed_attention
+from kvedit.readout import span_shares
 
 
 def readings(ctx: ExampleContext, continuation: str) -> dict[str, torch.Tensor]:
@@ -29,10 +29,11 @@ def readings(ctx: ExampleContext, continuation: str) -> dict[str, torch.Tensor]:
     ids = state.encode(continuation)
     out = {}
     for name, skip in (("all", 0), ("last", len(ids) - 1)):
-        obs = _Observer(state, spans, skip_queries=skip)
-        pos = torch.arange(state.next_position, state.next_position + len(ids))[None]
-        run_model(state.model, state.layers, torch.tensor([ids]), pos, 1, plan=obs)
-        out[name] = torch.stack(obs.per_head)
+        pos = torch.arange(state.next_position, state.next_position + len(ids))
+        probs = observed_attention(
+            state.model, state.layers, ids, pos, skip_queries=skip, reduce="mean"
+        )
+        out[name], _ = span_shares(state, probs, spans)
     return out
 
 

@@ -2,7 +2,7 @@
 
 A ~7K-token context of NQ passages (as ``benchmarks/reuse.py`` builds it) is captured once on
 the bundled SmolLM2-135M-Instruct and saved dense, 4-bit and 8-bit quantized
-(``kvedit.ops.quantize``), merged (``kvedit.ops.minicache.minicache`` at its defaults) and
+(``kvedit.compress.quantize``), merged (``kvedit.compress.minicache`` at its defaults) and
 merged + 4-bit. Each file is then measured in a fresh process: load the model, load the state
 (``kvedit.load_state``), reset the peak RSS (``/proc/self/clear_refs``; the process's
 ``ru_maxrss`` where Linux refuses), and ``state.generate(question, 16)`` (EOS ignored, so
@@ -14,10 +14,10 @@ default threshold grows as large blocks are freed, after which freed tensors can
 resident as heap free space: the peak then depends on the allocation history, not only on
 the tensors alive).
 
-A packed state attends layer by layer (``kvedit.state.dynamic_cache``): only the current
-layer's dense K/V exist during a forward, so its peak above the loaded state stays near one
-layer; the dense state's ``generate`` concatenates the question onto every layer (a copy of the
-whole cache). Target: the 4-bit state's peak <= 0.6x the dense state's.
+A packed state attends layer by layer (``kvedit.cache.adapter.dynamic_cache``): only the
+current layer's dense K/V exist during a forward, so its peak above the loaded state stays near
+one layer; the dense state's ``generate`` concatenates the question onto every layer (a copy of
+the whole cache). Target: the 4-bit state's peak <= 0.6x the dense state's.
 
 Usage::
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import kvedit
 from kvedit import ops
-from kvedit.ops.minicache import minicache
+from kvedit.compress import minicache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reuse import QUESTION, context_text  # noqa: E402

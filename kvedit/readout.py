@@ -1,9 +1,10 @@
 """``attention_share``: how much attention a continuation gives each span of a state.
 
-The continuation (say, the question) is run on top of the state with the kvedit attention, which
-reports each layer's attention probabilities ``[batch, heads, q_len, k_len]``; the share of a
-span is the probability mass on the cache entries of its tokens, averaged over the continuation's
-tokens. The stored bias of an edited state is included, so the readout shows what an edit does.
+The continuation (say, the question) is run on top of the state with the one attention observer
+(:mod:`kvedit.observer`), which reads each layer's attention probabilities
+``[batch, heads, q_len, k_len]``; the share of a span is the probability mass on the cache
+entries of its tokens, averaged over the continuation's tokens (:func:`span_shares`). The
+stored bias of an edited state is included, so the readout shows what an edit does.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .observer import observed_attention
 from .spans import Span, Spans, as_span_list
-from .state import KVState, StateBias, run_model
+from .state import KVState
+
+__all__ = ["AttentionShare", "attention_share", "span_shares"]
 
 
 @dataclass
@@ -42,33 +46,6 @@ class AttentionShare:
         return self.per_head.mean(dim=(0, 1))
 
 
-class _Observer(StateBias):
-    """The state's bias plan, plus a per-layer record of attention to each span's entries."""
-
-    def __init__(self, state: KVState, span_tokens: list[torch.Tensor], skip_queries: int = 0):
-        super().__init__(state.layers)
-        self.state = state
-        self.span_tokens = span_tokens
-        self.skip = skip_queries
-        n_layers, n_tok = len(state.layers), len(state)
-        self.per_head: list[torch.Tensor | None] = [None] * n_layers
-        self.token_share = torch.zeros(n_layers, n_tok)
-
-    def observe(self, layer_idx: int, probs: torch.Tensor) -> None:
-        layer = self.state.layers[layer_idx]
-        n = len(layer)
-        p = probs[0, :, self.skip :, :n].float().mean(dim=1).cpu()  # [heads, n] over queries
-        cols = []
-        for tokens in self.span_tokens:
-            entries = layer.entries_for(tokens)
-            cols.append(p[:, entries].sum(-1))
-        self.per_head[layer_idx] = torch.stack(cols, dim=-1)
-        valid = layer.token_index >= 0
-        self.token_share[layer_idx].index_add_(
-            0, layer.token_index[valid], p.mean(0)[valid.to(p.device)]
-        )
-
-
 @torch.no_grad()
 def attention_share(state: KVState, continuation: str, spans: Spans) -> AttentionShare:
     """The share of attention ``continuation``'s tokens give each span of ``state``.
@@ -86,16 +63,37 @@ def attention_share(state: KVState, continuation: str, spans: Spans) -> Attentio
     ids = state.encode(continuation)
     if not ids:
         raise ValueError("attention_share needs a non-empty continuation")
-    observer = _Observer(state, span_tokens)
-    device = state.device
-    positions = torch.arange(state.next_position, state.next_position + len(ids), device=device)
-    run_model(
-        state.model,
-        state.layers,
-        torch.tensor([ids], device=device),
-        positions[None],
-        logits_to_keep=1,
-        plan=observer,
-    )
-    per_head = torch.stack([h for h in observer.per_head if h is not None])
-    return AttentionShare(items, per_head, observer.token_share.mean(0))
+    positions = torch.arange(state.next_position, state.next_position + len(ids))
+    probs = observed_attention(state.model, state.layers, ids, positions, reduce="mean")
+    per_head, token_share = span_shares(state, probs, span_tokens)
+    return AttentionShare(items, per_head, token_share)
+
+
+def span_shares(
+    state: KVState, probs: dict[int, torch.Tensor], span_tokens: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans' and tokens' shares of observed attention (first batch row).
+
+    Args:
+        state: the state the attention was read over.
+        probs: layer index -> ``[batch, heads, k]`` attention averaged over the observing
+            queries (:func:`~kvedit.observer.observed_attention` with ``reduce="mean"``); its
+            first ``len(layer)`` keys are the layer's entries.
+        span_tokens: per span, the token indices ``LongTensor[t]`` of ``state`` it covers.
+
+    Returns:
+        ``(per_head [layers, heads, n_spans], token_share [n_tokens])``: the attention on the
+        entries of each span, per observed layer and head; the share each text token gets (all
+        its entries), averaged over layers and heads.
+    """
+    n_layers, n_tok = len(state.layers), len(state)
+    per_head = []
+    token_share = torch.zeros(n_layers, n_tok)
+    for i, layer in enumerate(state.layers):
+        if i not in probs:
+            continue
+        p = probs[i][0, :, : len(layer)].cpu()  # [heads, n]
+        per_head.append(torch.stack([p[:, layer.entries_for(t)].sum(-1) for t in span_tokens], -1))
+        valid = layer.token_index >= 0
+        token_share[i].index_add_(0, layer.token_index[valid], p.mean(0)[valid.to(p.device)])
+    return torch.stack(per_head), token_share.mean(0)

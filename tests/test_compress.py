@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import kvedit
 from kvedit import ops
-from kvedit.cache.quantized import PackedKV, QuantizedLayerKV, pack_codes, unpack_codes
-from kvedit.ops.snapkv import DROPPED
+from kvedit.cache import QuantizedLayerKV
+from kvedit.cache.packed import PackedKV, pack_codes, unpack_codes
+from kvedit.compress import DROPPED
 from kvedit.testing import tiny_model
 
 TEXT = RECORDS * 3

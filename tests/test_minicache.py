@@ -13,8 +13,8 @@ from helpers import same, snapshot
 import kvedit
 from kvedit import ops
 from kvedit.cache import LayerKV, MergedLayerKV, QuantizedLayerKV
+from kvedit.compress import merge_layers, merge_plan, minicache, slerp
 from kvedit.errors import InvalidInputError
-from kvedit.ops.minicache import merge_layers, merge_plan, minicache, slerp
 
 TEXT = RECORDS * 3
 SPAN = "Carol's secret number is 5902"
@@ -248,13 +248,27 @@ def test_minicache_leaves_gemma3_sliding_layers(gemma3):
         merge_layers(state.layers[1], state.layers[2])
 
 
-def test_minicache_eval_method():
+def test_minicache_eval_method(llama):
+    from kvedit.evals.methods import ExampleContext
     from kvedit.evals.methods.minicache import MiniCache
     from kvedit.evals.methods.registry import parse_spec
+    from kvedit.evals.tasks import records_examples
 
     method = parse_spec("minicache:start=0.25:retain=0.1:bits=4")
     assert isinstance(method, MiniCache)
     assert (method.params.start, method.params.retain, method.params.bits) == (0.25, 0.1, 4)
+    # predict answers from the merged and quantized cache, and notes the bytes it kept
+    model, tok = llama
+    example = records_examples(n_records=4, positions=(0,), trials=1, seed=0)[0]
+    ctx = ExampleContext(model, tok, example, max_new_tokens=6)
+    prediction = method.predict(ctx)
+    merged = minicache(ctx.state, start=0.25, retain=0.1, bits=4)
+    assert [layer.kind for layer in merged.layers] == ["quantized", "merged", "merged"]
+    assert prediction == merged.generate(ctx.continuation, 6)
+    assert ctx.notes["cache_bytes"] == merged.nbytes / ctx.state.nbytes < 0.7
+    # the answer tells apart the full cache, quantization alone and merging alone
+    for other in (ctx.state, ops.quantize(ctx.state, bits=4), minicache(ctx.state, 0.25, 0.1)):
+        assert prediction != other.generate(ctx.continuation, 6)
     with pytest.raises(InvalidInputError, match="bits"):
         parse_spec("minicache:bits=3")
     with pytest.raises(InvalidInputError, match="retain"):

@@ -12,8 +12,9 @@ from helpers import same, snapshot
 
 import kvedit
 import kvedit.attention as ka
-from kvedit import ops, runtime
+from kvedit import ops
 from kvedit.errors import EmptySelectionError, InvalidInputError, SpanNotFoundError
+from kvedit.runtime import seam
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
 QUESTION = " Question: What is Carol's secret number? Answer:"
@@ -203,7 +204,7 @@ def test_layers_restrict_which_layers_an_edit_touches(llama, edit):
 
 
 def record_attend_inputs(monkeypatch):
-    """Patch the runtime's ``attend`` to record ``(query, key, kwargs)`` of every call."""
+    """Patch the seam's ``attend`` to record ``(query, key, kwargs)`` of every call."""
     calls = []
     real = ka.attend
 
@@ -211,7 +212,7 @@ def record_attend_inputs(monkeypatch):
         calls.append((q.clone(), k.clone(), kwargs))
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(runtime, "attend", spy)  # the seam calls it by this name
+    monkeypatch.setattr(seam, "attend", spy)  # the seam calls it by this name
     return calls
 
 

@@ -12,8 +12,8 @@ from conftest import RECORDS
 import kvedit
 from kvedit import ops
 from kvedit.cache import LayerKV, MergedLayerKV, QuantizedLayerKV
-from kvedit.ops.minicache import minicache
-from kvedit.state import PackedCacheLayer, dynamic_cache
+from kvedit.cache.adapter import PackedCacheLayer, dynamic_cache
+from kvedit.compress import minicache
 
 TEXT = RECORDS * 3
 SPAN = "Carol's secret number is 5902"

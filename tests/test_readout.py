@@ -13,6 +13,7 @@ import kvedit
 import kvedit.attention as ka
 from kvedit import ops
 from kvedit.errors import SpanNotFoundError
+from kvedit.runtime import seam
 
 QUESTION = " Question: What is Carol's secret number? Answer:"
 SPAN = "Carol's secret number is 5902"
@@ -114,7 +115,7 @@ def test_share_agrees_with_attention_probs_computed_by_hand(llama, monkeypatch):
         calls.append((q.clone(), k.clone(), kwargs))
         return real_attend(q, k, v, **kwargs)
 
-    monkeypatch.setattr(kvedit.runtime, "attend", spy)  # the seam calls it by this name
+    monkeypatch.setattr(seam, "attend", spy)  # the seam calls it by this name
     share = kvedit.attention_share(state, QUESTION, [SPAN, "Bob"])
     assert len(calls) == len(state.layers)  # one forward, one call per layer
     token_share = torch.zeros(len(state))

@@ -482,9 +482,26 @@ def test_select_method_answers_from_the_selected_cache(llama, monkeypatch):
 
 
 def test_select_method_runs_end_to_end(llama):
+    """A run of the ``select`` method answers from the state ``select`` gives for its spec
+    (scorer, AdaKV budgets, protected gold document) and records the bytes that state kept."""
     model, tok, _ = llama
     examples = records_examples(n_records=4, positions=(0,), trials=1, seed=0)
     specs = ["select:scorer=knorm:keep=0.5:adaptive=1", "select:scorer=tova:protect=gold"]
     records = run(model, tok, examples, specs, max_new_tokens=4, progress=False)
     assert [r["method"] for r in records] == specs
-    assert all(isinstance(r["prediction"], str) for r in records)
+    ctx = ExampleContext(model, tok, examples[0], max_new_tokens=4)
+    full = ctx.state
+
+    def answer(state):
+        return state.generate(ctx.continuation, 4)
+
+    expected = [
+        select(full, AdaKV(KNorm()), 0.5),
+        select(full, TOVA(), 0.5, protect=[ctx.gold_span()]),
+    ]
+    for record, state in zip(records, expected, strict=True):
+        assert record["bytes"] == round(state.nbytes / full.nbytes, 4) < 0.8
+        assert record["prediction"] == answer(state)
+    # the answers tell apart the full cache, the uniform budget and the unprotected selection
+    assert records[0]["prediction"] not in (answer(full), answer(select(full, KNorm(), 0.5)))
+    assert records[1]["prediction"] not in (answer(full), answer(select(full, TOVA(), 0.5)))

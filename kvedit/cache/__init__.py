@@ -7,21 +7,27 @@ time (:meth:`~LayerKV.dense_kv`), selects entries, and writes and reads itself
 Register a new kind with :func:`register_layer`.
 
 ==============  =========================================================================
-``dense``       :class:`LayerKV`: plain tensors
-``quantized``   :class:`QuantizedLayerKV`: KIVI-style packed keys and values (2/4/8 bits)
+``dense``       :class:`LayerKV`: plain tensors (:mod:`.dense`)
+``quantized``   :class:`QuantizedLayerKV`: KIVI-style packed keys and values (2/4/8 bits;
+                :mod:`.quantized`)
 ``merged``      :class:`MergedLayerKV`: one layer of a MiniCache pair, sharing its K/V
-                directions with the adjacent layer (:class:`SharedDirections`)
+                directions with the adjacent layer (:class:`SharedDirections`,
+                :mod:`.directions`; the layer in :mod:`.merged`)
 ==============  =========================================================================
 
-Packed classes (``packed = True``: quantized, merged) are expanded one layer at a time when a
-forward needs them (:func:`kvedit.state.dynamic_cache`), never all at once.
+Packed classes (``packed = True``: quantized, merged) derive from :class:`PackedLayerKV`
+(:mod:`.packed`): a packed part then an exact tail, one way to select and append entries, and
+one on-disk layout of packed data (:class:`PackedKV`). They are expanded one layer at a time
+when a forward needs them (:func:`kvedit.cache.adapter.dynamic_cache`), never all at once.
 """
 
 from __future__ import annotations
 
 from .dense import LayerKV
-from .merged import MergedLayerKV, SharedDirections
-from .quantized import PackedKV, QuantizedLayerKV
+from .directions import SharedDirections
+from .merged import MergedLayerKV
+from .packed import PackedKV, PackedLayerKV
+from .quantized import QuantizedLayerKV
 from .registry import LAYER_CLASSES, layer_class, register_layer
 
 __all__ = [
@@ -29,6 +35,7 @@ __all__ = [
     "LayerKV",
     "MergedLayerKV",
     "PackedKV",
+    "PackedLayerKV",
     "QuantizedLayerKV",
     "SharedDirections",
     "layer_class",

@@ -37,7 +37,7 @@ class LayerKV:
     packed: ClassVar[bool] = False
     """Whether the layer holds its K/V in a packed form that :meth:`dense_kv` expands: a
     forward then expands it when its attention runs and drops it after
-    (:func:`kvedit.state.dynamic_cache`), instead of holding the dense K/V."""
+    (:func:`kvedit.cache.adapter.dynamic_cache`), instead of holding the dense K/V."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -79,7 +79,7 @@ class LayerKV:
 
     def shared_tensors(self, cast=None) -> tuple[str, dict[str, torch.Tensor]] | None:
         """Tensors this layer shares with other layers of its state, as ``(key, tensors)``
-        (a merged pair's directions, :mod:`kvedit.cache.merged`), or None (the default).
+        (a merged pair's directions, :mod:`kvedit.cache.directions`), or None (the default).
 
         Storage writes each key's tensors once, as ``shared.{key}.NAME``, and hands them back
         to :meth:`from_tensors` as ``shared.NAME`` for every layer whose params name the key

@@ -1,9 +1,9 @@
-"""The merged cache layer: two adjacent layers that share their K/V directions (MiniCache).
+"""The merged cache layer: one layer of a pair that shares its K/V directions (MiniCache).
 
-See :func:`kvedit.ops.minicache.minicache` for how a state gets these layers. A *pair* of
+See :func:`kvedit.compress.minicache` for how a state gets these layers. A *pair* of
 layers ``(l, l + 1)`` holding the same entries stores, for its first ``m`` entries, one unit
-direction per entry and KV head for both layers (:class:`SharedDirections`, written once), and
-per layer (:class:`MergedLayerKV`, one per decoder layer, ``member`` 0 or 1):
+direction per entry and KV head for both layers (:class:`~kvedit.cache.directions.SharedDirections`,
+written once), and per layer (:class:`MergedLayerKV`, one per decoder layer, ``member`` 0 or 1):
 
 * ``key_norms`` / ``value_norms`` ``[batch, kv_heads, m]``: the layer's own magnitudes;
 * ``retained_keys`` / ``retained_values`` ``[batch, kv_heads, r, head_dim]``: the layer's exact
@@ -18,172 +18,22 @@ entries replaced by ``retained_keys``, then ``tail_keys`` (values alike). Shapes
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import secrets
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..errors import CorruptCacheError, InvalidInputError
-from .dense import LayerKV
-from .quantized import BITS, PackedKV
+from .directions import SharedDirections
+from .packed import BITS, PackedLayerKV
 from .registry import register_layer
 
-# (uid, content digest, device, dtype) -> the SharedDirections object built from a file, so the
-# two members of a loaded pair hold one copy. The digest keeps two files that carry the same
-# pair under different contents (saved at two dtypes, say) from sharing each other's data.
-_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def pack_directions(x: torch.Tensor, bits: int, group: int, axis: str) -> PackedKV:
-    """Unit directions ``x [batch, kv_heads, m, head_dim]`` as a :class:`PackedKV`:
-    quantized KIVI-style at ``bits`` (whole groups of ``group`` entries for ``axis="channel"``,
-    the rest exact), or all exact (``bits`` 0: everything in the residual)."""
-    b, h, m, d = x.shape
-    if bits == 0:
-        empty = x.new_zeros((b, h, 0, d), dtype=torch.uint8)
-        meta = (b, h, 0, 1, d) if axis == "channel" else (b, h, 0, d // group, 1)
-        zeros = x.new_zeros(meta, dtype=torch.float16)
-        return PackedKV(empty, zeros, zeros.clone(), x.contiguous(), 8, group, axis)
-    n_quant = (m // group) * group if axis == "channel" else m
-    return PackedKV.quantize(x, bits, group, n_quant, axis)
-
-
-@dataclass(eq=False)
-class SharedDirections:
-    """The part of a merged pair both layers share.
-
-    Attributes:
-        uid: names the pair (storage writes its tensors once per uid).
-        keys, values: unit directions ``[batch, kv_heads, m, head_dim]``, packed
-            (:func:`pack_directions`).
-        retained: ``LongTensor [r]``, sorted indices (in ``[0, m)``) of the merged-part entries
-            each layer keeps exactly.
-        bits: 0 (directions exact) or the bits they are quantized to.
-    """
-
-    uid: str
-    keys: PackedKV
-    values: PackedKV
-    retained: torch.Tensor
-    bits: int = 0
-    _derived: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    @property
-    def n(self) -> int:
-        """Merged entries ``m``."""
-        return self.keys.shape[-2]
-
-    @property
-    def device(self) -> torch.device:
-        return self.keys.residual.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.retained.numel() * 8
-
-    def map(self, fn) -> SharedDirections:
-        """``fn`` applied to every tensor; the two members of a pair mapping with the same
-        ``fn`` (``torch.clone``, a move) get one result while it is alive."""
-        key = fn if not isinstance(fn, str) else ("to", fn)
-        cache = self._derived.setdefault("map", weakref.WeakValueDictionary())
-        try:
-            found = cache.get(key)
-        except TypeError:  # an unhashable fn
-            found, cache = None, None
-        if found is not None:
-            return found
-        out = SharedDirections(
-            self.uid, self.keys.map(fn), self.values.map(fn), fn(self.retained), self.bits
-        )
-        if cache is not None:
-            cache[key] = out
-        return out
-
-    def to(self, device: torch.device | str) -> SharedDirections:
-        device = torch.device(device)
-        if self.device == device:
-            return self
-        cache = self._derived.setdefault("to", weakref.WeakValueDictionary())
-        found = cache.get(str(device))
-        if found is None:
-            found = SharedDirections(
-                self.uid,
-                self.keys.map(lambda t: t.to(device)),
-                self.values.map(lambda t: t.to(device)),
-                self.retained.to(device),
-                self.bits,
-            )
-            cache[str(device)] = found
-        return found
-
-    def tensors(self, cast=None) -> dict[str, torch.Tensor]:
-        """The tensors to store (on CPU, contiguous); ``cast`` converts the exact directions."""
-        cast = cast or (lambda t, what: t)
-        out: dict[str, torch.Tensor] = {}
-        for name, p in (("keys", self.keys), ("values", self.values)):
-            out[f"{name}.codes"] = p.codes.to("cpu").contiguous()
-            out[f"{name}.scale"] = p.scale.to("cpu").contiguous()
-            out[f"{name}.zero"] = p.zero.to("cpu").contiguous()
-            out[f"{name}.residual"] = cast(p.residual.to("cpu").contiguous(), f"{name} directions")
-        out["retained"] = self.retained.to("cpu").contiguous()
-        return out
-
-    @classmethod
-    def from_tensors(
-        cls,
-        uid: str,
-        tensors: dict[str, torch.Tensor],
-        bits: int,
-        groups: tuple[int, int],
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> SharedDirections:
-        """The pair's shared part from ``tensors`` (names as :meth:`tensors`); one object per
-        ``(uid, contents, device, dtype)`` while it is alive."""
-        memo = (uid, _digest(tensors), str(device), str(dtype))
-        found = _LOADED.get(memo)
-        if found is not None:
-            return found
-        packed = {
-            name: PackedKV(
-                codes=tensors[f"{name}.codes"].to(device),
-                scale=tensors[f"{name}.scale"].to(device),
-                zero=tensors[f"{name}.zero"].to(device),
-                residual=tensors[f"{name}.residual"].to(device, dtype),
-                bits=bits or 8,
-                group=group,
-                axis="channel" if name == "keys" else "token",
-            )
-            for name, group in zip(("keys", "values"), groups, strict=True)
-        }
-        out = cls(uid, packed["keys"], packed["values"], tensors["retained"].to(device), bits)
-        _LOADED[memo] = out
-        return out
-
-
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the tensors' names, dtypes, shapes and bytes."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
-def new_uid() -> str:
-    """A fresh pair name."""
-    return secrets.token_hex(8)
+__all__ = ["MergedLayerKV"]
 
 
 @register_layer
 @dataclass(init=False, repr=False, eq=False)
-class MergedLayerKV(LayerKV):
+class MergedLayerKV(PackedLayerKV):
     """One layer of a merged pair (see the module doc), a global layer.
 
     ``keys`` and ``values`` are rebuilt on every access (:meth:`dense_kv`). Constructed from
@@ -198,8 +48,6 @@ class MergedLayerKV(LayerKV):
     """
 
     kind: ClassVar[str] = "merged"
-    lossless: ClassVar[bool] = False
-    packed: ClassVar[bool] = True
     shared: SharedDirections | None = None
     member: int = 0
     key_norms: torch.Tensor | None = None
@@ -305,6 +153,16 @@ class MergedLayerKV(LayerKV):
     def n_merged(self) -> int:
         """Entries in the merged part (0 for a layer that left its pair)."""
         return 0 if self.shared is None else self.shared.n
+
+    @property
+    def n_packed(self) -> int:
+        """The merged part's entries (the exact tail follows them)."""
+        return self.n_merged
+
+    @property
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tail_keys`` and ``tail_values`` ``[batch, kv_heads, n - n_merged, head_dim]``."""
+        return self.tail_keys, self.tail_values
 
     def __len__(self) -> int:
         return self.n_merged + self.tail_keys.shape[-2]
@@ -472,6 +330,24 @@ class MergedLayerKV(LayerKV):
         fields.update(changes)
         return MergedLayerKV(**fields)
 
+    def with_tail(
+        self,
+        token_index: torch.Tensor,
+        positions: torch.Tensor,
+        bias: torch.Tensor | None,
+        tail_keys: torch.Tensor,
+        tail_values: torch.Tensor,
+    ) -> MergedLayerKV:
+        """The same pair member (norms, retained entries, shared part), followed by
+        ``tail_keys`` / ``tail_values`` (see :meth:`PackedLayerKV.with_tail`)."""
+        return self._parts(
+            token_index=token_index,
+            positions=positions,
+            bias=bias,
+            tail_keys=tail_keys,
+            tail_values=tail_values,
+        )
+
     def map(self, fn) -> MergedLayerKV:
         changes = {name: fn(getattr(self, name)) for name in _OWN}
         return self._parts(
@@ -481,43 +357,6 @@ class MergedLayerKV(LayerKV):
             shared=None if self.shared is None else self.shared.map(fn),
             **changes,
         )
-
-    def select(self, entries: torch.Tensor | slice) -> LayerKV:
-        """The layer holding only ``entries``: still merged when they keep the whole merged
-        part in order (a cut of the tail), else a dense layer."""
-        idx = torch.arange(len(self))[entries] if isinstance(entries, slice) else entries.cpu()
-        m = self.n_merged
-        if idx.numel() < m or not torch.equal(idx[:m], torch.arange(m)):
-            return super().select(entries)
-        rest = idx[m:] - m
-        if rest.numel() and int(rest.min()) < 0:
-            return super().select(entries)
-        r = rest.to(self.tail_keys.device)
-        return self._parts(
-            token_index=self.token_index[idx],
-            positions=self.positions[idx],
-            bias=None if self.bias is None else self.bias[..., idx.to(self.bias.device)],
-            tail_keys=self.tail_keys[:, :, r],
-            tail_values=self.tail_values[:, :, r],
-        )
-
-    def append(self, keys, values, token_index, positions, bias=None) -> MergedLayerKV:
-        """Entries appended to the exact tail (bias as :meth:`LayerKV.append`)."""
-        index, pos, new_bias = self.appended_bookkeeping(
-            keys.shape[-2], token_index, positions, bias
-        )
-        return self._parts(
-            token_index=index,
-            positions=pos,
-            bias=new_bias,
-            tail_keys=torch.cat([self.tail_keys, keys.to(self.tail_keys.dtype)], dim=-2),
-            tail_values=torch.cat([self.tail_values, values.to(self.tail_values.dtype)], dim=-2),
-        )
-
-    def extended(self, full_keys, full_values, token_index, positions) -> MergedLayerKV:
-        """The new entries of ``full_keys/values`` (after this layer's) appended exactly."""
-        n = len(self)
-        return self.append(full_keys[:, :, n:], full_values[:, :, n:], token_index, positions)
 
 
 def _kept(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

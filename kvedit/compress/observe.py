@@ -1,30 +1,31 @@
 """Attention read-outs that score cache entries: what some queries give each stored entry.
 
-Every helper runs tokens over (part of) a state with an :class:`Observer` plan and returns, per
-layer, the attention ``[batch, heads, n]`` (query heads; ``n`` the layer's entries) summed over
-the observing queries. The state is never modified.
+Every helper runs tokens over (part of) a state with the one attention observer
+(:func:`kvedit.observer.observed_attention`) and returns, per layer, the attention
+``[batch, heads, n]`` (query heads; ``n`` the layer's entries) summed over the observing
+queries. The state is never modified.
 
 - :func:`question_attention`: a text run on top of the whole state (SnapKV's question window).
 - :func:`window_attention`: the state's own last ``window`` tokens, run again at their positions
   on top of the entries before them (SnapKV's observation window; TOVA with ``window=1``).
+  "Before" is by position: entries appended after the text (a re-read copy) are never seen by
+  a text token run again, and score zero.
 - :func:`accumulated_attention`: every token of the text, run again in chunks (H2O).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 
 from ..cache import LayerKV
 from ..errors import InvalidInputError
-from ..state import KVState, StateBias, run_model
+from ..observer import observed_attention
+from ..state import KVState
 
 __all__ = [
-    "Observer",
     "accumulated_attention",
-    "observe",
     "prior_layers",
     "question_attention",
     "to_kv_heads",
@@ -32,43 +33,16 @@ __all__ = [
 ]
 
 
-class Observer(StateBias):
-    """The state's bias plan, recording each layer's attention summed over the queries."""
-
-    def __init__(self, layers: Sequence[LayerKV]):
-        super().__init__(layers)
-        self.probs: dict[int, torch.Tensor] = {}
-
-    def observe(self, layer_idx: int, probs: torch.Tensor) -> None:
-        """Record ``probs`` ``[batch, heads, q, k]`` summed over the queries: ``[batch, heads, k]``."""
-        self.probs[layer_idx] = probs.sum(dim=2).float()
-
-
-def observe(
-    layers: Sequence[LayerKV], model, ids: Sequence[int], positions: torch.Tensor
-) -> dict[int, torch.Tensor]:
-    """Attention of ``ids`` (run at ``positions [q]`` on top of ``layers``), per layer index:
-    ``[batch, heads, len(layer) + q]`` summed over the ``q`` queries (the last ``q`` keys are
-    the queries' own)."""
-    observer = Observer(layers)
-    device = layers[0].device
-    run_model(
-        model,
-        layers,
-        torch.tensor([list(ids)], device=device),
-        positions[None].to(device),
-        logits_to_keep=1,
-        plan=observer,
-    )
-    return observer.probs
-
-
 def prior_layers(state: KVState, first: int) -> tuple[list[LayerKV], list[torch.Tensor]]:
-    """Each layer without the entries of tokens ``>= first`` (window lifted, so the observing
-    queries see every entry it holds), and the kept entry indices ``[m]`` of each."""
+    """Each layer with only the entries at positions before token ``first``'s (window lifted,
+    so the observing queries see every entry it holds), and the kept entry indices ``[m]`` of
+    each. Entries at later positions are never kept: the text's later tokens, and what was
+    appended after the text (a re-read copy of an earlier token, a separator), which a query
+    at token ``first``'s position never saw."""
+    limit = int(state.position_ids[first]) if first < len(state) else state.next_position
     layers, kept = [], []
     for layer in state.layers:
-        keep = (layer.token_index < first).nonzero().flatten()
+        keep = (layer.positions < limit).nonzero().flatten()
         layers.append(dataclasses.replace(layer.select(keep), window=None))
         kept.append(keep)
     return layers, kept
@@ -82,7 +56,7 @@ def question_attention(state: KVState, text: str) -> dict[int, torch.Tensor]:
     if not ids:
         raise InvalidInputError("the query tokenizes to nothing")
     positions = torch.arange(state.next_position, state.next_position + len(ids))
-    probs = observe(state.layers, model, ids, positions)
+    probs = observed_attention(model, state.layers, ids, positions)
     return {i: p[..., : len(state.layers[i])] for i, p in probs.items()}
 
 
@@ -114,15 +88,17 @@ def _chunk_attention(state: KVState, start: int, end: int, own: bool) -> dict[in
     model, _ = state.require_model()
     prior, kept = prior_layers(state, start)
     ids = state.token_ids[start:end].tolist()
-    probs = observe(prior, model, ids, state.position_ids[start:end])
+    probs = observed_attention(model, prior, ids, state.position_ids[start:end])
     out = {}
     for i, layer in enumerate(state.layers):
         p = probs[i]
         full = torch.zeros(*p.shape[:2], len(layer), device=p.device)
         m = len(kept[i])
         full[..., kept[i].to(full.device)] = p[..., :m]
-        if own:
-            mine = ((layer.token_index >= start) & (layer.token_index < end)).nonzero().flatten()
+        if own:  # the chunk's own entries where the text holds them (not re-read copies)
+            inside = (layer.token_index >= start) & (layer.token_index < end)
+            text_pos = state.position_ids[layer.token_index.clamp(0, len(state) - 1)]
+            mine = (inside & (layer.positions == text_pos)).nonzero().flatten()
             query_of = (layer.token_index[mine] - start).to(full.device)
             full[..., mine.to(full.device)] = p[..., m + query_of]
         out[i] = full

@@ -3,28 +3,31 @@ never touches its input.
 
 =================  ==================================================================
 ``emphasize``      stored +bias (nats) on a span's keys, seen by every later query
-``suppress``       stored -bias on a span's keys
-``scale_keys``     multiply a span's cached keys (works in any engine, no custom kernel)
+``suppress``       stored -bias on a span's keys (:mod:`.bias`)
+``scale_keys``     multiply a span's cached keys (works in any engine, no custom kernel;
+                   :mod:`.keys`)
 ``duplicate``      append copies of a span's K/V: an exact ``log(copies+1)`` bias
-``reread``         encode a span again after the end of the cache
-``snapkv``         keep per KV head the entries a window/question attends to (compress)
-``select``         keep per KV head the entries a scorer ranks best (kvedit.compress)
+                   (:mod:`.duplication`)
+``reread``         encode a span again after the end of the cache (:mod:`.rereading`)
+``snapkv``         keep per KV head the entries a window/question attends to
+``select``         keep per KV head the entries a scorer ranks best
 ``quantize``       KIVI-style 2/4/8-bit keys (per channel) and values (per token)
 ``minicache``      merge adjacent deep layers' K/V pairwise (shared directions, own norms)
 =================  ==================================================================
+
+The last four compress the cache; they live in :mod:`kvedit.compress` and are the same
+functions here. Span edits share :func:`.entries.edit_entries`. No module here is named like a
+function it exports, so ``kvedit.ops.<op>`` is always the function.
 """
 
 from __future__ import annotations
 
-from ..compress import select
-from .duplicate import duplicate
-from .emphasize import emphasize
-from .minicache import MergedLayerKV, minicache
-from .quantize import QuantizedLayerKV, quantize
-from .reread import reread
-from .scale_keys import scale_keys
-from .snapkv import snapkv
-from .suppress import suppress
+from ..cache import MergedLayerKV, QuantizedLayerKV
+from ..compress import minicache, quantize, select, snapkv
+from .bias import emphasize, suppress
+from .duplication import duplicate
+from .keys import scale_keys
+from .rereading import reread
 
 __all__ = [
     "MergedLayerKV",

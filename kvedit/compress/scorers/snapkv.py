@@ -6,7 +6,9 @@ them and over the query heads that share its KV head, smoothed by a 1D max-pool 
 ``kernel`` over neighbouring entries (so whole phrases survive, not isolated tokens). The
 queries are the text of ``query`` when given (say, the question: run on top of the state, not
 added to it), else the state's own last ``window`` tokens (run again at their positions on top
-of the rest). The entries of the last ``window`` tokens score ``+inf``: they are always kept.
+of the rest). The entries of the last ``window`` tokens score ``+inf``: they are always kept,
+and so are entries appended after the text (a re-read's, the newest of the cache; no text
+token saw them, so the observation window cannot score them).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class SnapKV(Scorer):
             layer = state.layers[i]
             per_kv = to_kv_heads(probs[i], layer.kv_shape[1])
             pooled = pool_scores(per_kv, self.kernel)
-            window = (layer.token_index >= recent).nonzero().flatten()
+            after_text = layer.positions > int(state.position_ids[-1])  # a re-read, say
+            window = ((layer.token_index >= recent) | after_text).nonzero().flatten()
             pooled[..., window.to(pooled.device)] = float("inf")
             out[i] = pooled
         return out

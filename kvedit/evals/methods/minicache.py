@@ -1,5 +1,5 @@
 """``minicache``: the captured documents' deep layers merged pairwise with
-:func:`kvedit.ops.minicache.minicache`, optionally quantized too.
+:func:`kvedit.compress.minicache`, optionally quantized too.
 
 ``minicache:start=0.5:retain=0.05`` merges adjacent layer pairs from half the depth on,
 keeping 5% of each pair's entries exact; ``bits=4`` (or 2, 8) also quantizes the shared
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvedit.compress import minicache
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_count, check_fraction, check_int_choice
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.ops.minicache import minicache
 
 __all__ = ["MINICACHE_BITS", "MiniCache", "MiniCacheParams"]
 

@@ -1,10 +1,10 @@
-"""``quantize``: the captured documents quantized KIVI-style with :func:`kvedit.ops.quantize`."""
+"""``quantize``: the captured documents quantized KIVI-style (:func:`kvedit.compress.quantize`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvedit import ops
+from kvedit.compress import quantize
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_count, check_int_choice
 from kvedit.evals.methods.registry import Method, register_method
@@ -12,7 +12,7 @@ from kvedit.evals.methods.registry import Method, register_method
 __all__ = ["QUANTIZE_BITS", "Quantize", "QuantizeParams"]
 
 QUANTIZE_BITS = (2, 4, 8)
-"""The bit widths :func:`kvedit.ops.quantize` packs."""
+"""The bit widths :func:`kvedit.compress.quantize` packs."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,6 @@ class Quantize(Method):
 
     def predict(self, ctx: ExampleContext) -> str:
         p = self.params
-        state = ops.quantize(ctx.state, bits=p.bits, residual=p.residual, group=p.group)
+        state = quantize(ctx.state, bits=p.bits, residual=p.residual, group=p.group)
         ctx.compressed(state)
         return state.generate(ctx.continuation, ctx.max_new_tokens)

@@ -6,8 +6,8 @@ by a registered scorer (``snapkv``, ``knorm``, ``tova``, ``h2o``: :mod:`kvedit.c
 each head keeping at least ``floor`` of its share). ``observe``, ``window`` and ``kernel`` go to
 the scorers that take them (SnapKV observes the question, the continuation text, or the
 documents' last ``window`` tokens; H2O keeps its last ``window`` tokens). ``protect=focus``
-never drops the document :func:`kvedit.focus.choose` picks for the question (its defaults, the
-``auto`` method's choice); ``protect=gold`` the gold document (an oracle upper bound).
+never drops the document :func:`kvedit.focusing.choose` picks for the question (its defaults,
+the ``auto`` method's choice); ``protect=gold`` the gold document (an oracle upper bound).
 ``bits=8`` (or 4, 2) quantizes the selected cache: selection and quantization combined.
 """
 
@@ -17,9 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvedit import ops
-from kvedit.cache.quantized import BITS
-from kvedit.compress import SCORERS, AdaKV, Scorer, make_scorer, select
+from kvedit.cache.packed import BITS
+from kvedit.compress import SCORERS, AdaKV, Scorer, make_scorer, quantize, select
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import (
@@ -29,7 +28,7 @@ from kvedit.evals.methods.params import (
     check_int_choice,
 )
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.focus import choose
+from kvedit.focusing import choose
 
 __all__ = ["OBSERVE", "PROTECT", "Select", "SelectParams", "build_scorer"]
 
@@ -55,7 +54,7 @@ class SelectParams:
         kernel: SnapKV's pooling width (a positive odd int).
         protect: ``"none"``, ``"focus"`` or ``"gold"``: which document no head drops.
         bits: ``0`` (none), or ``2``/``4``/``8``: quantize the selected cache
-            (:func:`kvedit.ops.quantize` after the selection: select, then quantize).
+            (:func:`kvedit.compress.quantize` after the selection: select, then quantize).
     """
 
     scorer: str = "snapkv"
@@ -115,7 +114,7 @@ class Select(Method):
             protect=self.protected(ctx),
         )
         if p.bits:
-            state = ops.quantize(state, bits=p.bits)
+            state = quantize(state, bits=p.bits)
         ctx.compressed(state)
         return state.generate(ctx.continuation, ctx.max_new_tokens)
 

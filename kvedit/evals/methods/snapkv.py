@@ -1,4 +1,4 @@
-"""``snapkv``: the captured documents compressed with :func:`kvedit.ops.snapkv`.
+"""``snapkv``: the captured documents compressed with :func:`kvedit.compress.snapkv`.
 
 ``snapkv:keep=0.5`` scores the cache by the question (the continuation text: question and chat
 template, the tokens that come next); ``observe=window`` scores it by the documents' last
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvedit import ops
+from kvedit.compress import snapkv
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_count, check_fraction
@@ -57,7 +57,7 @@ class SnapKV(Method):
 
     def predict(self, ctx: ExampleContext) -> str:
         p = self.params
-        state = ops.snapkv(
+        state = snapkv(
             ctx.state,
             keep=float(p.keep),
             query=ctx.continuation if p.observe == "question" else None,

@@ -9,20 +9,26 @@ byte, scales and zero points in float16 (float32 if the tensor exceeds float16's
 last ``residual`` to ``residual + group - 1`` entries of each layer stay in full precision, so
 the quantized part is whole key groups.
 
-The result is a state whose global layers are :class:`QuantizedLayerKV`: they hold the packed
-codes, and ``layer.keys`` / ``layer.values`` dequantize on access, so everything that uses a
-state (``generate``, ``extend``, the other ops) works unchanged and ``state.nbytes`` counts the
-packed bytes. Continuing from a quantized state keeps the packed part and appends new entries
-to the full-precision residual (which is not re-quantized as it grows; quantize again to
-compress it). Saving a quantized state writes the packed data (its file is its packed size). Sliding-window
-layers (Gemma-3) are left in full precision: they hold at most ``window`` entries.
+The result is a state whose global layers are :class:`~kvedit.cache.QuantizedLayerKV`
+(:mod:`kvedit.cache.quantized`; packed data as :class:`~kvedit.cache.packed.PackedKV`): they
+hold the packed codes, and ``layer.keys`` / ``layer.values`` dequantize on access, so
+everything that uses a state (``generate``, ``extend``, the other ops) works unchanged and
+``state.nbytes`` counts the packed bytes. Continuing from a quantized state keeps the packed
+part and appends new entries to the full-precision residual (which is not re-quantized as it
+grows; quantize again to compress it). Saving a quantized state writes the packed data (its file
+is its packed size). Sliding-window layers (Gemma-3) are left in full precision: they hold at
+most ``window`` entries.
 """
 
 from __future__ import annotations
 
-from ..cache import PackedKV, QuantizedLayerKV
-from ..cache.quantized import BITS
-from ..state import KVState, recompute_last
+from ..cache import QuantizedLayerKV
+from ..cache.packed import BITS, PackedKV
+from ..passes import recompute_last
+from ..provenance import Step
+from ..state import KVState
+
+__all__ = ["quantize"]
 
 
 def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32) -> KVState:
@@ -36,7 +42,8 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
             dimension, which it must then divide).
 
     Returns:
-        A state whose ``nbytes`` counts packed codes, scales, zero points and the residual.
+        A state whose ``nbytes`` counts packed codes, scales, zero points and the residual;
+        its history records a ``quantize`` step (inexact, unless nothing was quantized).
     """
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, not {bits!r}")
@@ -63,4 +70,10 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
                 packed_values=PackedKV.quantize(values, bits, channels, n_quant, "token"),
             )
         )
-    return recompute_last(state.replace(layers=new_layers))
+    step = Step(
+        "compression",
+        "quantize",
+        {"bits": bits, "residual": residual, "group": group},
+        exact=all(a is b for a, b in zip(new_layers, state.layers, strict=True)),
+    )
+    return recompute_last(state.replace(layers=new_layers)).with_step(step)

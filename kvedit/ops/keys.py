@@ -13,9 +13,13 @@ from collections.abc import Sequence
 import torch
 
 from .. import checks
+from ..cache import LayerKV
+from ..provenance import Step
 from ..spans import Spans
-from ..state import KVState, LayerKV
-from ._select import edit_entries
+from ..state import KVState
+from .entries import edit_entries
+
+__all__ = ["scale_keys"]
 
 
 def scale_keys(
@@ -24,7 +28,9 @@ def scale_keys(
     factor: float,
     layers: Sequence[int] | None = None,
 ) -> KVState:
-    """A new state with the keys ``[batch, kv_heads, entries, dim]`` of ``spans`` times ``factor``."""
+    """A new state with the keys ``[batch, kv_heads, entries, dim]`` of ``spans`` times ``factor``
+    (every reading of a span token, re-read copies too); the last input is recomputed and the
+    history records a ``scale_keys`` step (the factor, tokens and layers)."""
     factor = checks.real("factor", factor, cap=checks.MAX_SCALE_FACTOR)
 
     def scale(i: int, layer: LayerKV, entries: torch.Tensor) -> LayerKV:
@@ -34,4 +40,4 @@ def scale_keys(
         keys[:, :, entries] *= factor
         return dataclasses.replace(layer, keys=keys)
 
-    return edit_entries(state, spans, layers, scale)
+    return edit_entries(state, spans, layers, scale, Step("edit", "scale_keys", {"factor": factor}))

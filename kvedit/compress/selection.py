@@ -1,4 +1,5 @@
-"""``select``: keep, per KV head of every global layer, the entries a scorer ranks best.
+"""``select``: keep, per KV head of every global layer, the entries a scorer ranks best, and
+``snapkv``, its SnapKV preset.
 
 ``select(state, scorer, keep)`` asks the scorer (:mod:`kvedit.compress.scorers`) for
 ``[batch, kv_heads, n]`` scores of every global layer, gives each layer a budget of
@@ -12,13 +13,27 @@ Which entries a head keeps, in order of precedence:
 1. *Protected* entries, always, even past the budget: the tokens of ``protect`` (spans of the
    state's text), the tokens that carry a positive stored bias on any layer (emphasized or
    focus-chosen passages; unless ``protect_bias=False``), and the last token (which
-   :func:`~kvedit.state.recompute_last` needs).
+   :func:`~kvedit.passes.recompute_last` needs).
 2. Entries the scorer scored ``+inf`` (e.g. SnapKV's recent window), the latest first.
 3. The best finite scores.
 
 Entries a head had already dropped (a :data:`~kvedit.compress.DROPPED` bias, from an earlier
 selection) stay dropped. Sliding-window layers (Gemma-3) are kept whole: they hold at most their
 window already.
+
+:func:`snapkv` is ``select`` with the :class:`~kvedit.compress.SnapKV` scorer (Li et al., 2024:
+the attention an observation window, or a query such as the question, gives each entry,
+max-pooled over neighbouring entries) and ``protect_bias=False``: entries with a positive stored
+bias are ranked like any other (call ``select`` to protect them, or spans, or to share the budget
+among heads with ``AdaKV``).
+
+Storage. Heads keep *different* entries while a layer's ``token_index`` and ``positions`` are
+shared by its heads, so a layer keeps, physically, the union of the entries any head keeps, and
+masks each head's dropped entries with a :data:`~kvedit.compress.DROPPED` bias (``-1e30``,
+``[batch, kv_heads or heads, n]``): attention is exactly per-head selection, and every other op
+and the storage format keep working. The memory really saved is ``1 - union / n`` (plus the
+bias, 4 bytes per entry and bias head), less than the nominal ``1 - keep`` when heads disagree;
+compare ``state.nbytes`` before and after.
 """
 
 from __future__ import annotations
@@ -30,12 +45,15 @@ import torch
 from .. import checks
 from ..cache import LayerKV
 from ..errors import EmptySelectionError, InvalidInputError, InvalidTypeError
+from ..passes import recompute_last
+from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState, recompute_last
+from ..state import KVState
 from .masking import live_entries, masked_union
 from .scorers.base import Scorer, make_scorer
+from .scorers.snapkv import SnapKV
 
-__all__ = ["keep_mask", "protected_tokens", "select"]
+__all__ = ["keep_mask", "protected_tokens", "select", "snapkv"]
 
 
 @torch.no_grad()
@@ -63,13 +81,38 @@ def select(
     Returns:
         A state holding, per layer, the union of the entries any head keeps, with a
         :data:`~kvedit.compress.DROPPED` bias on those a head dropped. Compare ``nbytes``
-        before and after for the memory saved (see :mod:`kvedit.compress.masking`).
+        before and after for the memory saved (see :mod:`kvedit.compress.masking`). Its
+        history records a ``select`` step (the scorer, ``keep``, the protected tokens).
 
     Raises:
         InvalidInputError: ``keep`` out of range, an unknown scorer name, scores of the wrong
             shape or with NaN; EmptySelectionError: ``protect`` selects no token;
             SpanNotFoundError: a span of ``protect`` is not in the text.
     """
+    out = _select(state, scorer, keep, protect, protect_bias, layers)
+    if out is state:
+        return state
+    scorer = make_scorer(scorer) if isinstance(scorer, str) else scorer
+    protected = None if protect is None else token_ranges(state.token_indices(protect))
+    params = {
+        "scorer": repr(scorer),
+        "keep": float(keep),
+        "protect": protected,
+        "protect_bias": protect_bias,
+        "layers": None if layers is None else sorted(checks.layers(layers, len(state.layers))),
+    }
+    return out.with_step(Step("compression", "select", params, exact=False))
+
+
+def _select(
+    state: KVState,
+    scorer: Scorer | str,
+    keep: float,
+    protect: Spans | None,
+    protect_bias: bool,
+    layers: Sequence[int] | None,
+) -> KVState:
+    """:func:`select` without its step (``state`` itself when nothing is dropped)."""
     scorer = make_scorer(scorer) if isinstance(scorer, str) else scorer
     if not isinstance(scorer, Scorer):
         raise InvalidTypeError(f"scorer must be a Scorer or a scorer name, not {scorer!r}")
@@ -101,13 +144,52 @@ def select(
     return recompute_last(state.replace(layers=new_layers))
 
 
+def snapkv(
+    state: KVState,
+    keep: float = 0.5,
+    query: str | None = None,
+    window: int = 32,
+    kernel: int = 5,
+) -> KVState:
+    """A new state keeping, per KV head of every global layer, ``keep`` of the entries SnapKV
+    scores best: ``select(state, SnapKV(query, window, kernel), keep, protect_bias=False)``.
+
+    Args:
+        state: the state to compress (not modified); needs its model.
+        keep: fraction of each layer's entries each KV head keeps, in ``(0, 1]``.
+        query: text whose attention scores the entries (e.g. the question), or None to use
+            the state's last ``window`` tokens.
+        window: observation window (when ``query`` is None); the last ``window`` tokens are
+            always kept.
+        kernel: odd width of the max-pool over neighbouring entries' scores.
+
+    Returns:
+        A state holding, per layer, the union of the entries any head keeps, with a ``-1e30``
+        bias (masked) on the entries a head dropped (see the module doc for the memory this
+        saves), whose history records a ``snapkv`` step; ``state`` itself when ``keep`` is 1
+        or the state is no longer than ``window`` (every token is in the window: nothing to
+        drop).
+    """
+    if not isinstance(keep, (int, float)) or isinstance(keep, bool) or not 0.0 < keep <= 1.0:
+        raise InvalidInputError(f"keep must be a fraction in (0, 1], not {keep!r}")
+    scorer = SnapKV(query=query, window=window, kernel=kernel)
+    state.require_model()
+    if keep == 1.0 or len(state) <= window:
+        return state
+    out = _select(state, scorer, keep, None, False, None)
+    if out is state:
+        return state
+    params = {"keep": float(keep), "query": query, "window": window, "kernel": kernel}
+    return out.with_step(Step("compression", "snapkv", params, exact=False))
+
+
 def protected_tokens(
     state: KVState, protect: Spans | None = None, protect_bias: bool = True
 ) -> torch.Tensor:
     """Sorted token indices ``LongTensor[k]`` no head may drop: the tokens of ``protect``, the
-    text tokens with a positive stored bias on some layer (with ``protect_bias``), and the
-    last token."""
-    parts = [torch.tensor([len(state) - 1], dtype=torch.long)]
+    text tokens with a positive stored bias on some layer (with ``protect_bias``), the last
+    token and the last input's token (what :func:`~kvedit.passes.recompute_last` reruns)."""
+    parts = [torch.tensor([len(state) - 1, state.last_input.token_index], dtype=torch.long)]
     if protect is not None:
         spans = state.token_indices(protect)
         if spans.numel() == 0:

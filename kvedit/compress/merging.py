@@ -13,7 +13,7 @@ entries are appended).
 
 Keys are merged post-RoPE, as cached: both layers of a pair hold the same entries at the same
 positions, so their rotations agree. A pair's directions are stored once for both layers
-(:class:`~kvedit.cache.merged.SharedDirections`, optionally quantized KIVI-style at ``bits``),
+(:class:`~kvedit.cache.directions.SharedDirections`, optionally quantized KIVI-style at ``bits``),
 each layer holding its norms, its retained entries and its tail
 (:class:`~kvedit.cache.merged.MergedLayerKV`), so ``state.nbytes`` and the saved file drop.
 
@@ -28,7 +28,7 @@ Composition: every op works on a merged state (a layer whose merged entries an o
 ``scale_keys`` say, leaves its pair and holds the op's result exactly); ``extend`` and
 ``generate`` append new entries to the exact tail; the state saves and loads merged. With
 ``bits`` (2, 4 or 8), the shared directions are quantized and every global layer not merged is
-quantized by :func:`kvedit.ops.quantize.quantize` with the same ``bits``, ``residual`` and
+quantized by :func:`~kvedit.compress.quantize` with the same ``bits``, ``residual`` and
 ``group``: the whole cache at ``bits``, the merged pairs also sharing their directions.
 """
 
@@ -38,14 +38,16 @@ import math
 
 import torch
 
-from ..cache import LayerKV
-from ..cache.merged import MergedLayerKV, SharedDirections, new_uid, pack_directions
-from ..cache.quantized import BITS
+from ..cache import LayerKV, MergedLayerKV
+from ..cache.directions import SharedDirections, new_uid, pack_directions
+from ..cache.packed import BITS
 from ..errors import InvalidInputError
-from ..state import KVState, recompute_last
-from .quantize import quantize
+from ..passes import recompute_last
+from ..provenance import Step
+from ..state import KVState
+from .quantization import quantize
 
-__all__ = ["MergedLayerKV", "merge_layers", "minicache", "slerp"]
+__all__ = ["merge_layers", "merge_plan", "minicache", "slerp"]
 
 _EPS = 1e-12
 
@@ -205,12 +207,13 @@ def minicache(
         t: SLERP interpolation between the two layers' directions (0.5: halfway).
         residual: the most recent entries (at least 1) left unmerged, exact.
         bits: 0 (the shared directions exact) or 2, 4, 8: the shared directions quantized, and
-            every global layer not merged quantized by :func:`kvedit.ops.quantize.quantize`.
-        group: quantization group (see :func:`kvedit.ops.quantize.quantize`).
+            every global layer not merged quantized by :func:`~kvedit.compress.quantize`.
+        group: quantization group (see :func:`~kvedit.compress.quantize`).
 
     Returns:
         A state whose merged layers are :class:`MergedLayerKV` (``nbytes`` counts the shared
-        directions once per pair). With nothing to merge (and ``bits`` 0), ``state`` itself.
+        directions once per pair); its history records a ``minicache`` step. With nothing to
+        merge (and ``bits`` 0), ``state`` itself.
 
     Raises:
         InvalidInputError: a pair's two layers hold different entries.
@@ -239,4 +242,18 @@ def minicache(
         ]
     elif not merged:
         return state
-    return recompute_last(state.replace(layers=layers))
+    step = Step(
+        "compression",
+        "minicache",
+        {
+            "start": start,
+            "retain": retain,
+            "t": t,
+            "residual": residual,
+            "bits": bits,
+            "group": group,
+            "merged": sorted(merged),
+        },
+        exact=False,
+    )
+    return recompute_last(state.replace(layers=layers)).with_step(step)

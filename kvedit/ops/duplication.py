@@ -13,9 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import checks
+from ..passes import recompute_last
+from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState, recompute_last
-from ._select import layer_set, span_tokens
+from ..state import KVState
+from .entries import layer_set, span_tokens
+
+__all__ = ["duplicate"]
 
 
 def duplicate(
@@ -25,8 +29,9 @@ def duplicate(
     layer (``layers``: default all; sliding-window layers are always skipped).
 
     ``copies`` is at most :data:`kvedit.checks.MAX_DUPLICATE_COPIES` (64, a bias of
-    ``log 65`` = 4.2 nats; use ``emphasize`` for more). The last token is then recomputed over
-    the edited cache (the edit reaches the next token).
+    ``log 65`` = 4.2 nats; use ``emphasize`` for more). The last input is then recomputed over
+    the edited cache (the edit reaches the next token), and the history records a ``duplicate``
+    step (copies, tokens and layers).
     """
     copies = checks.count("copies", copies, maximum=checks.MAX_DUPLICATE_COPIES)
     chosen = layer_set(state, layers)
@@ -49,4 +54,15 @@ def duplicate(
                 None if layer.bias is None else layer.bias[..., e].repeat(1, 1, copies),
             )
         )
-    return recompute_last(state.replace(layers=new_layers))
+    if all(a is b for a, b in zip(new_layers, state.layers, strict=True)):
+        return state.replace()  # no global layer holds a token of the spans: nothing copied
+    step = Step(
+        "edit",
+        "duplicate",
+        {
+            "copies": copies,
+            "tokens": token_ranges(tokens),
+            "layers": None if layers is None else sorted(chosen),
+        },
+    )
+    return recompute_last(state.replace(layers=new_layers)).with_step(step)

@@ -4,7 +4,8 @@ The passages' tokens are run through the model once more, at new positions after
 the whole context in view, and their entries are appended. Later queries then find the important
 part near the end, where models attend best: the "read it again" edit that counters
 lost-in-the-middle without touching the rest of the cache. The new entries keep the original
-token indices, so span lookups find both readings.
+token indices, so span lookups find both readings; the last re-read token is the state's last
+input (:attr:`kvedit.KVState.last_input`), which every later op recomputes where it sits.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelNotAttachedError
+from ..passes import run_model
+from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState, run_model
-from ._select import span_tokens
+from ..state import KVState, LastInput
+from .entries import span_tokens
+
+__all__ = ["reread"]
 
 
 def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
@@ -22,6 +27,9 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
 
     ``separator`` (e.g. ``"\\n"``) is encoded before the re-read tokens, if given. Positions
     advance by the number of tokens encoded; ``len(state)`` and ``state.text`` are unchanged.
+    The last re-read token becomes the state's last input (``last_logits`` follow it, and an
+    op after this one recomputes it, at its new position); the history records a ``reread``
+    step (the tokens and the separator).
     """
     tokens = span_tokens(state, spans)
     if state.tokenizer is None or state.model is None:
@@ -46,5 +54,8 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
         for layer, (k, v) in zip(state.layers, full_kv, strict=True)
     ]
     return state.replace(
-        layers=layers, next_position=state.next_position + n, last_logits=logits[0, -1].float()
-    )
+        layers=layers,
+        next_position=state.next_position + n,
+        last_logits=logits[0, -1].float(),
+        last_input=LastInput(int(tokens[-1]), state.next_position + n - 1),
+    ).with_step(Step("reread", "reread", {"tokens": token_ranges(tokens), "separator": separator}))

@@ -1,4 +1,9 @@
-"""Shared selection logic for ops: which entries of which layers an edit touches."""
+"""Which entries of which layers an edit touches: the span-edit helpers the ops share.
+
+:func:`edit_entries` applies a per-layer edit to the entries of some spans' tokens,
+recomputes the state's last input and records the op's step in the history; :func:`span_tokens` and :func:`layer_set` validate an op's spans
+and layers.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import checks
+from ..cache import LayerKV
 from ..errors import EmptySelectionError
+from ..passes import last_input_entries, recompute_last
+from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState, LayerKV, recompute_last
+from ..state import KVState
+
+__all__ = ["edit_entries", "layer_set", "span_tokens"]
 
 
 def span_tokens(state: KVState, spans: Spans) -> torch.Tensor:
@@ -32,34 +42,44 @@ def edit_entries(
     spans: Spans,
     layers: Sequence[int] | None,
     edit: Callable[[int, LayerKV, torch.Tensor], LayerKV],
+    step: Step,
 ) -> KVState:
     """A new state with ``edit(i, layer, entries)`` applied to every chosen layer ``i`` holding a
     token of ``spans`` (``entries``: the layer's entry indices of those tokens, on its device),
-    then the last token recomputed over the edited cache (:func:`~kvedit.state.recompute_last`),
-    so the edit reaches the next token. Layers holding none of the tokens (e.g. sliding-window
-    layers past the span) are kept as they are; an edit that changes nothing returns at once.
+    then the last input recomputed over the edited cache (:func:`~kvedit.passes.recompute_last`),
+    so the edit reaches the next token, and ``step`` recorded in the history (with the tokens
+    and layers it touched). Every reading of a span token is edited: the text token's entries
+    and its re-read copies. Layers holding none of the tokens (e.g. sliding-window layers past
+    the span) are kept as they are; an edit that changes nothing returns at once (no step).
     """
     tokens = span_tokens(state, spans)
     chosen = layer_set(state, layers)
 
-    def apply(st: KVState, toks: torch.Tensor) -> KVState:
+    def apply(st: KVState, skip_last: bool) -> KVState:
         new_layers = []
         for i, layer in enumerate(st.layers):
-            entries = layer.entries_for(toks)
+            hit = torch.isin(layer.token_index, tokens.to(layer.token_index.device))
+            if skip_last:  # the last input's entries: edited after they are recomputed
+                hit &= ~last_input_entries(st, layer)
+            entries = hit.nonzero().flatten()
             if i not in chosen or entries.numel() == 0:
                 new_layers.append(layer)
             else:
                 new_layers.append(edit(i, layer, entries.to(layer.keys.device)))
         return st.replace(layers=new_layers)
 
-    trial = apply(state, tokens)
+    trial = apply(state, skip_last=False)
     if all(a is b for a, b in zip(trial.layers, state.layers, strict=True)):
         return trial  # nothing changed (e.g. strength 0)
-    last = len(state) - 1
-    body = tokens[tokens != last]
-    edited = apply(state, body) if body.numel() else state
-    if body.numel() == tokens.numel():
-        return recompute_last(edited)
+    params = {
+        **step.params,
+        "tokens": token_ranges(tokens),
+        "layers": None if layers is None else sorted(chosen),
+    }
+    step = Step(step.kind, step.name, params, step.exact)
+    if not bool(torch.isin(torch.tensor([state.last_input.token_index]), tokens)):
+        return recompute_last(trial).with_step(step)
+    edited = apply(state, skip_last=True)
     return recompute_last(
         edited, lambda i, layer, entries: edit(i, layer, entries) if i in chosen else layer
-    )
+    ).with_step(step)
