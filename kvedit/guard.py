@@ -24,7 +24,8 @@ from typing import Protocol
 import torch
 
 from . import checks
-from .state import Answer, Decoder, KVState
+from .decoding import Answer, Decoder
+from .state import KVState
 
 __all__ = ["AgreementGuard", "Guard", "Verdict"]
 

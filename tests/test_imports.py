@@ -1,4 +1,4 @@
-"""The import graph of kvedit has no cycles.
+"""The import graph of kvedit has no cycles, and no module takes names from its own parents.
 
 Built with the standard library's ``ast`` from the source files: every import counts, including
 one inside a function; only imports under ``if TYPE_CHECKING:`` are exempt. Importing a
@@ -73,6 +73,29 @@ def imported(name: str) -> set[str]:
     return out
 
 
+def parent_names(name: str) -> list[str]:
+    """``package.name`` for each name ``name`` imports from one of its own parent packages
+    (``from . import __version__``, ``from .. import x`` where ``x`` is not a submodule),
+    anywhere in its source: the parent is still initialising when the module runs, so such an
+    import is a hidden cycle the graph does not show."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if is_package(name) else name.rpartition(".")[0]
+    ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod not in ancestors:
+                continue
+            found += [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" not in MODULES]
+    return found
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -110,7 +133,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports_inside_functions_and_skips_type_checking():
     graph = {name: imported(name) for name in MODULES}
-    assert "kvedit.runtime" in graph["kvedit.state"]
+    assert "kvedit.passes" in graph["kvedit.state"]
     assert "kvedit.runtime" in graph["kvedit.checks"]  # imported inside a function
     fake = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(fake) == [["a", "b", "c"]]
@@ -119,3 +142,20 @@ def test_the_graph_sees_imports_inside_functions_and_skips_type_checking():
 def test_kvedit_has_no_import_cycles():
     graph = {name: imported(name) for name in MODULES}
     assert cycles(graph) == []
+
+
+def test_parent_names_are_found_at_module_level_and_inside_functions(tmp_path, monkeypatch):
+    pkg = tmp_path / "kvedit" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text(
+        "from . import sibling\nfrom .. import __version__\n"
+        "def f():\n    from ... import kvedit_name\n    from .. import x as y\n"
+    )
+    monkeypatch.setitem(MODULES, "kvedit.sub.mod", pkg / "mod.py")
+    monkeypatch.setitem(MODULES, "kvedit.sub.sibling", pkg / "sibling.py")
+    assert parent_names("kvedit.sub.mod") == ["kvedit.__version__", "kvedit.x"]
+
+
+def test_no_module_imports_its_parent_packages_own_names():
+    found = {name: parent_names(name) for name in MODULES}
+    assert {name: names for name, names in found.items() if names} == {}

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..cache import LayerKV
 from ..rope import layer_inv_freq
-from ..state import LayerKV
 
 __all__ = ["Features", "dense_rows", "kv_rows", "rotate", "stacked_inv_freq"]
 

@@ -21,7 +21,9 @@ from safetensors.torch import save_file
 
 from ..atomic import atomic_write
 from ..errors import CorruptCacheError
-from ..storage import crc32_of, read_verified
+from ..statefiles.format import crc32_of
+from ..statefiles.read import read_verified
+from ..version import __version__
 
 if TYPE_CHECKING:
     from .projector import Projector
@@ -51,8 +53,6 @@ def write_projector(projector: Projector, path: str | os.PathLike) -> Path:
         InvalidInputError: ``path`` is empty or a directory.
         StorageError: the file could not be written (nothing is left behind).
     """
-    from .. import __version__  # kvedit/__init__ imports this package before defining it
-
     tensors = projector_tensors(projector)
     meta = {
         "format": FORMAT,

@@ -7,6 +7,8 @@ and B computes its special tokens and the last ``own_last`` tokens itself on top
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -16,9 +18,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import checks
+from ..cache import LayerKV
 from ..errors import CacheMismatchError, InvalidInputError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
-from ..state import KVState, LayerKV, run_model
+from ..passes import run_model
+from ..provenance import History, Origin
+from ..state import KVState, LastInput
 from .align import align_tokens, special_token_mask
 from .features import Features, rotate
 from .fit import fit_fields
@@ -81,6 +86,7 @@ class Projector:
     b_tokenizer: str
     info: dict = field(default_factory=dict)
     _on_device: dict = field(default_factory=dict, repr=False, compare=False)
+    _digest: str | None = field(default=None, repr=False, compare=False)
 
     # --------------------------------------------------------------------------- building
 
@@ -133,6 +139,26 @@ class Projector:
         """Write the projector to one safetensors file (JSON metadata, CRC-32), atomically
         (:func:`kvedit.project.io.write_projector`); returns the path."""
         return write_projector(self, path)
+
+    @property
+    def digest(self) -> str:
+        """A stable hex digest of the fitted map (weights, biases, layer groups, frequencies
+        and the model pair); computed once per projector. A projected state's history names
+        it, so states projected by different maps have different digests."""
+        found = self._digest
+        if found is None:
+            h = hashlib.sha256()
+            h.update(
+                json.dumps(
+                    [self.a_model, self.a_tokenizer, self.b_model, self.b_tokenizer, self.a_layers]
+                ).encode()
+            )
+            for t in (*self.weights, *self.biases, self.a_inv_freq, self.b_inv_freq):
+                t = t.detach().to("cpu").contiguous()
+                h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            found = self._digest = h.hexdigest()[:32]
+        return found
 
     # --------------------------------------------------------------------------- applying
 
@@ -226,7 +252,9 @@ class Projector:
         itself on top of the projected cache, in order; so ``last_logits`` are B's prediction
         after the projected prefix. A's attention biases (edits) are ignored; A's K/V are
         taken from each token's last entry. Sliding-window layers keep the entries B's own
-        captured cache keeps.
+        captured cache keeps. The state's history has a ``"projection"`` origin (A's model and
+        tokenizer, A's state's digest, this projector's :attr:`digest`, ``own_last``): it is
+        no capture, so :class:`~kvedit.KVStore` refuses it.
 
         Raises:
             CacheMismatchError: ``state_a`` is not from the projector's model A, or
@@ -277,6 +305,17 @@ class Projector:
                     for layer, (k, v) in zip(layers, projected, strict=True)
                 ]
             start = stop
+        origin = Origin(
+            "projection",
+            {
+                "source_model": self.a_model,
+                "source_tokenizer": self.a_tokenizer,
+                "source": state_a.digest,
+                "projector": self.digest,
+                "own_last": own_last,
+                "dtype": dtype,
+            },
+        )
         return KVState(
             layers=layers,
             token_ids=torch.tensor(ids, dtype=torch.long),
@@ -287,6 +326,8 @@ class Projector:
             last_logits=last_logits,
             model_fingerprint=self.b_model,
             tokenizer_fingerprint=self.b_tokenizer,
+            history=History(origin),
+            last_input=LastInput(n - 1, n - 1),
             model=model_b,
             tokenizer=tok_b,
         )

@@ -21,7 +21,8 @@ whatever the entries directory holds (records and leftovers included) counts aga
 recreates it on the next write. The index is rebuilt from the ``.json`` records whenever the
 directory changes. A corrupt entry fails its checksum
 (:class:`~kvedit.errors.CorruptCacheError`) when read, and is dropped, never served. Nothing is
-ever pickled.
+ever pickled. A state file records its history (format 3); :class:`~kvedit.KVStore` serves an
+entry only when that history is a plain capture.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..atomic import atomic_write, is_temp_name
 from ..errors import CorruptCacheError, InvalidInputError, StoreUnavailableError
 from ..state import KVState
-from ..storage import read_state_file, save_state, state_from_parts
+from ..statefiles.read import read_state_file, state_from_parts
+from ..statefiles.write import save_state
 from .keys import CHUNK_TOKENS, STORE_FORMAT, STORE_VERSION, content_key, is_key
 from .lock import StoreLock
 from .records import EntryMeta
@@ -290,7 +292,7 @@ class DiskTier:
                 != fps
             ):
                 raise CorruptCacheError(f"{path}: contents do not match the key")
-            state = state_from_parts(file_meta, tensors, model, tokenizer)
+            state = state_from_parts(file_meta, tensors, model, tokenizer, path=path)
         except FileNotFoundError:
             return DiskRead(None)  # evicted by another writer meanwhile
         except (CorruptCacheError, KeyError) as e:

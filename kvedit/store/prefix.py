@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reuse import cut_layers, extend_ids
+from ..capturing import cut_layers, extend_ids
 from ..state import KVState
 from .keys import tail_key
 from .records import EntryMeta
@@ -105,6 +105,7 @@ def as_prefix(stored: KVState, n: int, ids: list[int], offsets: torch.Tensor, te
         text=text[: text_end(m)],
         position_ids=torch.arange(m),
         next_position=m,
+        last_input=None,  # the last of the m tokens (a stored state is a plain capture)
     )
     if whole:
         return base

@@ -3,7 +3,8 @@
 An entry's record (:class:`EntryMeta`) is its ``KEY.json`` on disk and rides along with its
 state in memory: the key, token count, who made it, the chain hashes it is indexed under,
 whether it can be cut at an earlier chunk boundary, its size, pin and expiry.
-:func:`check_storable` decides which states the store accepts (unedited captures only), and
+:func:`check_storable` decides which states the store accepts (plain captures only, by their
+history and their tensors), and
 :func:`check_fingerprints` that a record was made by the caller's model and tokenizer.
 """
 
@@ -21,7 +22,7 @@ from ..errors import CacheMismatchError, InvalidInputError
 from ..state import KVState
 from .keys import STORE_FORMAT, chain_root, chunk_hashes, is_key, tail_key
 
-__all__ = ["EntryMeta", "check_fingerprints", "check_storable"]
+__all__ = ["EntryMeta", "check_fingerprints", "check_storable", "storable_problem"]
 
 
 @dataclass(frozen=True)
@@ -108,23 +109,42 @@ class EntryMeta:
         return meta
 
 
-def check_storable(state: KVState) -> None:
-    """Only unedited captures are content-addressed: the key says nothing about edits.
+def storable_problem(state: KVState, allowed_casts: Sequence = ()) -> str | None:
+    """Why the store may not hold (or serve) ``state``, or None: its history must be a plain
+    capture (:meth:`History.first_change <kvedit.provenance.History.first_change>`: a capture
+    with nothing done to it but exact casts, or casts to a dtype of ``allowed_casts``). The
+    phrase names the first transformation."""
+    change = state.history.first_change(allowed_casts)
+    return None if change is None else f"its history shows {change}"
 
-    A storable state of ``n`` tokens has ``position_ids == arange(n)`` (``[n]``) and
-    ``next_position == n``; every layer is of a registered lossless kind (:mod:`kvedit.cache`) without a bias
-    whose ``token_index`` and ``positions`` (``[len(layer)]``) are its last ``len(layer)``
-    tokens in order, and a global layer (no window) holds all ``n``.
+
+def check_storable(state: KVState, allowed_casts: Sequence = ()) -> None:
+    """Only plain captures are content-addressed: the key (a function of the token ids) says
+    nothing about edits.
+
+    The state's history must be a plain capture (:func:`storable_problem`): a capture with
+    nothing done to it but exact casts, or casts to a dtype in ``allowed_casts``; a state with
+    an unknown history (a file written before kvedit 0.3) is refused too. Then, as a check of
+    the tensors themselves, a storable state of ``n`` tokens has ``position_ids == arange(n)``
+    (``[n]``) and ``next_position == n``; every layer is of a registered lossless kind
+    (:mod:`kvedit.cache`) without a bias whose ``token_index`` and ``positions``
+    (``[len(layer)]``) are its last ``len(layer)`` tokens in order, a global layer (no window)
+    holds all ``n``, and the last logits follow the last token.
 
     Raises:
         InvalidInputError: the state is not such a capture (the message names the first
-            problem).
+            transformation in its history, or the first problem with its tensors).
     """
     n = len(state)
     problems = []
-    if state.next_position != n or not torch.equal(state.position_ids, torch.arange(n)):
+    change = storable_problem(state, allowed_casts)
+    if change is not None:
+        problems.append(change)
+    elif state.next_position != n or not torch.equal(state.position_ids, torch.arange(n)):
         problems.append("positions are not 0..n-1")
     for i, layer in enumerate(state.layers):
+        if problems:
+            break
         if layer.kind not in LAYER_CLASSES or not layer.lossless:
             problems.append(f"layer {i} is a lossy {layer.kind!r} layer ({type(layer).__name__})")
             break
@@ -141,6 +161,12 @@ def check_storable(state: KVState) -> None:
         raise InvalidInputError(
             "KVStore holds unedited captures only (an edited cache is not determined by its "
             f"tokens, so it cannot be content-addressed): {problems[0]}"
+        )
+    last = state.last_input
+    if n and (last.token_index, last.position) != (n - 1, n - 1):
+        raise InvalidInputError(
+            "KVStore holds unedited captures only: the last logits follow token "
+            f"{last.token_index} at position {last.position}, not the last token"
         )
 
 

@@ -28,15 +28,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import checks
+from ..capturing import encode
 from ..errors import EntryNotFoundError, InvalidInputError, InvalidTypeError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
-from ..reuse import encode
 from ..state import KVState
 from .disk import DiskTier
 from .keys import chain_root, check_key, chunk_hashes, content_key
 from .memory import MemoryTier
 from .prefix import PrefixMatch, as_prefix, candidates
-from .records import EntryMeta, check_fingerprints, check_storable
+from .records import EntryMeta, check_fingerprints, check_storable, storable_problem
 
 __all__ = ["KVStore"]
 
@@ -49,6 +49,7 @@ _COUNTERS = (
     "expired",
     "corrupt",
     "rejected",
+    "stale",
 )
 
 
@@ -63,6 +64,17 @@ class KVStore:
         chunk_tokens: ids per hashed chunk (default 256); fixed when the store is created.
         lock_timeout: seconds a writer waits for another writer's lock before
             :class:`StoreLockTimeout`.
+        allow_casts: dtypes (or their names) a stored or served state may have been cast to
+            lossily, e.g. ``(torch.bfloat16,)`` to keep captures saved or loaded in bfloat16
+            (lossless casts, such as bfloat16 to float32, are always allowed).
+
+    The store holds what it says: plain captures, whose content is a function of the key (the
+    model, the tokenizer and the token ids). :meth:`put` refuses any other state, by its
+    history (:attr:`KVState.history <kvedit.KVState.history>`: an edit, a compression, a
+    re-read, a projection, a blend, a lossy cast not allowed, or an unknown history), and a
+    state read from disk is served only if its history is such a capture: an entry written
+    before kvedit 0.3 (no history) is a miss, dropped (counted as ``stale``), and recomputed
+    by whoever wanted it.
 
     Counters in :meth:`stats` (hits, misses, evictions...) are per ``KVStore`` object.
 
@@ -81,6 +93,7 @@ class KVStore:
         *,
         chunk_tokens: int | None = None,
         lock_timeout: float = 60.0,
+        allow_casts: Sequence[torch.dtype | str] = (),
     ) -> None:
         if max_bytes is not None:
             max_bytes = checks.count("max_bytes", max_bytes, minimum=0)
@@ -99,6 +112,12 @@ class KVStore:
         self.max_bytes = max_bytes
         self.memory_bytes = memory_bytes or 0
         self.lock_timeout = lock_timeout
+        if isinstance(allow_casts, (str, torch.dtype)):
+            allow_casts = (allow_casts,)
+        self.allow_casts = tuple(
+            checks.save_dtype(getattr(torch, d, d) if isinstance(d, str) else d)
+            for d in allow_casts
+        )
         self._counts: Counter = Counter()
         self._memory = MemoryTier(self.memory_bytes)
         self._disk = DiskTier(
@@ -119,16 +138,24 @@ class KVStore:
         mfp, tfp = self._fingerprints(model, tokenizer)
         return content_key(mfp, tfp, [int(i) for i in ids], self.chunk_tokens)
 
+    def refusal(self, state: KVState) -> str | None:
+        """Why this store would not hold or serve ``state`` (a phrase naming the first
+        transformation in its history), or None for a plain capture (or an allowed cast of
+        one)."""
+        return storable_problem(state, self.allow_casts)
+
     def put(self, state: KVState, ttl: float | None = None) -> str:
-        """Store ``state`` (an unedited capture) and return its key (hex).
+        """Store ``state`` (a plain capture) and return its key (hex).
 
         ``ttl``: seconds until the entry expires (None: never); putting an existing key again
         refreshes it and sets its TTL anew. Raises
-        :class:`~kvedit.errors.InvalidInputError` (a ValueError) for edited states (a bias,
-        added or moved entries, quantized layers). The store trusts that the state is what a
-        prefill of its tokens gives: a blended state (an approximation) put here would be
-        reused as if exact. The memory tier keeps a reference to ``state`` (states are never
-        mutated by kvedit).
+        :class:`~kvedit.errors.InvalidInputError` (a ValueError) for any state that is not a
+        plain capture, naming the first transformation in its history
+        (:meth:`~kvedit.provenance.History.first_change`): an edit (scaled keys, a bias,
+        copies, a re-read), a compression, a projection, a blend, a lossy cast not in
+        ``allow_casts``, or an unknown history; then for tensors that do not look like a
+        capture (a bias, added or moved entries, quantized layers). The memory tier keeps a
+        reference to ``state`` (states are never mutated by kvedit).
         """
         if not isinstance(state, KVState):
             raise InvalidTypeError(f"put takes a KVState, not a {type(state).__name__}")
@@ -138,7 +165,7 @@ class KVStore:
                 raise InvalidInputError(
                     f"ttl must be a positive number of seconds or None, not {ttl!r}"
                 )
-        check_storable(state)
+        check_storable(state, self.allow_casts)
         now = time.time()
         meta = EntryMeta.build(
             state.token_ids.tolist(),
@@ -325,6 +352,8 @@ class KVStore:
             self._drop(key, "expired")
             return None
         check_fingerprints(entry.meta, fps, model)
+        if self.refusal(entry.state) is not None:  # pragma: no cover - put refuses them
+            return None
         return entry.state.replace(model=model, tokenizer=tokenizer)
 
     def _from_disk(
@@ -350,6 +379,15 @@ class KVStore:
             return None
         if read.state is None:
             return None
+        if not read.state.history.known or read.state.history.origin.kind != "capture":
+            # written before kvedit 0.3 (or not a capture at all): a miss, recomputed by
+            # whoever wanted it, never served as a capture
+            self._drop(key, "stale")
+            return None
+        if self.refusal(read.state) is not None:
+            return (
+                None  # a capture, but cast for this model in a way the store was not told to allow
+            )
         self._disk.touch(key)
         self._memory.remember(key, read.state, meta)
         return read.state
