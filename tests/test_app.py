@@ -27,7 +27,6 @@ from helpers import free_port
 import kvedit
 from apps import highlight
 from apps.highlight import Highlighter, InputError, Limits, span_lines, split_prompt, strip_markers
-from kvedit.focus import choose
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,7 +81,7 @@ def test_span_lines_skip_blank_lines_and_strip():
 def test_split_prompt_cuts_the_template_after_the_context(llama):
     _, tok = llama
     split = split_prompt(tok, CONTEXT, QUESTION)
-    full = kvedit.state.templated_prompt(tok, CONTEXT + "\n\nQuestion: " + QUESTION)
+    full = kvedit.templated_prompt(tok, CONTEXT + "\n\nQuestion: " + QUESTION)
     assert split.prefix + split.continuation == full
     assert split.prefix.endswith(CONTEXT)
     assert split.prefix[split.context_start :] == CONTEXT
@@ -232,7 +231,7 @@ def test_focus_picks_a_sentence_the_run_accepts(app, llama):
     split = split_prompt(tok, CONTEXT, QUESTION)
     state = kvedit.capture(model, tok, split.prefix)
     ranges = [split.shift([(p["start"], p["end"])])[0] for p in result.passages]
-    want = choose(state, split.continuation, ranges, query=QUESTION)
+    want = kvedit.choose(state, split.continuation, ranges, query=QUESTION)
     assert scores == pytest.approx(want.scores, abs=1e-6)
 
 
@@ -350,7 +349,7 @@ def test_cli_finds_the_app_outside_the_repository(tmp_path):
     # From another directory (the checkout not on sys.path), `kvedit app` still finds apps/ of
     # the checkout kvedit runs from: through the editable install, else next to kvedit/.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = "from kvedit.cli import _load_app; app = _load_app(); print(app.__name__, app.__file__)"
+    code = "from kvedit.cli.app import load_app; app = load_app(); print(app.__name__, app.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -365,10 +364,10 @@ def test_cli_finds_the_app_outside_the_repository(tmp_path):
 _INSTALLED_CHECK = """
 import runpy, sys
 from pathlib import Path
-from kvedit.cli import _load_app
+from kvedit.cli.app import load_app
 
 site = Path(sys.argv[1])
-app = _load_app()
+app = load_app()
 assert app.__name__ == "kvedit_apps.highlight", app.__name__
 assert app.Highlighter.__module__ == "kvedit_apps.highlight.steer"
 loaded = {n: m.__file__ for n, m in sys.modules.items() if n.split(".")[0] in ("kvedit", "kvedit_apps", "apps")}

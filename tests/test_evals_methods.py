@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import kvedit
 from kvedit import ops
 from kvedit.cli import main as cli_main
 from kvedit.errors import InvalidInputError
@@ -172,24 +173,40 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
     assert all(set(r) >= {"id", "method", "gold_index", "prediction", "correct"} for r in recs)
     again = run(model, tok, examples, methods, max_new_tokens=4, progress=False)
     assert [r["prediction"] for r in recs] == [r["prediction"] for r in again]
+    # auto and reread record the document they chose (top_k=1; none when focus abstains).
+    # Where they chose one they answer from an edit of it, which on this tiny model changes
+    # the answer (an auto that answered from the unedited capture would answer as none does);
+    # where they chose none they answer as none does.
+    by = {(r["id"], r["method"]): r for r in recs}
+    edited = set()
+    for ex in examples:
+        unedited = by[(ex.id, "none")]["prediction"]
+        for spec in ("auto:strength=3", "reread"):
+            rec = by[(ex.id, spec)]
+            chosen = rec["chosen"]
+            assert len(chosen) <= 1 and all(0 <= i < len(ex.documents) for i in chosen)
+            if chosen:
+                assert rec["prediction"] != unedited, f"{spec} answered {ex.id} without an edit"
+                edited.add(spec)
+            else:
+                assert rec["prediction"] == unedited
+    assert edited == {"auto:strength=3", "reread"}, "each must edit some example for this test"
 
 
 def test_auto_calls_kvedit_focus_on_the_documents(llama, monkeypatch):
     """``auto`` is a thin call of :func:`kvedit.focus`: the documents are the passages, the
     example's question the calibration query (the scoring is tested in tests/test_focus.py)."""
-    from kvedit.evals.methods import focus as example_focus_module
-
     model, tok = llama
     ex = small_examples()[0]
     ctx = ExampleContext(model, tok, ex, max_new_tokens=2)
     calls = []
-    real_focus = example_focus_module.focus
+    real_focus = kvedit.focus
 
     def spy(state, question, passages, **kw):
         calls.append((question, passages, kw))
         return real_focus(state, question, passages, **kw)
 
-    monkeypatch.setattr(example_focus_module, "focus", spy)
+    monkeypatch.setattr(kvedit, "focus", spy)
     parse_spec("auto").predict(ctx)
     ((question, passages, kw),) = calls
     assert question == ctx.continuation and passages == ctx.doc_spans
@@ -253,8 +270,11 @@ def test_compression_methods_answer_from_the_compressed_cache(llama, monkeypatch
 
         return edit
 
-    monkeypatch.setattr(ops, "snapkv", spy("snapkv"))
-    monkeypatch.setattr(ops, "quantize", spy("quantize"))
+    import kvedit.evals.methods.quantize as quantize_method
+    import kvedit.evals.methods.snapkv as snapkv_method
+
+    monkeypatch.setattr(snapkv_method, "snapkv", spy("snapkv"))
+    monkeypatch.setattr(quantize_method, "quantize", spy("quantize"))
     ctx = ExampleContext(model, tok, small_examples()[0], max_new_tokens=3)
     assert parse_spec("snapkv:keep=0.25").predict(ctx) == f"snapkv|{ctx.continuation}|3"
     op, state, kwargs = calls[-1]
@@ -373,20 +393,11 @@ def test_cli_litm_writes_results_and_plot(tmp_path, capsys):
     assert [e["prediction"] for e in res2["examples"]] == first
 
 
-def test_cli_rejects_bad_method_before_loading(tmp_path):
-    with pytest.raises(ValueError, match="unknown method"):
-        cli_main(
-            [
-                "eval",
-                "litm",
-                "--methods",
-                "none,bogus",
-                "--model",
-                "tiny-llama",
-                "--out",
-                str(tmp_path),
-            ]
-        )
+def test_cli_rejects_bad_method_before_loading(tmp_path, capsys):
+    args = ["eval", "litm", "--methods", "none,bogus", "--model", "tiny-llama"]
+    assert cli_main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert "kvedit eval litm: error: unknown method" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_examples_interleave_positions_so_a_limit_covers_all():
@@ -533,7 +544,7 @@ def _untemplated(tok):
 
 def test_plain_and_chat_prompts_put_the_same_message_in_their_formats(llama):
     from kvedit.evals.prompts import ANSWER_CUE
-    from kvedit.state import templated_prompt
+    from kvedit.prompts import templated_prompt
 
     model, tok = llama
     ex = small_examples()[0]
@@ -611,7 +622,9 @@ def test_evaluate_records_the_prompt_format_and_reuse_refuses_another(tmp_path, 
             super().__init__(*args, **kwargs)
             formats.append(self.prompt_format)
 
-    monkeypatch.setattr(litm, "ExampleContext", SpyContext)
+    from kvedit.evals import engines  # both engines' pairs come from engines.example_pairs
+
+    monkeypatch.setattr(engines, "ExampleContext", SpyContext)
     assert cli_main([*args, "--prompt", "plain", "--out", str(tmp_path / "plain")]) == 0
     assert formats == ["plain", "plain"]
     plain = tmp_path / "plain" / "results.json"

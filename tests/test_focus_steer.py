@@ -7,17 +7,17 @@ import pytest
 import torch
 
 import kvedit
+from kvedit.capturing import capture_tokens
 from kvedit.errors import InvalidInputError, NestedSteeringError
 from kvedit.readout import attention_share
 from kvedit.runtime import active_plan, detached
-from kvedit.state import capture_tokens
 
 CONTEXT = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
 QUESTION = "What is Bo's number?"
 
 
 def _prompt(tok):
-    return kvedit.state.templated_prompt(tok, CONTEXT + "\n\nQuestion: " + QUESTION)
+    return kvedit.templated_prompt(tok, CONTEXT + "\n\nQuestion: " + QUESTION)
 
 
 def test_capture_tokens_equals_capture(llama):
@@ -53,19 +53,21 @@ def test_detached_lets_kvedit_run_inside_a_steer_block(llama):
 def test_wrapper_answers_like_focus_on_the_same_cut(llama, max_strength):
     model, tok = llama
     prompt = _prompt(tok)
-    s = kvedit.steer(model, tok, focus=True, question=QUESTION)
+    s = kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None)
     out = s.generate(prompt, max_new_tokens=8)
     found = s.plan.found
     assert found is not None and len(found.strengths) == len(found.state.layers)
-    # the same cut by hand: the prompt's tokens up to the question, then kvedit.focus
+    # the same cut by hand: the prompt's tokens up to the question's line (less the blank
+    # line before it), then kvedit.focus on the user turn
     ids = tok(prompt)["input_ids"]
-    cut = prompt.rindex(QUESTION)
+    cut = prompt.rindex("\n\nQuestion: " + QUESTION)
     offsets = tok(prompt, return_offsets_mapping=True)["offset_mapping"]
     n = sum(1 for _, b in offsets if b <= cut)
     state = capture_tokens(model, tok, ids[:n])
-    region = (0, state.text.rfind("\n") + 1)  # the lines before the question's
-    again = kvedit.focus(state, tok.decode(ids[n:]), query=QUESTION, region=region)
-    assert all(b <= region[1] for a, b in found.passages)  # "Question:" is never a passage
+    region = (state.text.index(CONTEXT), len(state.text))  # the user turn, not the template
+    again = kvedit.focus(state, tok.decode(ids[n:]), query=QUESTION, region=region, threshold=None)
+    texts = [state.text[a:b] for a, b in found.passages]
+    assert texts == ["Read the records.", *CONTEXT.split("\n\n")[1].split("\n")]
     assert again.chosen == found.chosen and again.strengths == found.strengths
     assert again.kept == found.kept
     assert out == again.generate(8)
@@ -75,7 +77,7 @@ def test_wrapper_with_the_guard_off_equals_the_edit(llama):
     """Without a guard verdict to lean on, the steered decode equals the edited cache."""
     model, tok = llama
     prompt = _prompt(tok)
-    s = kvedit.steer(model, tok, focus=True, question=QUESTION)
+    s = kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None)
     out = s.generate(prompt, max_new_tokens=6)
     found = s.plan.found
     spans = [found.passages[i] for i in found.chosen]
@@ -89,10 +91,10 @@ def test_wrapper_with_the_guard_off_equals_the_edit(llama):
 def test_context_manager_around_model_generate(llama):
     model, tok = llama
     prompt = _prompt(tok)
-    s = kvedit.steer(model, tok, focus=True, question=QUESTION)
+    s = kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None)
     wrapped = s.generate(prompt, max_new_tokens=6)
     enc = tok(prompt, return_tensors="pt")
-    with kvedit.steer(model, tok, focus=True, question=QUESTION) as t:
+    with kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None) as t:
         out = model.generate(**enc, max_new_tokens=6, do_sample=False)
     assert t.plan.found.chosen == s.plan.found.chosen
     assert tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True) == wrapped
@@ -136,10 +138,15 @@ def test_a_guard_that_drops_the_edit_leaves_the_prompt_unsteered(llama):
     enc = tok(prompt, return_tensors="pt")
     plain = model.generate(**enc, max_new_tokens=6, do_sample=False)
     unsteered = tok.decode(plain[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    keep = kvedit.steer(model, tok, focus=True, question=QUESTION)
+    keep = kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None)
     assert keep.generate(prompt, max_new_tokens=6) != unsteered  # the edit changes the answer
     drop = kvedit.steer(
-        model, tok, focus=True, question=QUESTION, guard=AgreementGuard(1e9, max_new_tokens=6)
+        model,
+        tok,
+        focus=True,
+        question=QUESTION,
+        guard=AgreementGuard(1e9, max_new_tokens=6),
+        threshold=None,
     )
     assert drop.generate(prompt, max_new_tokens=6) == unsteered
     assert not drop.plan.found.kept and drop.plan.found.verdict.reason == "original"

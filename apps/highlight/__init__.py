@@ -13,7 +13,7 @@ with :func:`kvedit.load_state`.
 
 Auto-highlight picks the spans for you: the context is captured in the same prompt, cut into
 passages (paragraphs, the lines of multi-line ones; sentences when that gives one passage) and
-:func:`kvedit.focus.choose` scores each by the attention the question gives it against a
+:func:`kvedit.choose` (:func:`kvedit.focus`'s scoring, no edit) scores each by the attention the question gives it against a
 content-free version of the question. The best ``top_k`` go into the Emphasize box and the
 scores are drawn as bars; nothing is steered until Run.
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvedit.state import templated_prompt
+from kvedit.prompts import templated_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

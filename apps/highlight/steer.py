@@ -6,8 +6,8 @@ The context is captured once with :func:`kvedit.capture`; :func:`kvedit.ops.emph
 attention views come from :func:`kvedit.attention_share` on each cache.
 
 Auto-highlight (:meth:`Highlighter.focus`, a :class:`FocusResult`) scores the context's passages
-with :func:`kvedit.focus.choose` (the scoring half of :func:`kvedit.focus.focus`, no edit) and
-returns the best ones as Emphasize-box text; the steering is left to :meth:`Highlighter.run`.
+with :func:`kvedit.choose` (the scoring half of :func:`kvedit.focus`: the same choice, no edit)
+and returns the best ones as Emphasize-box text; the steering is left to :meth:`Highlighter.run`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 import kvedit
-from kvedit.focus import choose
 from kvedit.passages import split_passages
 from kvedit.spans import tokens_in_ranges
 
@@ -139,7 +138,7 @@ class Highlighter:
         The context is captured in the same chat-templated prompt as :meth:`run` and cut into
         passages (:func:`kvedit.passages.split_passages`, default rule, inside the context
         only: paragraphs, the lines of multi-line ones; sentences when that gives a single
-        passage). :func:`kvedit.focus.choose` scores them (the attention the question gives
+        passage). :func:`kvedit.choose` scores them (the attention the question gives
         each, against a content-free version of the question) without editing the cache;
         nothing is steered. Inline markers are removed first.
 
@@ -156,7 +155,7 @@ class Highlighter:
         if len(ranges) < 2:  # one paragraph of one line: its sentences are the passages
             ranges = split_passages(state, "sentences", region)
         k = min(req.top_k, len(ranges))
-        found = choose(state, split.continuation, ranges, top_k=k, query=req.question)
+        found = kvedit.choose(state, split.continuation, ranges, top_k=k, query=req.question)
 
         lo = split.context_start
         chosen = set(found.chosen)

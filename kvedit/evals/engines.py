@@ -1,5 +1,11 @@
 """Which engine decodes the answers of ``kvedit eval litm``: kvedit's own, or vLLM.
 
+Both engines answer the same (example, method) pairs, from :func:`example_pairs`: one
+:class:`~kvedit.evals.methods.ExampleContext` per example (its capture made once, before any
+method's time counts), methods that need documents left out on examples without any, and the
+pairs an earlier run answered (``--resume``, ``--reuse``) carrying that run's record. They
+differ only in how a pending pair is answered:
+
 ``transformers`` (the default): every method answers itself (:meth:`Method.predict
 <kvedit.evals.methods.Method.predict>`), one example after another, with kvedit's decoding on
 the Hugging Face model.
@@ -13,15 +19,21 @@ and the methods' own work (scoring documents, editing) still run in kvedit. A me
 answers another way (``closedbook``, ``steer``, compression methods) is refused before any
 work. A record's ``seconds`` is the method's own time plus its share of the batch's vLLM time
 (see :class:`~kvedit.integrations.vllm.answer.VLLMAnswerer`); it also has ``"exact"``, whether
-the published cache realises the method's edit exactly (an ``emphasize`` strength that is not
-``log(r + 1)`` is realised by the nearest copy count).
+the published cache realises the method's edit exactly. What vLLM serves follows one rule
+(:mod:`kvedit.integrations.vllm.servable`): a state realised only approximately (an
+``emphasize`` strength that is not ``log(r + 1)``, ``auto``'s per-layer strengths, biases on
+sliding-window layers) is answered only with ``approximate=True`` (``--approximate``), and its
+record then has ``"approximation"``, the parameters of the approximation step its state was
+labelled with; otherwise the run stops at the first such state, before it is served.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvedit.errors import InvalidInputError, KVEditError
 from kvedit.evals.methods import ExampleContext, Method
@@ -35,12 +47,17 @@ __all__ = [
     "ENGINES",
     "VLLM_BATCH",
     "VLLM_KV_CACHE_BYTES",
+    "Pair",
     "check_engine",
+    "example_pairs",
     "RECORDED_NOTES",
     "result_record",
+    "run_on_transformers",
     "run_on_vllm",
     "take_recorded",
 ]
+
+T = TypeVar("T")
 
 ENGINES = ("transformers", "vllm")
 """What ``kvedit eval litm --engine`` accepts."""
@@ -117,6 +134,102 @@ def result_record(
     return record
 
 
+@dataclass
+class Pair:
+    """One (example, method) pair of a run (:func:`example_pairs`).
+
+    Attributes:
+        example: the example.
+        method: the method that answers it.
+        ctx: the example's context, shared by every method on it.
+        record: the record an earlier run made for the pair (``done``: ``--resume``,
+            ``--reuse``), taken as is; ``None`` when the pair is to be answered.
+    """
+
+    example: Example
+    method: Method
+    ctx: ExampleContext
+    record: dict | None = None
+
+    def answer(self, how: Callable[[ExampleContext], T]) -> tuple[T, float, dict[str, Any]]:
+        """``(how(ctx), seconds, notes)``: what the method computes (``method.predict`` or
+        ``method.answer_state``), the seconds it took (the method's own time: the shared
+        capture is made before) and the notes it left for its record (:func:`take_recorded`)."""
+        t0 = time.perf_counter()
+        out = how(self.ctx)
+        seconds = time.perf_counter() - t0
+        return out, seconds, take_recorded(self.ctx.notes)
+
+    def result(self, prediction: str, seconds: float, notes: dict[str, Any]) -> dict:
+        """The pair's :func:`result_record`."""
+        spec, prompt = self.method.spec, self.ctx.prompt_format
+        return result_record(self.example, spec, prediction, seconds, notes, prompt)
+
+
+def example_pairs(
+    model,
+    tokenizer,
+    examples: Iterable[Example],
+    methods: Sequence[Method],
+    max_new_tokens: int,
+    prompt: str,
+    done: dict[tuple[str, str], dict],
+) -> Iterator[list[Pair]]:
+    """Per example, in order, the list of its pairs (:class:`Pair`, in the order of
+    ``methods``): what every engine answers.
+
+    A method that needs documents is left out on an example without any; a pair found in
+    ``done`` (keyed by ``(id, method spec)``) carries that record. When some pair is left to
+    answer with a method that answers from the captured documents (``uses_capture``), the
+    capture is made before the list is yielded, so that it counts in no method's seconds.
+    """
+    for example in examples:
+        ctx = ExampleContext(model, tokenizer, example, max_new_tokens, prompt)
+        pairs = [
+            Pair(example, method, ctx, done.get((example.id, method.spec)))
+            for method in methods
+            if example.documents or not method.needs_documents
+        ]
+        if example.documents and any(p.record is None and p.method.uses_capture for p in pairs):
+            ctx.state  # noqa: B018 -- the shared capture, outside every method's "seconds"
+        yield pairs
+
+
+def run_on_transformers(
+    model,
+    tokenizer,
+    examples: Sequence[Example],
+    methods: Sequence[Method],
+    max_new_tokens: int,
+    prompt: str,
+    done: dict[tuple[str, str], dict],
+    on_record: Callable[[dict], None] | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """:func:`kvedit.evals.litm.run` with kvedit's own decoding: each method answers
+    (:meth:`Method.predict <kvedit.evals.methods.Method.predict>`) as its pair comes."""
+    from tqdm.auto import tqdm
+
+    records: list[dict] = []
+    bar = tqdm(total=len(examples), desc="litm", disable=not progress, unit="ex")
+    try:
+        for pairs in example_pairs(
+            model, tokenizer, examples, methods, max_new_tokens, prompt, done
+        ):
+            for pair in pairs:
+                if pair.record is not None:  # taken from an earlier run
+                    records.append(pair.record)
+                    continue
+                record = pair.result(*pair.answer(pair.method.predict))
+                records.append(record)
+                if on_record is not None:
+                    on_record(record)
+            bar.update(1)
+    finally:
+        bar.close()
+    return records
+
+
 def run_on_vllm(
     model,
     tokenizer,
@@ -129,14 +242,24 @@ def run_on_vllm(
     progress: bool = True,
     batch: int = VLLM_BATCH,
     answerer: VLLMAnswerer | None = None,
+    approximate: bool = False,
     **llm_kwargs: Any,
 ) -> tuple[list[dict], dict[str, float]]:
-    """:func:`kvedit.evals.litm.run` with vLLM decoding (see the module doc).
+    """:func:`kvedit.evals.litm.run` with vLLM decoding (see the module doc): each method
+    builds the state it answers from (:meth:`Method.answer_state
+    <kvedit.evals.methods.Method.answer_state>`), and vLLM answers ``batch`` examples' pairs
+    in one call.
 
     Returns the records (in the order the transformers engine makes them) and timings:
     ``engine_start_seconds`` (0 when ``answerer``, a
     :class:`~kvedit.integrations.vllm.answer.VLLMAnswerer`, is given) and ``serve_seconds``
-    (publishing and vLLM's ``generate`` calls, summed). ``llm_kwargs`` go to the engine.
+    (publishing and vLLM's ``generate`` calls, summed). ``approximate``: serve states vLLM
+    realises only approximately, labelled (an ``answerer`` given keeps its own setting).
+    ``llm_kwargs`` go to the engine.
+
+    Raises:
+        InvalidInputError: a state vLLM realises only approximately (without ``approximate``)
+            or not at all; it names the method and the flag.
     """
     from tqdm.auto import tqdm
 
@@ -149,52 +272,47 @@ def run_on_vllm(
 
         if on_cpu() and "gpu_memory_utilization" not in llm_kwargs:
             llm_kwargs.setdefault("kv_cache_memory_bytes", VLLM_KV_CACHE_BYTES)
-        answerer = VLLMAnswerer(model, tokenizer, **llm_kwargs)
+        answerer = VLLMAnswerer(model, tokenizer, approximate=approximate, **llm_kwargs)
     records: list[dict] = []
     timings = {"engine_start_seconds": answerer.start_seconds if own else 0.0}
     serve_seconds = 0.0
     bar = tqdm(total=len(examples), desc="litm/vllm", disable=not progress, unit="ex")
+    groups = example_pairs(model, tokenizer, examples, methods, max_new_tokens, prompt, done)
     try:
-        for lo in range(0, len(examples), batch):
-            slots: list[dict | tuple[Example, str, float, dict]] = []
-            for example in examples[lo : lo + batch]:
-                ctx = ExampleContext(model, tokenizer, example, max_new_tokens, prompt)
-                for method in methods:
-                    if method.needs_documents and not example.documents:
-                        continue
-                    if (example.id, method.spec) in done:
-                        slots.append(done[(example.id, method.spec)])
-                        continue
-                    if example.documents:
-                        ctx.state  # noqa: B018 -- the shared capture, outside "seconds"
-                    t0 = time.perf_counter()
-                    state = method.answer_state(ctx)
-                    seconds = time.perf_counter() - t0
-                    notes = take_recorded(ctx.notes)
-                    answerer.submit(state, ctx.continuation, max_new_tokens)
-                    slots.append((example, method.spec, seconds, notes))
+        while chunk := list(islice(groups, batch)):
+            pairs = [pair for group in chunk for pair in group]
+            asked: list[tuple[float, dict[str, Any]]] = []  # the submitted pairs' own work
+            for pair in pairs:
+                if pair.record is None:
+                    state, seconds, notes = pair.answer(pair.method.answer_state)
+                    try:
+                        answerer.submit(state, pair.ctx.continuation, max_new_tokens)
+                    except InvalidInputError as e:
+                        raise InvalidInputError(
+                            f"--engine vllm, method {pair.method.spec}, example "
+                            f"{pair.example.id}: {e}"
+                        ) from e
+                    asked.append((seconds, notes))
             served_list = answerer.flush()
-            expected = sum(not isinstance(slot, dict) for slot in slots)
-            if len(served_list) != expected:  # never pair an answer with another example
+            if len(served_list) != len(asked):  # never pair an answer with another example
                 raise KVEditError(
-                    f"the engine returned {len(served_list)} answers for {expected} prompts"
+                    f"the engine returned {len(served_list)} answers for {len(asked)} prompts"
                 )
-            answers = iter(served_list)
-            for slot in slots:
-                if isinstance(slot, dict):  # taken from an earlier run
-                    records.append(slot)
+            answers = iter(zip(asked, served_list, strict=True))
+            for pair in pairs:
+                if pair.record is not None:  # taken from an earlier run
+                    records.append(pair.record)
                     continue
-                example, spec, seconds, notes = slot
-                served = next(answers)
+                (seconds, notes), served = next(answers)
                 serve_seconds += served.seconds
-                record = result_record(
-                    example, spec, served.text, seconds + served.seconds, notes, prompt
-                )
+                record = pair.result(served.text, seconds + served.seconds, notes)
                 record["exact"] = served.exact
+                if served.approximation is not None:
+                    record["approximation"] = served.approximation
                 records.append(record)
                 if on_record is not None:
                     on_record(record)
-            bar.update(len(examples[lo : lo + batch]))
+            bar.update(len(chunk))
     finally:
         bar.close()
         if own:

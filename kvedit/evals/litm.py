@@ -10,19 +10,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
-from kvedit.evals.engines import (
-    VLLM_BATCH,
-    check_engine,
-    result_record,
-    run_on_vllm,
-    take_recorded,
-)
+from kvedit.evals.engines import VLLM_BATCH, check_engine, run_on_transformers, run_on_vllm
 from kvedit.evals.jsonl import load_jsonl
-from kvedit.evals.methods import ExampleContext, Method, parse_spec, split_specs
+from kvedit.evals.methods import Method, parse_spec, split_specs
 from kvedit.evals.methods.context import check_prompt
 from kvedit.evals.prompts import PROMPT_FORMATS
 from kvedit.evals.report import format_table, plot_curves, summarize, write_results
@@ -106,6 +98,7 @@ def run(
     engine: str = "transformers",
     batch: int = VLLM_BATCH,
     timings: dict | None = None,
+    approximate: bool = False,
 ) -> list[dict]:
     """Answer every example with every method. Returns one result record per pair.
 
@@ -120,50 +113,33 @@ def run(
     is the prompt format, ``"chat"`` or ``"plain"`` (:func:`~kvedit.evals.methods.split_prompt`).
 
     ``engine`` decodes the answers (:mod:`kvedit.evals.engines`): ``"transformers"``, or
-    ``"vllm"`` (``batch`` examples per vLLM call; records also have ``"exact"``). ``timings``,
-    if given, receives the engine's own timings (``engine_start_seconds``, ``serve_seconds``).
+    ``"vllm"`` (``batch`` examples per vLLM call; records also have ``"exact"``, and
+    ``"approximation"`` when the state was served approximately, which only ``approximate``
+    allows: see :mod:`kvedit.evals.engines`). ``timings``, if given, receives the engine's own
+    timings (``engine_start_seconds``, ``serve_seconds``).
     """
     done = done or {}
     check_prompt(tokenizer, prompt)
     methods = [parse_spec(m) if isinstance(m, str) else m for m in methods]
-    if check_engine(engine, methods, batch) == "vllm":
-        records, spent = run_on_vllm(
-            model,
-            tokenizer,
-            examples,
-            methods,
-            max_new_tokens,
-            prompt,
-            done,
-            on_record,
-            progress,
-            batch,
+    if check_engine(engine, methods, batch) == "transformers":
+        return run_on_transformers(
+            model, tokenizer, examples, methods, max_new_tokens, prompt, done, on_record, progress
         )
-        if timings is not None:
-            timings.update(spent)
-        return records
-    records = []
-    bar = tqdm(examples, desc="litm", disable=not progress, unit="ex")
-    for example in bar:
-        ctx = ExampleContext(model, tokenizer, example, max_new_tokens, prompt)
-        pending = [m for m in methods if (example.id, m.spec) not in done]
-        if example.documents and any(m.uses_capture for m in pending):
-            ctx.state  # noqa: B018 -- the shared capture, outside every method's "seconds"
-        for method in methods:
-            if method.needs_documents and not example.documents:
-                continue
-            spec = method.spec
-            if (example.id, spec) in done:
-                records.append(done[(example.id, spec)])
-                continue
-            t0 = time.perf_counter()
-            prediction = method.predict(ctx)
-            seconds = time.perf_counter() - t0
-            notes = take_recorded(ctx.notes)
-            record = result_record(example, spec, prediction, seconds, notes, prompt)
-            records.append(record)
-            if on_record is not None:
-                on_record(records[-1])
+    records, spent = run_on_vllm(
+        model,
+        tokenizer,
+        examples,
+        methods,
+        max_new_tokens,
+        prompt,
+        done,
+        on_record,
+        progress,
+        batch,
+        approximate=approximate,
+    )
+    if timings is not None:
+        timings.update(spent)
     return records
 
 
@@ -185,6 +161,7 @@ def evaluate(
     prompt: str = "auto",
     engine: str = "transformers",
     batch: int = VLLM_BATCH,
+    approximate: bool = False,
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
@@ -198,7 +175,9 @@ def evaluate(
     :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine``
     decodes the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`;
     recorded as ``extra["engine"]``, with the engine's timings and ``seconds_per_example``);
-    ``--resume`` and ``--reuse`` never mix engines.
+    ``--resume`` and ``--reuse`` never mix engines. ``approximate`` (vLLM only): serve states
+    vLLM realises only approximately, labelled in each record and in the summary's
+    ``exact_share`` (recorded as ``extra["approximate"]``).
     """
     check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
     prompt = resolve_prompt(prompt, model_name)
@@ -251,6 +230,7 @@ def evaluate(
         engine=engine,
         batch=batch,
         timings=timings,
+        approximate=approximate,
     )
     seconds = time.perf_counter() - t0
     summary = summarize(records)
@@ -266,6 +246,7 @@ def evaluate(
     }
     if engine == "vllm":
         extra["batch"] = batch
+        extra["approximate"] = bool(approximate)
         extra.update(timings)
         warm = seconds - timings.get("engine_start_seconds", 0.0)
         extra["seconds_per_example_after_start"] = round(warm / max(1, len(examples)), 3)
@@ -368,6 +349,7 @@ def main(args) -> int:
         prompt=getattr(args, "prompt", "auto"),
         engine=getattr(args, "engine", "transformers"),
         batch=getattr(args, "batch", VLLM_BATCH),
+        approximate=getattr(args, "approximate", False),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..atomic import atomic_write
 from ..models import load_model
 from ..project import Projector
-from ..state import capture
+from ..capturing import capture
 from .metrics import bootstrap_ci
 from .tasks import load_nq
 

@@ -50,7 +50,9 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     Returns ``{method: {"mean", "worst", "by_position", "n", "ci95"}}`` with methods in the
     order they first appear (plus ``"seconds"``, the mean seconds per example, when records
     have them, and ``"hit_rate"`` / ``"hit_by_position"``, how often the gold document was
-    among the ``"chosen"`` ones, for methods that record a choice), where
+    among the ``"chosen"`` ones, for methods that record a choice, and ``"exact_share"``, the
+    share of the method's records whose cache vLLM realised exactly, for records that say:
+    ``--engine vllm``), where
 
     - ``by_position`` maps the gold position, as a string (``"0"``, ``"5"``, ...; sorted
       numerically), to the mean ``correct`` of that method's examples at that position;
@@ -71,6 +73,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     by_method: dict[str, list[tuple[int, float]]] = {}
     seconds: dict[str, list[float]] = {}
     sizes: dict[str, list[float]] = {}
+    exact: dict[str, list[float]] = {}
     hits: dict[str, dict[int, list[float]]] = {}
     seen: set[tuple[str, str]] = set()
     for number, record in enumerate(records):
@@ -90,6 +93,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             seconds.setdefault(key[0], []).append(float(record["seconds"]))
         if "bytes" in record:
             sizes.setdefault(key[0], []).append(float(record["bytes"]))
+        if "exact" in record:
+            exact.setdefault(key[0], []).append(float(bool(record["exact"])))
         if "chosen" in record:
             hit = float(int(record["gold_index"]) in record["chosen"])
             hits.setdefault(key[0], {}).setdefault(int(record["gold_index"]), []).append(hit)
@@ -116,6 +121,8 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             summary[method]["seconds"] = math.fsum(seconds[method]) / len(seconds[method])
         if method in sizes:
             summary[method]["bytes"] = math.fsum(sizes[method]) / len(sizes[method])
+        if method in exact:
+            summary[method]["exact_share"] = math.fsum(exact[method]) / len(exact[method])
         if method in hits:
             by_hit = {str(p): math.fsum(v) / len(v) for p, v in sorted(hits[method].items())}
             every = [h for v in hits[method].values() for h in v]
@@ -169,11 +176,15 @@ def format_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
     """The summary as a plain-text table, one row per method.
 
     Columns: the method, its accuracy at each gold position (``p<position>``; ``-`` where it
-    was not measured), the mean, the worst position's accuracy, the 95% CI and ``n``.
-    Accuracies are fractions with three decimals.
+    was not measured), the mean, the worst position's accuracy, the 95% CI and ``n``; with
+    ``--engine vllm`` also ``exact``, the share of the method's answers served from a cache
+    vLLM realised exactly (below 1: served approximately, ``--approximate``). Accuracies are
+    fractions with three decimals.
     """
     positions = _positions(summary)
+    with_exact = any("exact_share" in stats for stats in summary.values())
     header = ["method", *(f"p{p}" for p in positions), "mean", "worst", "95% CI", "n"]
+    header += ["exact"] if with_exact else []
     rows = [header]
     for method, stats in summary.items():
         by_position = stats["by_position"]
@@ -189,6 +200,11 @@ def format_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
                 f"{stats['worst']:.3f}",
                 f"[{low:.3f}, {high:.3f}]",
                 str(stats["n"]),
+                *(
+                    [f"{stats['exact_share']:.3f}" if "exact_share" in stats else "-"]
+                    if with_exact
+                    else []
+                ),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

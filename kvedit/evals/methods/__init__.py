@@ -62,7 +62,7 @@ from kvedit.evals.methods.repeat import RepeatQuestion
 from kvedit.evals.methods.reread import Reread, RereadParams
 from kvedit.evals.methods.select import Select, SelectParams
 from kvedit.evals.methods.snapkv import SnapKV, SnapKVParams
-from kvedit.focus import adaptive_strengths, content_free_question  # moved to kvedit.focus
+from kvedit.focusing import adaptive_strengths, content_free_question  # moved there
 
 __all__ = [
     "EDITS",

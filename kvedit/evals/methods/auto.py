@@ -14,7 +14,7 @@ from kvedit.evals.methods.edits import EditParams
 from kvedit.evals.methods.focus import example_focus, focused_answer, focused_state
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.focus import SCORE_SMOOTHING, Focus
+from kvedit.focusing import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, Focus
 from kvedit.state import KVState
 
 __all__ = ["Auto", "AutoParams", "auto_hit_rate"]
@@ -39,13 +39,17 @@ class AutoParams(EditParams):
         target: The attention share each layer's bias lifts the chosen documents to, in
             ``(0, 1)``; ``None`` adds ``strength`` everywhere instead. Only ``emphasize``
             uses it.
-        guard: Apply :data:`kvedit.focus.DEFAULT_GUARD` (:class:`kvedit.guard.AgreementGuard`):
+        guard: Apply :data:`kvedit.focusing.DEFAULT_GUARD` (:class:`kvedit.guard.AgreementGuard`):
             keep the edit only where, at the first answer token where the answers with and
             without it differ, the edit's token is the likelier under both states. Off by
             default (it hurt NQ on the tuning seed). Not with ``edit="steer"``.
-        smoothing: The share added to both sides of each score's log ratio
-            (:data:`kvedit.focus.SCORE_SMOOTHING`; recorded, so results made with another
-            value are never reused for this one).
+        smoothing: The share added to both sides of each score's log ratio, as a fraction
+            of the mean share of a document (:data:`kvedit.focusing.SCORE_SMOOTHING`;
+            recorded, so results made with another value are never reused for this one).
+        threshold: The robust z-score a document's score must reach to be emphasized
+            (:data:`kvedit.focusing.ABSTAIN_THRESHOLD`); when none does, ``auto`` edits nothing
+            and answers as ``none``. ``None`` always edits the ``top_k`` best (the former
+            behaviour). Recorded like ``smoothing``.
     """
 
     strength: float = 5.0
@@ -54,9 +58,12 @@ class AutoParams(EditParams):
     target: float | None = 0.2
     guard: bool = False
     smoothing: float = SCORE_SMOOTHING
+    threshold: float | None = ABSTAIN_THRESHOLD
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.threshold is not None:
+            object.__setattr__(self, "threshold", check_real("threshold", self.threshold))
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, minimum=1))
         smoothing = check_fraction("smoothing", self.smoothing, open_low=True)
         object.__setattr__(self, "smoothing", smoothing)
@@ -88,7 +95,7 @@ class Auto(Method):
     """Emphasize the documents the question's bias-corrected attention points at.
 
     With ``target`` (default 0.2), each layer's bias is the one that lifts the chosen
-    documents' attention share to ``target`` (:func:`kvedit.focus.adaptive_strengths`, at most
+    documents' attention share to ``target`` (:func:`kvedit.focusing.adaptive_strengths`, at most
     ``strength``); ``target=None`` adds ``strength`` everywhere instead. Parameters:
     :class:`AutoParams`. Leaves ``ctx.notes["auto_choice"]`` (the chosen documents) and, with
     a target, ``ctx.notes["auto_strengths"]`` (the bias of each layer).
@@ -122,5 +129,6 @@ class Auto(Method):
 def auto_hit_rate(contexts: list[ExampleContext], params: AutoParams | None = None) -> float:
     """Fraction of examples whose top-scored document is the gold one (a retrieval check)."""
     p = dataclasses.replace(params or AutoParams(), top_k=1)
-    hits = [example_focus(c, p, edit=False).chosen[0] == c.example.gold_index for c in contexts]
+    # the best-scored document, whether or not it stands out enough to be edited
+    hits = [example_focus(c, p, edit=False).best == c.example.gold_index for c in contexts]
     return sum(hits) / max(1, len(hits))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 
-from kvedit.blend import BLEND_CONTEXTS, blend
+from kvedit.blending import BLEND_CONTEXTS, blend
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_fraction
 from kvedit.evals.methods.registry import Method, register_method

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvedit.capturing import capture
 from kvedit.errors import InvalidInputError
 from kvedit.evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from kvedit.evals.schema import Example
-from kvedit.state import KVState, capture, templated_prompt
+from kvedit.prompts import templated_prompt
+from kvedit.state import KVState
 
 __all__ = ["ExampleContext", "check_prompt", "format_prompt", "split_prompt"]
 
@@ -42,7 +44,7 @@ def check_prompt(tokenizer, prompt: str) -> str:
 def format_prompt(tokenizer, user_message: str, prompt: str = "chat") -> str:
     """The full prompt text of ``user_message`` in the format ``prompt``.
 
-    ``"chat"``: :func:`kvedit.state.templated_prompt` (the chat template with one user turn and
+    ``"chat"``: :func:`kvedit.prompts.templated_prompt` (the chat template with one user turn and
     the generation prompt); ``"plain"``: ``user_message + ANSWER_CUE``. Either way the BOS text
     is left out when the tokenizer adds BOS itself (capturing adds it).
     """

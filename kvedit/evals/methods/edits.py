@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvedit import checks, ops
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_count, check_real
-from kvedit.steer import steer
+from kvedit.steering import steer
 
 __all__ = ["EDITS", "EditParams", "apply_edit", "edited_state"]
 

@@ -1,19 +1,28 @@
 """How ``auto`` and ``reread`` call :func:`kvedit.focus` on an example.
 
-The scoring and the bias live in :mod:`kvedit.focus`; this module only translates a method's
-parameters: the passages are the example's documents, the calibration query is its question,
-and ``layers`` (fractions of the depth) become layer indices.
+The scoring, the choice, the bias and the guard live in :mod:`kvedit.focusing`; this module only
+translates a method's parameters (:func:`focus_args`): the passages are the example's
+documents, the calibration query is its question, and ``layers`` (fractions of the depth)
+become layer indices.
+
+:func:`kvedit.focus` edits by emphasis only. For the other edits (``edit="reread"``,
+``"duplicate"``, ``"scale_keys"``; ``"steer"`` edits no cache) :func:`example_focus` makes the
+same choice with :func:`kvedit.choose` and applies the method's edit through
+:func:`kvedit.focusing.guarded`, the step :func:`kvedit.focus` itself ends with.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import kvedit
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
-from kvedit.focus import DEFAULT_GUARD, Focus, choose, focus, guarded
+from kvedit.focusing import ABSTAIN_THRESHOLD, DEFAULT_GUARD, Focus, guarded
 from kvedit.guard import AgreementGuard
 from kvedit.state import KVState
 
-__all__ = ["example_focus", "focused_answer", "focused_state", "layer_slice"]
+__all__ = ["example_focus", "focus_args", "focused_answer", "focused_state", "layer_slice"]
 
 
 def layer_slice(layers: tuple[float, float], n_layers: int) -> slice:
@@ -29,45 +38,55 @@ def guard_of(params, ctx: ExampleContext) -> AgreementGuard | None:
     return AgreementGuard(DEFAULT_GUARD.margin, ctx.max_new_tokens)
 
 
-def focused_state(ctx: ExampleContext, params) -> tuple[KVState | None, Focus]:
-    """The state ``auto``/``reread`` answer from, and the :class:`~kvedit.focus.Focus`: the
-    documents :func:`kvedit.focus.choose` picks, edited as ``params.edit`` says, kept only if
-    the guard agrees (``params.guard``). The state is None for ``edit="steer"`` (it edits no
-    cache)."""
-    if params.edit == "emphasize":
-        found = example_focus(ctx, params)
-        return found.state, found
-    found = example_focus(ctx, params, edit=False)
-    spans = [found.passages[i] for i in found.chosen]
-    edited = edited_state(ctx, spans, params)
-    if edited is None:
-        return None, found
-    found = guarded(found, edited, guard_of(params, ctx))
-    return found.state, found
-
-
-def focused_answer(ctx: ExampleContext, params) -> tuple[str, Focus]:
-    """The answer of ``auto``/``reread``: :func:`focused_state` continued with the question
-    (for ``edit="steer"``, a steered run of the prompt)."""
-    state, found = focused_state(ctx, params)
-    if state is None:
-        return apply_edit(ctx, [found.passages[i] for i in found.chosen], params), found
-    return found.generate(ctx.max_new_tokens), found
-
-
-def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
-    """:func:`kvedit.focus` (or, without ``edit``, :func:`kvedit.focus.choose`) of ``ctx``'s
-    documents for its question, with ``params`` (an ``AutoParams``: ``top_k``, ``layers``,
-    ``target``, ``strength``, ``guard``)."""
+def focus_args(ctx: ExampleContext, params) -> dict[str, Any]:
+    """The keywords of :func:`kvedit.focus` / :func:`kvedit.choose` for ``params`` (an
+    ``AutoParams``: ``top_k``, ``layers``, ``target``, ``strength``, ``smoothing``,
+    ``threshold``) on
+    ``ctx``'s documents; the question is the example's."""
     n_layers = len(ctx.state.layers)
-    kw = dict(
+    return dict(
         top_k=min(params.top_k, len(ctx.doc_spans)),
         layers=range(n_layers)[layer_slice(params.layers, n_layers)],
         query=ctx.example.question,
         target=params.target,
         max_strength=params.strength,
         smoothing=params.smoothing,
+        threshold=getattr(params, "threshold", ABSTAIN_THRESHOLD),
     )
-    if not edit:
-        return choose(ctx.state, ctx.continuation, ctx.doc_spans, **kw)
-    return focus(ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), **kw)
+
+
+def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
+    """``ctx``'s documents focused for its question with ``params`` (an ``AutoParams``).
+
+    With ``params.edit="emphasize"`` this is :func:`kvedit.focus` (guarded if
+    ``params.guard``). Another cache edit is applied to the same choice
+    (:func:`kvedit.choose`) and guarded the same way; ``edit="steer"``, or ``edit=False``
+    (the choice only), returns the choice with the captured state.
+    """
+    args = focus_args(ctx, params)
+    if edit and params.edit == "emphasize":
+        return kvedit.focus(
+            ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), **args
+        )
+    found = kvedit.choose(ctx.state, ctx.continuation, ctx.doc_spans, **args)
+    if not (edit and found.chosen):  # the choice only, or nothing chosen: nothing to edit
+        return found
+    edited = edited_state(ctx, [found.passages[i] for i in found.chosen], params)
+    return found if edited is None else guarded(found, edited, guard_of(params, ctx))
+
+
+def focused_state(ctx: ExampleContext, params) -> tuple[KVState | None, Focus]:
+    """The state ``auto``/``reread`` answer from (None for ``edit="steer"``: it edits no
+    cache), and the :class:`~kvedit.focusing.Focus` of :func:`example_focus`."""
+    found = example_focus(ctx, params)
+    return (found.state if params.edits_cache else None), found
+
+
+def focused_answer(ctx: ExampleContext, params) -> tuple[str, Focus]:
+    """The answer of ``auto``/``reread``: :func:`focused_state` continued with the question
+    (for ``edit="steer"``, a steered run of the prompt; the unedited answer when no document
+    was chosen)."""
+    found = example_focus(ctx, params)
+    if not params.edits_cache and found.chosen:
+        return apply_edit(ctx, [found.passages[i] for i in found.chosen], params), found
+    return found.generate(ctx.max_new_tokens), found
