@@ -15,12 +15,13 @@ import torch
 
 import kvedit
 from kvedit.cli import main as cli_main
+from kvedit.cli import run as cli_run
 from kvedit.errors import CacheNotServedError, InvalidInputError, VLLMUnavailableError
 from kvedit.evals.engines import check_engine
 from kvedit.evals.litm import reused_records
 from kvedit.evals.methods import ExampleContext, parse_spec
 from kvedit.evals.tasks.records import records_examples
-from kvedit.focus import QUESTION_MARK
+from kvedit.focusing import QUESTION_MARK
 from kvedit.integrations.vllm import connector_config, files, to_stock
 from kvedit.integrations.vllm.answer import VLLMAnswerer, check_served
 from kvedit.integrations.vllm.contexts import publish_context
@@ -65,7 +66,9 @@ def test_publish_context_writes_what_it_says_to_send(smollm2, example, tmp_path)
         "ignore_eos": True,  # vLLM's own EOS ids off: it stops where kvedit stops
         "stop_token_ids": sorted(kvedit.state.eos_ids(model, tok)),
         "return_token_ids": True,
+        "kv_transfer_params": {"kvedit": {"digest": got.digest}},
     }
+    assert got.digest == edited.digest == files.digest_of(got.file)  # exact: no label
     assert got.served == len(got.published_token_ids) and Path(got.file).is_absolute()
 
 
@@ -79,9 +82,15 @@ def test_publish_without_a_question_gives_a_template(smollm2, example, tmp_path)
 
 
 def test_focus_publishes_the_chosen_passage_emphasized(smollm2, example, tmp_path):
+    """focus asks layers for different biases: vLLM realises them approximately, so it is
+    published only when asked, and labelled."""
     model, tok = smollm2
     ex, context = example
-    got = publish_context(model, tok, context, tmp_path, focus_on=ex.question)
+    with pytest.raises(InvalidInputError, match="approximate=True"):
+        publish_context(model, tok, context, tmp_path, focus_on=ex.question)
+    assert not list(tmp_path.glob("*.safetensors"))
+    got = publish_context(model, tok, context, tmp_path, focus_on=ex.question, approximate=True)
+    assert not got.exact and "approximation" in json.dumps(files.read_header(got.file)["history"])
     assert got.question == ex.question and len(got.chosen) == 1
     assert got.chosen[0].strip() == ex.gold_document
     plain = publish_context(model, tok, context, tmp_path, question=ex.question)
@@ -126,16 +135,19 @@ def test_publish_cli_prints_the_request(example, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["exact"] and out["model"] == "smollm2-135m-instruct"
     assert out["request"] == json.loads(req.read_text())
+    assert out["request"]["kv_transfer_params"] == {"kvedit": {"digest": out["digest"]}}
+    assert Path(out["file"]).name.endswith(out["digest"] + ".safetensors")
     assert out["request"]["prompt"] == out["prompt_token_ids"]
     assert out["request"]["max_tokens"] == 5
     assert Path(out["file"]).parent == tmp_path / "pub"
 
 
-def test_publish_cli_refuses_a_request_file_without_a_question(tmp_path):
+def test_publish_cli_refuses_a_request_file_without_a_question(tmp_path, capsys):
     path = tmp_path / "context.txt"
     path.write_text("Some text.")
-    with pytest.raises(InvalidInputError, match="--request needs"):
-        cli_main(["publish", "--context", str(path), "--request", str(tmp_path / "r.json")])
+    args = ["publish", "--context", str(path), "--request", str(tmp_path / "r.json")]
+    assert cli_main(args) == 2
+    assert "kvedit publish: error: --request needs" in capsys.readouterr().err
 
 
 def test_serve_command_configures_the_connector(smollm2, tmp_path):
@@ -215,20 +227,23 @@ def test_an_unknown_engine_is_refused():
         check_engine("tgi", [parse_spec("none")])
 
 
-def test_the_cli_refuses_a_method_vllm_cannot_serve_before_loading(tmp_path):
+def test_the_cli_refuses_a_method_vllm_cannot_serve_before_loading(tmp_path, capsys):
     args = ["eval", "litm", "--engine", "vllm", "--methods", "none,closedbook"]
-    with pytest.raises(InvalidInputError, match="closedbook"):
-        cli_main([*args, "--model", "no-such-model", "--out", str(tmp_path)])
+    assert cli_main([*args, "--model", "no-such-model", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "kvedit eval litm: error: " in err and "closedbook" in err
 
 
-def test_the_vllm_engine_needs_vllm_before_loading(tmp_path):
+def test_the_vllm_engine_needs_vllm_before_loading(tmp_path, capsys):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     args = ["eval", "litm", "--engine", "vllm", "--model", "no-such-model", "--out", str(tmp_path)]
+    assert cli_main(args) == 1
+    assert "make vllm-setup" in capsys.readouterr().err.splitlines()[-1]
     with pytest.raises(VLLMUnavailableError, match="make vllm-setup"):
-        cli_main(args)
+        cli_run(args)
     with pytest.raises(InvalidInputError, match="batch"):
         check_engine("vllm", [parse_spec("none")], batch=0)
 
@@ -296,8 +311,9 @@ def test_a_method_answers_from_its_answer_state(smollm2, spec, prompt):
 
 
 class FakeLLM:
-    """Stands in for vllm.LLM: serves each prompt from the longest published file it starts
-    with (as the connector does), answering with the round number; records what it saw."""
+    """Stands in for vllm.LLM: serves each prompt from the published file whose digest its
+    request names (as the connector does), answering with the round number; records what it
+    saw."""
 
     def __init__(self, root, outcome=None):
         self.index = files.PublishedIndex(root)
@@ -308,10 +324,10 @@ class FakeLLM:
         from types import SimpleNamespace
 
         seen, outs = [], []
-        for p in prompts:
-            path, n = self.index.lookup(p["prompt_token_ids"])
+        for p, digest in zip(prompts, params, strict=True):
+            path, n = self.index.find(p["prompt_token_ids"], digest)
             seen.append(files.read_header(path)["checksum"])
-            report = {"served": n, "published": n, "file": path.name}
+            report = {"served": n, "published": n, "file": path.name, "digest": digest}
             outs.append(
                 SimpleNamespace(
                     outputs=[
@@ -330,8 +346,8 @@ class FakeLLM:
 
 
 class FakeAnswerer(VLLMAnswerer):
-    def _sampling(self, max_new_tokens):
-        return max_new_tokens
+    def _sampling(self, max_new_tokens, digest):
+        return digest
 
 
 @pytest.fixture
@@ -343,21 +359,54 @@ def fake(smollm2, tmp_path):
     return FakeAnswerer(model, tok, tmp_path, llm=llm), llm, ctx
 
 
-def test_states_with_the_same_ids_are_answered_in_separate_rounds(fake, tmp_path):
+def edited(state, op, *args):
+    """An edit with its step in the history (added here if this checkout's op does not
+    record it yet)."""
+    from kvedit.provenance import Step
+
+    out = getattr(kvedit.ops, op)(state, *args)
+    return out.with_step(Step("edit", op)) if out.is_plain_capture else out
+
+
+def test_states_with_the_same_ids_are_answered_each_from_its_own_file(fake, tmp_path):
+    """Files are named by digest: the plain state and its scale_keys edit (the same ids) are
+    published side by side and answered in one round, each from its own file."""
     answerer, llm, ctx = fake
     plain = ctx.state
-    scaled = kvedit.ops.scale_keys(plain, ctx.gold_span(), 0.5)  # the same token ids
-    duplicated = kvedit.ops.duplicate(plain, ctx.gold_span(), 2)
+    scaled = edited(plain, "scale_keys", ctx.gold_span(), 0.5)  # the same token ids
+    duplicated = edited(plain, "duplicate", ctx.gold_span(), 2)
     for state in (plain, scaled, duplicated):
         answerer.submit(state, ctx.continuation, 4)
+    assert len(list(answerer.root.glob("*.safetensors"))) == 3
     answers = answerer.flush()
     crc = [
         files.read_header(files.write(to_stock(s), tmp_path / f"ref{i}", "x"))["checksum"]
         for i, s in enumerate((plain, scaled, duplicated))
     ]
-    assert llm.rounds == [[crc[0], crc[2]], [crc[1]]]  # each prompt read its own state's file
-    assert [a.token_ids for a in answers] == [[7], [8], [7]]  # in submission order
+    assert llm.rounds == [crc]  # each prompt read its own state's file, in one round
+    assert [a.digest for a in answers] == [s.digest for s in (plain, scaled, duplicated)]
+    assert all(a.exact and a.approximation is None for a in answers)
     assert not list(answerer.root.glob("*.safetensors"))  # answered files are removed
+
+
+def test_the_answerer_applies_the_rule(fake):
+    """Approximate states only when the answerer was built to serve them, labelled; states
+    nothing of whose edit vLLM realises never (nothing is published)."""
+    answerer, llm, ctx = fake
+    approx = kvedit.ops.emphasize(ctx.state, ctx.gold_span(), 2.0)  # 6 copies = 1.946 nats
+    with pytest.raises(InvalidInputError, match="approximate=True"):
+        answerer.submit(approx, ctx.continuation, 4)
+    lost = kvedit.ops.suppress(ctx.state, ctx.gold_span(), 2.0)
+    with pytest.raises(InvalidInputError, match="cannot be served"):
+        answerer.submit(lost, ctx.continuation, 4)
+    assert not list(answerer.root.glob("*.safetensors"))
+    answerer.approximate = True
+    with pytest.raises(InvalidInputError, match="cannot be served"):
+        answerer.submit(lost, ctx.continuation, 4)
+    answerer.submit(approx, ctx.continuation, 4)
+    (got,) = answerer.flush()
+    assert not got.exact and got.approximation["approximate_biases"] > 0
+    assert got.digest != approx.digest  # the labelled state's
 
 
 @pytest.mark.parametrize(
@@ -373,6 +422,7 @@ def test_states_with_the_same_ids_are_answered_in_separate_rounds(fake, tmp_path
             },
             "did not serve",
         ),
+        (lambda r: {**r, "digest": "f" * 32}, "did not serve"),  # another state's file
     ],
 )
 def test_an_answer_not_served_from_its_own_file_raises_and_drops_the_flush(fake, outcome, match):
@@ -405,6 +455,10 @@ def test_check_served_needs_the_whole_file():
         )
     with pytest.raises(CacheNotServedError):
         check_served(out(served=8, published=9, file="9-a.safetensors"), "9-a.safetensors", 9)
+    ok = out(served=9, published=9, file="9-a.safetensors", digest="d" * 32)
+    assert check_served(ok, "9-a.safetensors", 9, "d" * 32) == 9
+    with pytest.raises(CacheNotServedError, match="digest"):
+        check_served(ok, "9-a.safetensors", 9, "e" * 32)
 
 
 def test_the_answerer_refuses_recompute_and_empty_continuations(fake, smollm2):
@@ -414,3 +468,33 @@ def test_the_answerer_refuses_recompute_and_empty_continuations(fake, smollm2):
         VLLMAnswerer(model, tok, answerer.root, llm=object(), load_failure="recompute")
     with pytest.raises(InvalidInputError, match="continuation is empty"):
         answerer.submit(ctx.state, "", 4)
+
+
+# ---------------------------------------------------------------- --engine vllm: the rule
+
+
+def test_the_vllm_engine_refuses_an_approximate_method_unless_asked(fake):
+    """oracle emphasizes the gold document by 2.0 nats: 6 copies on vLLM, 1.946 nats. Without
+    approximate the run stops before serving it, naming the method and the flag; with it,
+    each record and the summary say how much was served exactly."""
+    from kvedit.evals.engines import run_on_vllm
+    from kvedit.evals.report import format_table, summarize
+
+    pytest.importorskip("vllm", reason="run_on_vllm checks that vLLM is installed")
+    answerer, _, ctx = fake
+    methods = [parse_spec("none"), parse_spec("oracle")]
+    args = (ctx.model, ctx.tokenizer, [ctx.example], methods, 4, "chat", {})
+    with pytest.raises(InvalidInputError, match=r"method oracle.*approximate=True"):
+        run_on_vllm(*args, progress=False, answerer=answerer)
+    answerer.approximate = True
+    records, _ = run_on_vllm(*args, progress=False, answerer=answerer)
+    none, oracle = records
+    assert none["exact"] and "approximation" not in none
+    assert not oracle["exact"] and oracle["approximation"]["approximate_biases"] > 0
+    summary = summarize(records)
+    assert (summary["none"]["exact_share"], summary["oracle"]["exact_share"]) == (1.0, 0.0)
+    table = format_table(summary).splitlines()
+    assert table[0].split()[-1] == "exact"
+    assert table[2].split()[-1] == "1.000" and table[3].split()[-1] == "0.000"
+    plain = {k: v for k, v in none.items() if k != "exact"}  # the transformers engine's
+    assert "exact" not in format_table(summarize([plain])).split()

@@ -3,7 +3,8 @@
 One server for the module (``kvedit serve`` as a subprocess, 40-60 s to start on 2 cores);
 requests go through plain HTTP (what ``curl`` sends) and the ``openai`` client. The edit,
 removing the gold record (a full suppress, exact on vLLM's kernels), changes the answer, so a
-server that ignored the published cache would fail.
+server that ignored the published cache would fail. Each request names the digest it wants
+(``kv_transfer_params``) and checks the echo; one naming a digest that is not published fails.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -22,7 +24,7 @@ from helpers import free_port
 import kvedit
 from kvedit.cli import main as cli_main
 from kvedit.evals.tasks.records import records_examples
-from kvedit.focus import QUESTION_MARK
+from kvedit.focusing import QUESTION_MARK
 from kvedit.integrations.vllm.contexts import publish_context
 
 pytestmark = pytest.mark.real
@@ -107,8 +109,9 @@ def test_a_curl_request_gets_the_edited_answer(server, case, tmp_path, capsys):
     body = json.loads(req.read_text())  # what `curl -d @request.json` sends
     got = post(url, body)
     assert got["choices"][0]["token_ids"][: len(want["edited"])] == want["edited"]
-    served = got["kv_transfer_params"]["kvedit"]["served"]
-    assert served == published["served"] == len(published["published_token_ids"])
+    echo = got["kv_transfer_params"]["kvedit"]
+    assert echo["served"] == published["served"] == len(published["published_token_ids"])
+    assert echo["digest"] == published["digest"] == body["kv_transfer_params"]["kvedit"]["digest"]
 
 
 def test_the_openai_client_gets_the_plain_answer_for_the_plain_context(server, case, smollm2):
@@ -129,5 +132,29 @@ def test_the_openai_client_gets_the_plain_answer_for_the_plain_context(server, c
     text = tok.decode(want["plain"], skip_special_tokens=True)
     assert out.choices[0].text.strip() == text.strip()
     assert out.usage.prompt_tokens == len(published.prompt_token_ids)
-    served = (out.model_extra or {})["kv_transfer_params"]["kvedit"]["served"]
-    assert served == published.served  # from the file, not computed by vLLM
+    echo = (out.model_extra or {})["kv_transfer_params"]["kvedit"]
+    assert echo["served"] == published.served  # from the file, not computed by vLLM
+    assert echo["digest"] == published.digest  # no digest named: served from the plain capture
+    body = published.request(MAX_TOKENS)  # naming the digest: the same, through extra_body
+    extra = {k: body[k] for k in ("ignore_eos", "stop_token_ids", "kv_transfer_params")}
+    named = client.completions.create(
+        model=published.model,
+        prompt=published.prompt_token_ids,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=extra,
+    )
+    assert named.model_extra["kv_transfer_params"]["kvedit"]["digest"] == published.digest
+    assert named.choices[0].text == out.choices[0].text
+
+
+def test_a_request_for_a_digest_that_is_not_published_fails(server, case, smollm2):
+    url, root = server
+    ex, context, _ = case
+    model, tok = smollm2
+    published = publish_context(model, tok, context, root, question=ex.question)
+    body = published.request(MAX_TOKENS)
+    body["kv_transfer_params"] = {"kvedit": {"digest": "f" * 32}}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(url, body)
+    assert err.value.code == 500  # vLLM ends the request with an error, not a text answer

@@ -172,21 +172,25 @@ def test_publish_writes_one_verified_file_that_the_index_finds(llama, tmp_path):
     short = kvedit.capture(model, tok, TEXT[:40])
     ids = publish(state, tmp_path)
     ids_short, stock, path = publish_stock(short, tmp_path)
-    assert path.name == files.file_name(ids_short) and ids_short == stock.token_ids
+    assert path.name == files.file_name(ids_short, short.digest) and ids_short == stock.token_ids
+    assert ids_short.digest == short.digest and ids_short.plain_capture and ids_short.exact
     meta, tensors = files.read(path)
     assert meta["n_slots"] == len(ids_short) and meta["exact"] is True
+    assert meta["digest"] == short.digest and meta["plain_capture"] is True
     assert torch.equal(tensors["layer.0.keys"], stock.keys[0])
     index = files.PublishedIndex(tmp_path)
     question = [5, 6, 7]
-    assert index.lookup(ids + question) == (tmp_path / files.file_name(ids), len(ids))
+    want = tmp_path / files.file_name(ids, state.digest)
+    assert index.find(ids + question, state.digest) == (want, len(ids))
+    assert index.candidates(ids + question) == (len(ids), {state.digest: want})
     if ids[: len(ids_short)] == ids_short:  # the longest published prefix wins
-        assert index.lookup(ids_short + question)[1] == len(ids_short)
-    assert index.lookup(question) is None
-    assert not list(tmp_path.glob(".*"))  # no temporary file left
+        assert index.candidates(ids_short + question)[0] == len(ids_short)
+    assert index.candidates(question) is None and index.find(question, state.digest) is None
+    assert not list(tmp_path.glob(".*kvedit-tmp*"))  # no temporary file left
 
 
 def test_a_corrupt_file_is_refused_by_name(tmp_path):
-    path = tmp_path / files.file_name([1, 2, 3])
+    path = tmp_path / files.file_name([1, 2, 3], "0" * 32)
     path.write_bytes(b"\x80\x04not a safetensors file")
     with pytest.raises(CorruptCacheError):
         files.read(path)

