@@ -22,7 +22,7 @@ import torch
 from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
-from kvedit.focus import choose
+from kvedit.focusing import choose
 from kvedit.models import load_model
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
 from kvedit.evals.schema import score
-from kvedit.focus import focus
+from kvedit.focusing import focus
 from kvedit.models import load_model
 
 

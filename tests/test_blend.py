@@ -9,11 +9,17 @@ import torch
 from helpers import reference_generate
 
 import kvedit
-from kvedit.blend import _deviation, _true_kv
+from kvedit.blending import _deviation, _true_kv
+from kvedit.capturing import (
+    capture_passage,
+    capture_tokens,
+    empty_state,
+    encode,
+    extend_ids,
+    passage_after,
+)
 from kvedit.errors import UnsupportedModelError
-from kvedit.reuse import capture_passage, empty_state, encode, extend_ids, passage_after
 from kvedit.rope import layer_inv_freq, move_keys
-from kvedit.state import capture_tokens
 from kvedit.store import KVStore
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
@@ -217,7 +223,7 @@ def test_gemma3_partial_recompute_respects_the_window(tmp_path, gemma3, monkeypa
 
 def _blend_layer1(model, tok, parts, tmp_path, monkeypatch):
     """Layer 1 keys of every token of a 0.5 blend (before the final trim to the window)."""
-    module = importlib.import_module("kvedit.blend")  # `kvedit.blend` is the function
+    module = importlib.import_module("kvedit.blending")  # `kvedit.blend` is the function
     real, kept = module._recompute, {}
 
     def spy(model_, layers, ids, selected):
@@ -359,3 +365,37 @@ def test_blend_eval_method(llama):
     assert sources[0] == "memory" and sources.count("memory") >= 3  # the method's store
     records = run(model, tok, examples, ["blend:recompute=0.15"], progress=False)
     assert [r["method"] for r in records] == ["blend:recompute=0.15"] * 2
+
+
+def test_a_blend_says_it_is_a_blend(tmp_path, llama):
+    """A blend's history has a "blend" origin (its parts' digests, recompute, context, the
+    recomputed tokens): the store refuses it, and the parts it read are plain captures."""
+    from kvedit.errors import InvalidInputError, StateAlteredError
+
+    model, tok = llama
+    store = KVStore(tmp_path)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
+    origin = state.history.origin
+    assert origin.kind == "blend" and not state.is_plain_capture
+    assert origin.params["recompute"] == 0.3 and origin.params["context"] == "prefix"
+    assert len(origin.params["parts"]) == len(PARTS)
+    assert "blend" in repr(state) and state.last_input == (len(state) - 1, len(state) - 1)
+    again, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
+    assert again.digest == state.digest
+    assert kvedit.blend(model, tok, PARTS, store, recompute=0.5)[0].digest != state.digest
+    with pytest.raises(InvalidInputError, match="blend"):
+        store.put(state)
+    # a store that handed back an edited part: the blend refuses to use it
+    edited = kvedit.ops.scale_keys(kvedit.capture(model, tok, PARTS[0]), "Records", 1.5)
+    store.fetch = lambda key, m, t: (edited, "memory")
+    with pytest.raises(StateAlteredError, match="scale_keys"):
+        kvedit.blend(model, tok, PARTS, store)
+
+
+def test_passage_after_records_the_cut(llama):
+    model, tok = llama
+    full = kvedit.capture(model, tok, PARTS[0] + PARTS[1])
+    n = len(tok(PARTS[0])["input_ids"])
+    part = passage_after(full, n, len(PARTS[0]))
+    assert [s.name for s in part.history.steps] == ["passage_after"]
+    assert part.last_input == (len(full) - 1 - n, len(full) - 1)

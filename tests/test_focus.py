@@ -11,7 +11,7 @@ import kvedit
 from kvedit import ops
 from kvedit.errors import EmptySelectionError, InvalidInputError, InvalidTypeError
 from kvedit.evals.tasks import records_examples
-from kvedit.focus import (
+from kvedit.focusing import (
     DEFAULT_GUARD,
     adaptive_strengths,
     content_free_question,
@@ -82,7 +82,7 @@ def test_a_list_of_spans(llama):
 def test_focus_equals_the_ops_applied_by_hand(llama):
     state = _state(llama)
     question = "\n\nQuestion: What is Bo's number?<|im_end|>\n<|im_start|>assistant\n"
-    found = kvedit.focus(state, question, target=0.6, max_strength=50.0, guard=None)
+    found = kvedit.focus(state, question, target=0.6, max_strength=50.0, guard=None, threshold=None)
     assert found.kept and found.verdict is None
     assert len(found.scores) == len(found.passages) == 4 and len(found.chosen) == 1
     assert len(found.strengths) == len(state.layers) and any(b > 0 for b in found.strengths)
@@ -125,7 +125,9 @@ def test_scores_cancel_positional_bias():
 
 def test_fixed_strength_without_a_target(llama):
     state = _state(llama)
-    found = kvedit.focus(state, "\n\nQuestion: Bo?", target=None, max_strength=3.0, guard=None)
+    found = kvedit.focus(
+        state, "\n\nQuestion: Bo?", target=None, max_strength=3.0, guard=None, threshold=None
+    )
     assert found.strengths == [3.0] * len(state.layers)
     by_hand = ops.emphasize(state, [found.passages[found.chosen[0]]], 3.0)
     assert torch.equal(found.state.last_logits, by_hand.last_logits)
@@ -135,11 +137,13 @@ def test_explain_is_a_readable_table(llama):
     state = _state(
         llama, "Intro.\n\n" + "A very long record that goes on and on and on and on.\nShort."
     )
-    found = kvedit.focus(state, "\n\nQuestion: Short?", top_k=2)
+    found = kvedit.focus(state, "\n\nQuestion: Short?", top_k=2, threshold=None)
     text = found.explain()
     lines = text.splitlines()
     assert len(lines) == 1 + len(found.passages) and "score" in lines[0]
-    guarded = kvedit.focus(state, "\n\nQuestion: Short?", top_k=2, guard=DEFAULT_GUARD)
+    guarded = kvedit.focus(
+        state, "\n\nQuestion: Short?", top_k=2, guard=DEFAULT_GUARD, threshold=None
+    )
     last = guarded.explain().splitlines()[-1]
     assert last.startswith("edit kept" if guarded.kept else "edit dropped")
     assert "A very long record that goes on and o..." in text  # 40 characters at most
@@ -201,7 +205,7 @@ def test_the_first_record_does_not_lose_to_a_neighbour(smollm2):
     attention trough, and emphasizing it broke the answer; the smoothed scores choose the
     first record, and the edit keeps the right answer."""
     from kvedit.evals.methods import ExampleContext
-    from kvedit.focus import passage_scores
+    from kvedit.focusing import passage_scores
 
     model, tok = smollm2
     ex = records_examples(positions=(0,), trials=4, seed=1)[3]

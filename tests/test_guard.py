@@ -106,7 +106,7 @@ def test_focus_generate_reuses_the_guards_answer_exactly(llama, n):
 
 
 def test_token_logprobs_and_capture_tokens_refuse_bad_ids(llama):
-    from kvedit.state import capture_tokens
+    from kvedit.capturing import capture_tokens
 
     model, tok = llama
     state = _state(llama)

@@ -12,8 +12,8 @@ from kvedit import LayerKV, capture
 from kvedit.errors import CacheMismatchError, CorruptCacheError, InvalidInputError
 from kvedit.evals import project as evproj
 from kvedit.evals.tasks import load_nq
+from kvedit.passes import run_model
 from kvedit.project import Projector, align_tokens, depth_matched_layers, stacked_inv_freq
-from kvedit.state import run_model
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
 N_FIT = 24
@@ -118,6 +118,31 @@ def test_identity_projector_reproduces_the_cache(llama, identity, heldout_text):
         assert layer["heldout_r2_keys"] > 0.99 and layer["heldout_r2_values"] > 0.99
     assert torch.allclose(projected.last_logits, state.last_logits, atol=1e-2)
     assert projected.generate(" The", max_new_tokens=6) == state.generate(" The", 6)
+
+
+def test_a_projected_state_says_so_and_the_store_refuses_it(tmp_path, llama, identity):
+    """A projection is dense, unbiased, at positions 0..n-1, so its tensors look like a capture;
+    its history's origin is a projection (source model, source state's digest, projector), so
+    its digest is not the capture's and KVStore.put refuses it, naming the projection."""
+    from kvedit import KVStore, ops
+
+    model, tok = llama
+    text = "Carol's secret number is 5902. Bob's secret number is 7310."
+    state = capture(model, tok, text)
+    projected = identity(state, model, tok)
+    origin = projected.history.origin
+    assert origin.kind == "projection" and not projected.is_plain_capture
+    assert origin.params["source_model"] == state.model_fingerprint
+    assert origin.params["source"] == state.digest
+    assert origin.params["projector"] == identity.digest
+    assert "projection" in repr(projected) and "projection" in projected.explain()
+    assert projected.digest != state.digest
+    again = identity(capture(model, tok, text), model, tok)
+    assert again.digest == projected.digest  # the same content, the same name
+    edited = identity(ops.scale_keys(state, "Carol", 1.5), model, tok)
+    assert edited.digest != projected.digest  # another source: another name
+    with pytest.raises(InvalidInputError, match="projection"):
+        KVStore(tmp_path).put(projected)
 
 
 def test_cross_projection_state_for_model_b(llama, gemma, cross, heldout_text):

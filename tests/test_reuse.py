@@ -8,7 +8,7 @@ from conftest import RECORDS
 from helpers import reference_generate, same, snapshot
 
 import kvedit
-from kvedit.reuse import capture_passage, cut_layers, extend_ids
+from kvedit.capturing import capture_passage, cut_layers, extend_ids
 from kvedit.store import KVStore
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model, tiny_tokenizer
 
@@ -133,10 +133,39 @@ def test_cut_layers(llama_model):
 @pytest.mark.real
 def test_smollm2_reuse_with_default_chunks(tmp_path, smollm2):
     model, tok = smollm2
-    prompt = kvedit.state.templated_prompt(tok, "Records:\n" + RECORDS * 5)
+    prompt = kvedit.templated_prompt(tok, "Records:\n" + RECORDS * 5)
     assert len(tok(prompt)["input_ids"]) > 256
     store = KVStore(tmp_path, memory_bytes=2**30)
     kvedit.reuse(model, tok, prompt, store)
     state, report = kvedit.reuse(model, tok, prompt + "Dave's number is", store)
     assert report.source == "memory" and report.tokens_computed < 10
     assert state.generate("", 8) == reference_generate(model, tok, state.token_ids.tolist(), "", 8)
+
+
+# ------------------------------------------------------------------ provenance
+
+
+def test_reuse_result_is_a_plain_capture_with_the_captures_digest(tmp_path, llama_model):
+    model, tok = llama_model
+    store = KVStore(tmp_path, chunk_tokens=16)
+    kvedit.reuse(model, tok, RECORDS, store)
+    state, report = kvedit.reuse(model, tok, RECORDS + QUESTION, store)
+    assert report.tokens_reused > 0 and state.is_plain_capture
+    assert state.digest == kvedit.capture(model, tok, RECORDS + QUESTION).digest
+
+
+def test_reuse_never_extends_an_edited_state(tmp_path, llama_model, monkeypatch):
+    """Even if a store handed back an edited state (the store refuses to hold one; this is the
+    promise's second guard), reuse refuses to extend it rather than return it as a capture."""
+    from kvedit import ops
+    from kvedit.errors import StateAlteredError
+    from kvedit.store import PrefixMatch
+
+    model, tok = llama_model
+    store = KVStore(tmp_path)
+    edited = ops.scale_keys(kvedit.capture(model, tok, RECORDS), "Carol", 1.5)
+    monkeypatch.setattr(
+        store, "longest_prefix_ids", lambda *a: PrefixMatch(edited, len(edited), "0" * 32, "memory")
+    )
+    with pytest.raises(StateAlteredError, match="scale_keys"):
+        kvedit.reuse(model, tok, RECORDS + QUESTION, store)

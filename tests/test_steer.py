@@ -547,7 +547,7 @@ def test_strength_for_share_rejects_shares_outside_0_1(current, target):
 
 
 def test_strength_from_pasta_alpha():
-    from kvedit.steer import strength_from_pasta_alpha
+    from kvedit.steering import strength_from_pasta_alpha
 
     assert strength_from_pasta_alpha(0.01) == pytest.approx(4.60517, abs=1e-5)
     assert strength_from_pasta_alpha(1.0) == 0.0

@@ -114,7 +114,7 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "s.kv"
     state.save(path)
     before = path.read_bytes()
-    import kvedit.statefile as statefile
+    import kvedit.statefiles.write as statefile
 
     def broken(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
@@ -152,7 +152,8 @@ def rewrite(path, change_meta=None, change_tensors=None, version=None):
 
     from safetensors.torch import save_file
 
-    from kvedit.storage import crc32_of, read_state_file
+    from kvedit.statefiles.format import crc32_of
+    from kvedit.statefiles.read import read_state_file
 
     meta, tensors = read_state_file(path)
     if change_tensors:
@@ -172,9 +173,10 @@ def test_version_1_files_are_still_read(tmp_path, llama):
     from safetensors.torch import save_file
 
     from kvedit.fingerprint import legacy_model_fingerprint, model_fingerprint
-    from kvedit.storage import FORMAT_VERSION, crc32_of, state_tensors
+    from kvedit.statefiles.format import FORMAT_VERSION, crc32_of
+    from kvedit.statefiles.write import state_tensors
 
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     model, tok = llama
     state = kvedit.capture(model, tok, RECORDS)
     tensors = state_tensors(state)
@@ -197,8 +199,10 @@ def test_version_1_files_are_still_read(tmp_path, llama):
     assert same(snapshot(loaded), snapshot(state))
     assert loaded.model_fingerprint == model_fingerprint(model)  # upgraded on load
     assert loaded.generate(" What is", 8) == state.generate(" What is", 8)
-    loaded.save(tmp_path / "v2.kv")  # saved again: version 2
-    assert json.loads(_header(tmp_path / "v2.kv"))["format_version"] == 2
+    assert not loaded.history.known  # kvedit 0.1 recorded no history
+    loaded.save(tmp_path / "v3.kv")  # saved again: version 3, history still unknown
+    assert json.loads(_header(tmp_path / "v3.kv"))["format_version"] == 3
+    assert not kvedit.load_state(tmp_path / "v3.kv", model, tok).history.known
     other, _ = tiny_model("llama", seed=1)
     with pytest.raises(CacheMismatchError, match="version-1"):
         kvedit.load_state(path, other, tok)
@@ -211,10 +215,123 @@ def _header(path) -> str:
         return f.metadata()["kvedit"]
 
 
+def version_2_file(state, path) -> None:
+    """Write ``state`` as kvedit 0.2 did: format 2, exactly the fields it wrote (no history,
+    no K/V dtype, no last input)."""
+    from safetensors.torch import save_file
+
+    from kvedit.statefiles.format import crc32_of
+    from kvedit.statefiles.write import _state_tensors_and_params
+
+    tensors, params = _state_tensors_and_params(state, None)
+    meta = {
+        "format": "kvedit.kvstate",
+        "format_version": 2,
+        "kvedit_version": "0.2.0",
+        "model": "tiny-llama",
+        "model_fingerprint": state.model_fingerprint,
+        "tokenizer_fingerprint": state.tokenizer_fingerprint,
+        "text": state.text,
+        "next_position": state.next_position,
+        "windows": [layer.window for layer in state.layers],
+        "n_layers": len(state.layers),
+        "n_tokens": len(state),
+        "layer_entries": [len(layer) for layer in state.layers],
+        "layer_kinds": [layer.kind for layer in state.layers],
+        "layer_params": params,
+        "checksum": crc32_of(tensors),
+    }
+    save_file(tensors, str(path), metadata={"kvedit": json.dumps(meta)})
+
+
+def test_version_2_files_are_still_read_with_an_unknown_history(tmp_path, llama):
+    """A file written by kvedit 0.2 (format 2) loads and runs as before; it recorded no
+    history, so the state's is "unknown" (never a plain capture), and the entry its last
+    logits follow is found from its layers (a re-read state's last re-read token)."""
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    version_2_file(state, tmp_path / "v2.kv")
+    loaded = kvedit.load_state(tmp_path / "v2.kv", model, tok)
+    assert same(snapshot(loaded), snapshot(state))
+    assert not loaded.history.known and not loaded.is_plain_capture
+    assert loaded.history.origin.path == str(tmp_path / "v2.kv")
+    assert "unknown" in loaded.explain() and loaded.digest != state.digest
+    assert loaded.last_input == state.last_input
+    assert loaded.generate(" What is", 8) == state.generate(" What is", 8)
+
+    reread = kvedit.ops.reread(state, "Carol's secret number is 5902.")
+    version_2_file(reread, tmp_path / "r2.kv")
+    loaded = kvedit.load_state(tmp_path / "r2.kv", model, tok)
+    assert loaded.last_input == reread.last_input != (len(state) - 1, len(state) - 1)
+
+
 def test_unknown_version_is_refused(saved):
     _, model, tok, _, path = saved
-    rewrite(path, version=3)
-    with pytest.raises(CorruptCacheError, match="version 3 is not supported"):
+    rewrite(path, version=4)
+    with pytest.raises(CorruptCacheError, match="version 4 is not supported"):
+        kvedit.load_state(path, model, tok)
+
+
+# ------------------------------------------------------------------ provenance in the file
+
+
+def test_history_is_saved_and_loaded(tmp_path, llama):
+    """A file records the state's history (format 3): capture, save, load is the same content
+    (same digest, a plain capture); an edit's steps come back in order; the file read is noted
+    in the origin but is no part of the digest."""
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    state.save(tmp_path / "c.kv")
+    meta = json.loads(_header(tmp_path / "c.kv"))
+    assert meta["format_version"] == 3 and meta["history"]["origin"]["kind"] == "capture"
+    assert meta["kv_dtype"] == "float32" and meta["last_input"] == [len(state) - 1] * 2
+    loaded = kvedit.load_state(tmp_path / "c.kv", model, tok)
+    assert loaded.digest == state.digest and loaded.is_plain_capture
+    assert loaded.history.origin.path == str(tmp_path / "c.kv")
+    assert str(tmp_path / "c.kv") in loaded.explain() and "c.kv" in repr(loaded)
+
+    edited = kvedit.ops.emphasize(kvedit.ops.scale_keys(state, "Carol", 1.5), "Bob", 2.0)
+    edited.save(tmp_path / "e.kv")
+    back = kvedit.load_state(tmp_path / "e.kv", model, tok)
+    assert back.history == edited.history and back.digest == edited.digest != state.digest
+    assert [s.name for s in back.history.steps] == ["scale_keys", "emphasize"]
+
+
+def test_dtype_casts_on_save_and_load_are_steps(tmp_path, llama):
+    """``save(dtype=...)`` records a cast in the file (lossy float32 -> bfloat16), loading casts
+    back to the model's dtype (exact); an exact cast undone by the next one leaves a plain
+    capture."""
+    from kvedit.provenance import History
+
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    state.save(tmp_path / "half.kv", dtype=torch.bfloat16)
+    meta = json.loads(_header(tmp_path / "half.kv"))
+    assert meta["kv_dtype"] == "bfloat16"
+    loaded = kvedit.load_state(tmp_path / "half.kv", model, tok)
+    casts = [(s.params["from"], s.params["dtype"], s.exact) for s in loaded.history.steps]
+    assert casts == [("float32", "bfloat16", False), ("bfloat16", "float32", True)]
+    assert not loaded.is_plain_capture and loaded.digest != state.digest
+    assert "cast" in loaded.history.first_change()
+    assert loaded.history.first_change(allowed=[torch.bfloat16]) is None  # declared
+
+    state.save(tmp_path / "wide.kv", dtype=torch.float64)  # exact, then cast back: undone
+    wide = kvedit.load_state(tmp_path / "wide.kv", model, tok)
+    assert wide.history == state.history and wide.digest == state.digest
+    assert torch.equal(wide.layers[0].keys, state.layers[0].keys)
+    assert History.captured(torch.float32) == state.history
+
+
+def test_a_bad_history_in_a_file_is_corrupt(tmp_path, llama):
+    model, tok = llama
+    path = tmp_path / "s.kv"
+    kvedit.capture(model, tok, RECORDS).save(path)
+    rewrite(path, change_meta=lambda m: m.__setitem__("history", {"origin": {"kind": "magic"}}))
+    with pytest.raises(CorruptCacheError, match="history"):
+        kvedit.load_state(path, model, tok)
+    kvedit.capture(model, tok, RECORDS).save(path)
+    rewrite(path, change_meta=lambda m: m.__setitem__("last_input", [10**6, 0]))
+    with pytest.raises(CorruptCacheError, match="last_input"):
         kvedit.load_state(path, model, tok)
 
 

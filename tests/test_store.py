@@ -18,7 +18,7 @@ from helpers import reference_generate, same, snapshot
 import kvedit
 from kvedit import ops
 from kvedit.atomic import is_temp_name
-from kvedit.errors import CacheMismatchError
+from kvedit.errors import CacheMismatchError, InvalidInputError
 from kvedit.store import KVStore, StoreLockTimeout, chain_root, chunk_hashes, content_key
 from kvedit.testing import tiny_model
 
@@ -94,19 +94,116 @@ def test_weights_changed_in_place_miss_the_store(tmp_path):
     assert store.put(kvedit.capture(model, tok, RECORDS)) != key
 
 
-def test_put_refuses_edited_states(tmp_path, llama):
+def _refused_states(model, tok):
+    """``(name, state, phrase its refusal names)``: every kind of state the store must refuse.
+    Several (scaled keys, a projection, an unknown history) have tensors that look like a
+    capture's; only their history says otherwise."""
+    from kvedit.provenance import History, Origin
+
+    state = kvedit.capture(model, tok, RECORDS)
+    long = kvedit.capture(model, tok, RECORDS * 2)
+    return [
+        ("emphasize", ops.emphasize(state, "Carol", 2.0), "emphasize"),
+        ("suppress", ops.suppress(state, "Carol", 2.0), "suppress"),
+        ("scale_keys", ops.scale_keys(state, "Carol", 1.5), "scale_keys"),
+        ("duplicate", ops.duplicate(state, "Carol", 1), "duplicate"),
+        ("reread", ops.reread(state, "Carol"), "reread"),
+        ("quantize", ops.quantize(long, bits=8), "quantize"),
+        ("snapkv", ops.snapkv(long, keep=0.5, window=4), "snapkv"),
+        ("unknown", state.replace(history=History.unknown()), "unknown history"),
+        ("projection", state.replace(history=History(Origin("projection"))), "projection"),
+        ("blend", state.replace(history=History(Origin("blend"))), "blend"),
+        (
+            "edit-then-extend",  # a plain extension of an edited state is still edited
+            ops.scale_keys(state, "Carol", 1.5).extend(" More."),
+            "scale_keys",
+        ),
+    ]
+
+
+def test_put_refuses_every_state_that_is_not_a_plain_capture(tmp_path, llama):
+    model, tok = llama
+    store = KVStore(tmp_path)
+    for name, edited, phrase in _refused_states(model, tok):
+        with pytest.raises(InvalidInputError, match="unedited captures only") as e:
+            store.put(edited)
+        assert phrase in str(e.value), name
+        assert store.refusal(edited) is not None, name
+    assert entry_files(tmp_path) == []
+    plain = kvedit.capture(model, tok, RECORDS)
+    assert store.refusal(plain) is None
+    store.put(plain.extend(" More."))  # an extension of a capture is a capture
+
+
+def test_put_refuses_a_hand_built_state_whose_tensors_are_edited(tmp_path, llama):
+    """The history is checked first; the tensors are still checked (a state that claims to be a
+    capture but holds a bias is refused)."""
+    import dataclasses
+
     model, tok = llama
     state = kvedit.capture(model, tok, RECORDS)
+    first = state.layers[0]
+    biased = state.replace(
+        layers=[dataclasses.replace(first, bias=torch.ones(1, 2, len(first))), *state.layers[1:]]
+    )
+    assert biased.is_plain_capture  # it lies
+    with pytest.raises(InvalidInputError, match="has a bias"):
+        KVStore(tmp_path).put(biased)
+
+
+def test_declared_casts(tmp_path, llama):
+    """A lossy cast (a float32 capture saved in bfloat16 and loaded) is refused, unless the
+    store was told to allow casts to that dtype; exact casts always pass."""
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    state.save(tmp_path / "half.kv", dtype=torch.bfloat16)
+    half = kvedit.load_state(tmp_path / "half.kv", model, tok)
+    with pytest.raises(InvalidInputError, match="cast"):
+        KVStore(tmp_path / "a").put(half)
+    store = KVStore(tmp_path / "b", allow_casts=[torch.bfloat16])
+    key = store.put(half)
+    assert KVStore(tmp_path / "b", allow_casts=["bfloat16"]).get(key, model, tok) is not None
+    state.save(tmp_path / "wide.kv", dtype=torch.float64)
+    KVStore(tmp_path / "a").put(kvedit.load_state(tmp_path / "wide.kv", model, tok))
+
+
+def _as_written_by_0_2(path) -> None:
+    """Rewrite a store entry's state file as kvedit 0.2 wrote it: format 2, no history."""
+    from safetensors.torch import save_file
+
+    from kvedit.statefiles.format import crc32_of
+    from kvedit.statefiles.read import read_state_file
+
+    meta, tensors = read_state_file(path)
+    for name in ("history", "kv_dtype", "last_input"):
+        del meta[name]
+    meta["format_version"] = 2
+    meta["checksum"] = crc32_of(tensors)
+    save_file(tensors, str(path), metadata={"kvedit": json.dumps(meta)})
+
+
+def test_entries_without_history_are_misses_and_recomputed(tmp_path, llama):
+    """An entry written before kvedit 0.3 may hold anything (0.2 stored scaled keys and
+    projections): it is never served; it is a miss, dropped, and reuse recomputes and
+    stores the prompt again, with its history."""
+    model, tok = llama
+    key = KVStore(tmp_path).put(kvedit.capture(model, tok, RECORDS))
+    _as_written_by_0_2(tmp_path / "entries" / f"{key}.kv")
     store = KVStore(tmp_path)
-    for edited in (
-        ops.emphasize(state, "Carol", 2.0),
-        ops.duplicate(state, "Carol", 1),
-        ops.quantize(kvedit.capture(model, tok, RECORDS * 2), bits=8),
-        ops.reread(state, "Carol"),
-    ):
-        with pytest.raises(ValueError, match="unedited captures only"):
-            store.put(edited)
-    assert entry_files(tmp_path) == []
+    assert store.fetch(key, model, tok) == (None, "miss")
+    assert store.stats()["stale"] == 1 and store.stats()["entries"] == 0
+
+    key = KVStore(tmp_path).put(kvedit.capture(model, tok, RECORDS))
+    _as_written_by_0_2(tmp_path / "entries" / f"{key}.kv")
+    store = KVStore(tmp_path)
+    assert store.longest_prefix(model, tok, RECORDS + " More.") == (None, 0)
+    key = KVStore(tmp_path).put(kvedit.capture(model, tok, RECORDS))
+    _as_written_by_0_2(tmp_path / "entries" / f"{key}.kv")
+    state, report = kvedit.reuse(model, tok, RECORDS + " More.", KVStore(tmp_path))
+    assert report.tokens_reused == 0 and state.is_plain_capture
+    assert kvedit.reuse(model, tok, RECORDS + " More.", KVStore(tmp_path))[1].source == "disk"
+    served = KVStore(tmp_path).get(report.key, model, tok)
+    assert served.is_plain_capture and served.digest == state.digest
 
 
 # ------------------------------------------------------------------ prefix lookup
@@ -278,7 +375,7 @@ FORK = multiprocessing.get_context("fork")
 
 def _killed_writer(root: str, state, mode: str, conn) -> None:
     """Put ``state``, stalling (to be SIGKILLed) half-way through the .kv or before the record."""
-    import kvedit.statefile as statefile
+    import kvedit.statefiles.write as statefile
     import kvedit.store as ks
 
     store = ks.KVStore(root)
