@@ -1,49 +1,72 @@
-"""kvedit: edit a language model's KV cache to change what it pays attention to."""
+"""kvedit: edit a language model's KV cache to change what it pays attention to.
+
+Everything a user needs is reachable from ``import kvedit``: the names below, and the
+subpackages ``kvedit.integrations`` (vLLM, imported without vLLM), ``kvedit.ops`` (cache edits), ``kvedit.compress`` (selection, quantization,
+merging), ``kvedit.errors``, ``kvedit.store``, ``kvedit.project`` and ``kvedit.testing``.
+"""
 
 from __future__ import annotations
 
-from . import errors, ops, testing
-from .blend import BlendReport, blend
-from .focus import Focus, focus, focus_text
+from . import compress, errors, integrations, ops, testing
+from .blending import BlendReport, blend
+from .cache import LayerKV
+from .cache.adapter import dynamic_cache
+from .capturing import capture, capture_tokens
+from .decoding import Answer, Decoder, eos_ids
+from .focusing import DEFAULT_GUARD, Focus, choose, focus, focus_text
+from .guard import AgreementGuard, Guard, Verdict
 from .models import load_model
+from .prefix_reuse import ReuseReport, reuse
 from .project import Projector
+from .prompts import chat_prefix, templated_prompt
 from .readout import AttentionShare, attention_share
-from .reuse import ReuseReport, reuse
 from .runtime import ModelSpec, prepare, unprepare
-from .state import KVState, LayerKV, capture, chat_prefix
-from .steer import Steering, steer, strength_for_share, strength_from_pasta_alpha
-from .storage import load_state
+from .state import KVState
+from .statefiles.read import load_state
+from .steering import Steering, steer, strength_for_share, strength_from_pasta_alpha
 from .store import KVStore
-
-__version__ = "0.2.0"
+from .version import __version__
 
 __all__ = [
-    "attention_share",
+    "DEFAULT_GUARD",
+    "AgreementGuard",
+    "Answer",
     "AttentionShare",
-    "blend",
     "BlendReport",
-    "capture",
-    "chat_prefix",
-    "errors",
-    "focus",
+    "Decoder",
     "Focus",
-    "focus_text",
+    "Guard",
     "KVState",
     "KVStore",
     "LayerKV",
+    "ModelSpec",
+    "Projector",
+    "ReuseReport",
+    "Steering",
+    "Verdict",
+    "__version__",
+    "attention_share",
+    "blend",
+    "capture",
+    "capture_tokens",
+    "chat_prefix",
+    "choose",
+    "compress",
+    "dynamic_cache",
+    "eos_ids",
+    "errors",
+    "focus",
+    "focus_text",
+    "integrations",
     "load_model",
     "load_state",
-    "ModelSpec",
     "ops",
     "prepare",
-    "Projector",
     "reuse",
-    "ReuseReport",
     "steer",
-    "Steering",
-    "unprepare",
     "strength_for_share",
     "strength_from_pasta_alpha",
+    "templated_prompt",
     "testing",
-    "__version__",
+    "unprepare",
 ]

@@ -61,13 +61,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .cache import LayerKV
+from .cache.adapter import dynamic_cache
+from .capturing import capture, capture_passage, encode, extend_ids, passage_after
 from .compat import cache_kwarg, text_config
 from .errors import UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .reuse import capture_passage, encode, extend_ids, passage_after
+from .passes import StateBias
+from .prefix_reuse import require_plain
+from .provenance import History, Origin, token_ranges
 from .rope import KeyMover, movers
 from .runtime import forward
-from .state import KVState, LayerKV, StateBias, capture, dynamic_cache
+from .state import KVState, LastInput
 from .store import KVStore
 
 BLEND_CONTEXTS = ("prefix", "alone")
@@ -135,8 +140,11 @@ def blend(
             prefix; the default) or ``"alone"`` (nothing).
 
     Returns:
-        ``(state, report)``: a plain state of ``"".join(parts)`` whose token ids are the parts'
-        ids concatenated, ready for ``generate``/``extend``.
+        ``(state, report)``: a state of ``"".join(parts)`` whose token ids are the parts'
+        ids concatenated, ready for ``generate``/``extend``. Its history's origin is a
+        ``"blend"`` (the parts' digests, ``recompute``, ``context`` and the recomputed
+        tokens), never a capture: the store refuses it. The parts it reads from the store are
+        plain captures (the store serves nothing else).
     """
     t0 = time.perf_counter()
     if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
@@ -160,6 +168,8 @@ def blend(
         behind = context == "prefix" and i > 0
         key = store.key_for(model, tokenizer, prefix_ids + ids if behind else ids)
         state, source = store.fetch(key, model, tokenizer)
+        if state is not None:
+            require_plain(state, store, f"blend part {i}")
         if state is None:
             if i == 0:
                 state = capture(model, tokenizer, text)
@@ -167,7 +177,7 @@ def blend(
                 state = extend_ids(prefix, ids, offsets + len(prefix.text), prefix.text + text)
             else:
                 state = capture_passage(model, tokenizer, text)
-            store.put(state)
+            store.put(state)  # a plain capture (or a plain capture extended): storable
             source = "computed"
         if i == 0:
             prefix, prefix_ids = state, ids
@@ -212,6 +222,18 @@ def blend(
         last_logits=last_logits,
         model_fingerprint=model_fingerprint(model),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        history=History(
+            Origin(
+                "blend",
+                {
+                    "parts": [s.digest for s in states],
+                    "recompute": float(recompute),
+                    "context": context,
+                    "recomputed": token_ranges(selected),
+                },
+            )
+        ),
+        last_input=LastInput(n - 1, n - 1),
         model=model,
         tokenizer=tokenizer,
     )

@@ -3,8 +3,15 @@
 The question is run on top of a captured state twice, as asked and with its distinctive words
 removed (:func:`content_free_question`: a calibration query that keeps the question's form and
 position). Each passage's score is the log ratio of the attention shares the two give it
-(each smoothed by :data:`SCORE_SMOOTHING`), averaged over layers: positional bias (lost in the middle, recency, the sink) appears in both
-and cancels, the question's content does not. The best passages are then emphasized with a
+(each smoothed by :data:`SCORE_SMOOTHING` times the mean share of a passage, so the same default
+serves 5 and 500 passages), averaged over layers: positional bias (lost in the middle, recency,
+the sink) appears in both and cancels, the question's content does not.
+
+Focus edits only when a passage stands out (:func:`stands_out`: its robust z-score among the
+candidates' scores reaches :data:`ABSTAIN_THRESHOLD`); otherwise it abstains (no edit). A
+question with no distinctive word (none of its words is in some but not most passages) gives
+no evidence and every score 0; a passage that only restates the question
+(:func:`echo_passages`) is never a candidate. The best passages are then emphasized with a
 per-layer bias that lifts their share of the question's attention to ``target``
 (:func:`adaptive_strengths`), applied with :func:`kvedit.ops.emphasize` (the last token is
 recomputed, so the next token sees the edit). An optional answer guard (:mod:`kvedit.guard`,
@@ -17,19 +24,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import checks, ops
+from .capturing import capture
 from .errors import InvalidInputError
 from .guard import AgreementGuard, Guard, Verdict
 from .passages import Range, split_passages, template_ranges
+from .prompts import chat_prefix
 from .readout import attention_share
-from .state import KVState, capture, chat_prefix
+from .state import KVState
 from .strengths import strength_for_share
 
 __all__ = [
+    "ABSTAIN_THRESHOLD",
     "DEFAULT_GUARD",
     "SCORE_SMOOTHING",
     "SHARE_EPS",
@@ -37,24 +47,44 @@ __all__ = [
     "adaptive_strengths",
     "choose",
     "content_free_question",
+    "content_question",
+    "echo_passages",
     "focus",
     "focus_text",
     "guarded",
     "passage_scores",
     "passage_shares",
+    "robust_z",
+    "stands_out",
 ]
 
 SHARE_EPS = 1e-6
 """Shares are clamped to ``[SHARE_EPS, 1 - SHARE_EPS]`` before sizing a bias (a share of 0
 or 1 has no finite bias)."""
-SCORE_SMOOTHING = 0.01
-"""The share added to both sides of a passage's log ratio (:func:`passage_scores`).
+SCORE_SMOOTHING = 0.5
+"""The smoothing of a passage's log ratio (:func:`passage_scores`), as a fraction of the mean
+share a passage gets from the calibration query (so it scales with the number of passages).
 
-Without it (1e-6), a passage in the attention trough next to the first or last one gets a large
-ratio from tiny shares and beats the right edge passage: on the tuning seeds the top-1 hit rate
-at the first and last positions was 0.70 and 0.40 (lockers seed 3), 0.80 and 0.90 (records
-seed 1). With 0.01 (also tried: 1e-3, 0.03, 0.1, the difference of shares, and a fraction of
-the mean share) every position was 1.00 on both (``benchmarks/focus_scoring.py``)."""
+Unsmoothed (1e-6), a passage in the attention trough next to the first or last one gets a large
+ratio from tiny shares and beats the right edge passage. The former constant 0.01 (tuned with
+10 to 25 passages, where the mean share is ~0.008 to 0.03) swamps the signal at 300 passages
+(mean share ~0.0006): the question about Person150 chose Person0. On the stored tuning shares
+(``reports/focus-tuning/shares-*.safetensors``: lockers seed 3, NQ seed 1, records seed 1) and a
+300-passage example, 0.5 x the mean share scores top-1 0.98/1.00/1.00 and chooses right at 300;
+0.01 scored 1.00/1.00/1.00 and chose wrong at 300; 0.2, 0.3 (0.88-0.96 on lockers), 0.75, 1.0
+(0.978 on NQ), a per-layer mean and a multiple of 1/n were also tried
+(``benchmarks/focus_abstain.py``, ``reports/focus-scale/``)."""
+ABSTAIN_THRESHOLD = 2.5
+"""The robust z-score a passage's score must reach to be emphasized (:func:`stands_out`).
+
+Tuned on the tuning seeds (``benchmarks/focus_abstain.py``): the gold passage's z was at least
+3.38 on lockers seed 3 (50 questions), 3.07 on records seed 1 (50) and 2.21 on NQ-10 seed 1
+(45; 2 of 45 below 2.5); general-knowledge questions over 8 NQ seed 1 contexts (32) reached at
+most 2.25 (over records and lockers they have no distinctive word, and every score is 0)."""
+MIN_SPREAD = 0.02
+"""The floor (nats) of the score spread :func:`stands_out` divides by: scores that all agree
+(every one 0 when the question has no distinctive word) have no outlier."""
+_META_WORDS = frozenset({"question", "questions", "q", "query", "ask", "asked", "asks"})
 QUESTION_MARK = "\n\nQuestion:"
 """Where :func:`focus_text` cuts the prompt: the context is captured, the question asked after."""
 
@@ -79,6 +109,85 @@ def content_free_question(question: str, documents: Sequence[str]) -> str:
     out = "".join(kept)
     out = re.sub(r"\s+", " ", out).strip()
     return out if out != question.strip() else "?"
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def content_question(name: str, question: str) -> str:
+    """``question`` if it has a word character; an :class:`InvalidInputError` otherwise
+    (whitespace or punctuation asks nothing)."""
+    question = checks.text(name, question, allow_empty=False)
+    if not re.search(r"\w", question):
+        raise InvalidInputError(
+            f"{name} {question!r} has no content (only whitespace or punctuation): nothing to "
+            "focus on"
+        )
+    return question
+
+
+def echo_passages(question: str, texts: Sequence[str]) -> list[int]:
+    """Indices of the passages that only restate ``question``: every word of the passage is a
+    word of the question (or a word such as "question"), and it holds at least two of the
+    question's words and half of them. Such a passage draws the question's attention by
+    repeating it, not by answering it, so :func:`choose` never picks it."""
+    asked = set(_words(question))
+    out = []
+    for i, text in enumerate(texts):
+        words = set(_words(text))
+        shared = words & asked
+        if words - asked - _META_WORDS or len(shared) < max(2, (len(asked) + 1) // 2):
+            continue
+        out.append(i)
+    return out
+
+
+def stands_out(
+    scores: torch.Tensor,
+    candidates: torch.Tensor | None = None,
+    threshold: float | None = ABSTAIN_THRESHOLD,
+) -> list[int]:
+    """The candidate passages whose score stands out, best first.
+
+    A passage stands out when its score is positive and its robust z-score against the other
+    candidates (:func:`robust_z`: ``(score - median) / max(1.4826 * MAD, MIN_SPREAD)`` of the
+    others' scores) reaches ``threshold``
+    (default :data:`ABSTAIN_THRESHOLD`). The rule reads only the distribution of the scores,
+    never how many there are. ``candidates`` is a boolean mask (default: all); ``threshold``
+    ``None`` keeps every candidate (no abstention).
+    """
+    scores = scores.double()
+    mask = torch.ones_like(scores, dtype=torch.bool) if candidates is None else candidates.bool()
+    idx = mask.nonzero().flatten()
+    if idx.numel() == 0:
+        return []
+    order = idx[scores[idx].argsort(descending=True, stable=True)].tolist()
+    if threshold is None:
+        return order
+    z = robust_z(scores, mask)
+    return [i for i in order if scores[i] > 0 and z[i] >= threshold]
+
+
+def robust_z(scores: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Each passage's robust z-score against the *other* candidates' scores:
+    ``(score - median) / max(1.4826 * MAD, MIN_SPREAD)`` of the others (leaving the passage
+    itself out, so a clear winner among few passages is not hidden by its own weight in the
+    spread; with no other candidate the median is 0)."""
+    scores = scores.double()
+    mask = torch.ones_like(scores, dtype=torch.bool) if candidates is None else candidates.bool()
+    z = torch.zeros_like(scores)
+    for i in range(scores.numel()):
+        others = mask.clone()
+        others[i] = False
+        s = scores[others]
+        if s.numel() == 0:
+            med, spread = 0.0, MIN_SPREAD
+        else:
+            med = float(s.median())
+            spread = max(1.4826 * float((s - med).abs().median()), MIN_SPREAD)
+        z[i] = (scores[i] - med) / spread
+    return z
 
 
 def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:
@@ -110,14 +219,19 @@ def passage_shares(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(real, calib)``: ``[layers, n_passages]`` attention shares of each passage, from
     ``question`` and from ``question`` with ``query`` (a part of it; default: the text up to
-    the chat template) replaced by its :func:`content_free_question`."""
+    the chat template) replaced by its :func:`content_free_question`. When the query has no
+    distinctive word (its calibration is ``"?"``) nothing in it points at a passage: ``calib``
+    is then ``real`` (every score 0), and the second pass is saved."""
     if query is None:
         query = _default_query(state, question)
     if not query or query not in question:
         raise InvalidInputError(f"query {query!r} is not part of the question {question!r}")
     texts = [state.text[a:b] for a, b in passages]
-    calib_question = question.replace(query, content_free_question(query, texts), 1)
+    free = content_free_question(query, texts)
     real = attention_share(state, question, list(passages)).per_layer
+    if free == "?":  # no distinctive word: the question points at no passage
+        return real, real.clone()
+    calib_question = question.replace(query, free, 1)
     calib = attention_share(state, calib_question, list(passages)).per_layer
     return real, calib
 
@@ -129,12 +243,15 @@ def passage_scores(
     smoothing: float = SCORE_SMOOTHING,
 ) -> torch.Tensor:
     """``[n_passages]``: ``log (share(question) + s) - log (share(content-free question) + s)``
-    with ``s = smoothing`` (:data:`SCORE_SMOOTHING`), averaged over ``layers`` (default: all).
-    ``real`` and ``calib`` are ``[layers, n_passages]`` shares."""
-    lift = torch.log(real + smoothing) - torch.log(calib + smoothing)  # [L, n]
+    averaged over ``layers`` (default: all), with ``s = smoothing`` (:data:`SCORE_SMOOTHING`)
+    times the mean calibration share of a passage on those layers (scale-free: the same
+    ``smoothing`` serves any number of passages). ``real`` and ``calib`` are
+    ``[layers, n_passages]`` shares."""
     if layers is not None:
-        lift = lift[list(layers)]
-    return lift.mean(0)
+        real, calib = real[list(layers)], calib[list(layers)]
+    real, calib = real.double(), calib.double()
+    eps = smoothing * max(float(calib.mean()), SHARE_EPS)
+    return (torch.log(real + eps) - torch.log(calib + eps)).mean(0).float()
 
 
 DEFAULT_GUARD = AgreementGuard()
@@ -151,10 +268,16 @@ class Focus:
             nothing was edited (:func:`choose`) or the guard dropped the edit.
         passages: ``(start, end)`` character ranges of the passages in ``state.text``.
         scores: one relevance score per passage (higher: the question points at it more).
-        chosen: indices into ``passages`` of the emphasized passages, best first.
-        strengths: the bias (nats) each layer's chosen passages got (or would get).
+        chosen: indices into ``passages`` of the emphasized passages, best first; empty when
+            focus abstained (no passage stands out: :func:`stands_out`), and then nothing was
+            edited.
+        strengths: the bias (nats) each layer's chosen passages got (or would get); all 0
+            when nothing is chosen.
         question: the continuation :meth:`generate` asks.
         verdict: the guard's decision (``None`` without a guard).
+        reason: why nothing was chosen (``""`` when something was).
+        echoes: indices of the passages that only restate the question (never chosen).
+        best: the best-scored candidate passage, chosen or not (``None`` without candidates).
     """
 
     state: KVState
@@ -164,6 +287,9 @@ class Focus:
     strengths: list[float]
     question: str
     verdict: Verdict | None = None
+    reason: str = ""
+    echoes: list[int] = field(default_factory=list)
+    best: int | None = None
 
     @property
     def kept(self) -> bool:
@@ -171,14 +297,17 @@ class Focus:
         return self.verdict is None or self.verdict.kept
 
     def explain(self, width: int = 40) -> str:
-        """A table: passage index, its first ``width`` characters, score, ``*`` if chosen."""
+        """A table: passage index, its first ``width`` characters, score, ``*`` if chosen
+        (``echo`` if it only restates the question); then, when nothing was chosen, why."""
         lines = [f"{'#':>3}  {'passage':<{width}}  {'score':>7}  chosen"]
         for i, ((a, b), score) in enumerate(zip(self.passages, self.scores, strict=True)):
             text = " ".join(self.state.text[a:b].split())
             if len(text) > width:
                 text = text[: width - 3] + "..."
-            mark = "*" if i in self.chosen else ""
+            mark = "*" if i in self.chosen else ("echo" if i in self.echoes else "")
             lines.append(f"{i:>3}  {text:<{width}}  {score:>7.3f}  {mark}")
+        if not self.chosen:
+            lines.append(f"no edit: {self.reason or 'no passage chosen'}")
         v = self.verdict
         if v is not None:
             said = {"agree": "same answer with and without it", "edit": "the edit's answer won"}
@@ -228,29 +357,61 @@ def choose(
     query: str | None = None,
     region: Range | None = None,
     smoothing: float = SCORE_SMOOTHING,
+    threshold: float | None = ABSTAIN_THRESHOLD,
 ) -> Focus:
-    """Score the passages, choose the ``top_k`` best and size each layer's bias, without
-    editing (see :func:`focus` for the arguments).
+    """Score the passages, choose up to ``top_k`` that stand out and size each layer's bias,
+    without editing (see :func:`focus` for the arguments).
 
     The returned :class:`Focus` holds the input state and the strengths :func:`focus` would
-    apply. Costs two question-length passes over the cache (the question and its calibration).
+    apply (``chosen`` is empty when no passage stands out). Costs two question-length passes
+    over the cache (the question and its calibration; one when the question has no
+    distinctive word).
     """
     target, max_strength = _check_sizing(target, max_strength)
     smoothing = checks.real("smoothing", smoothing)
     if not 0.0 < smoothing <= 1.0:
         raise InvalidInputError(f"smoothing must be in (0, 1], not {smoothing!r}")
+    if threshold is not None:
+        threshold = checks.real("threshold", threshold)
     question = checks.text("question", question, allow_empty=False)
+    if query is None:
+        query = _default_query(state, question)
+    query = content_question("question" if query.strip() == question.strip() else "query", query)
     spans = split_passages(state, passages, region)
     top_k = checks.count("top_k", top_k, minimum=1, maximum=len(spans))
     layer_idx = _layer_indices(state, layers)
     real, calib = passage_shares(state, question, spans, query=query)
     scores = passage_scores(real, calib, layer_idx, smoothing)
-    chosen = scores.topk(top_k).indices.tolist()
-    if target is None:
+    echoes = echo_passages(query, [state.text[a:b] for a, b in spans])
+    candidates = torch.ones(len(spans), dtype=torch.bool)
+    candidates[echoes] = False
+    ranked = stands_out(scores, candidates, None)
+    chosen = stands_out(scores, candidates, threshold)[:top_k]
+    reason = "" if chosen else _why_none(scores, candidates, threshold, real, calib)
+    if not chosen:
+        strengths = [0.0] * len(state.layers)
+    elif target is None:
         strengths = [max_strength] * len(state.layers)
     else:
         strengths = adaptive_strengths(real[:, chosen].sum(-1), target, max_strength).tolist()
-    return Focus(state, spans, scores.tolist(), chosen, strengths, question)
+    best = ranked[0] if ranked else None
+    return Focus(
+        state, spans, scores.tolist(), chosen, strengths, question, None, reason, echoes, best
+    )
+
+
+def _why_none(scores, candidates, threshold, real, calib) -> str:
+    if not bool(candidates.any()):
+        return "every passage only restates the question"
+    if torch.equal(real, calib):
+        return "the question has no distinctive word in the passages (every score 0)"
+    z = robust_z(scores, candidates)
+    zc = z.masked_fill(~candidates, float("-inf"))
+    best = int(zc.argmax())
+    return (
+        f"no passage stands out (best: #{best}, score {float(scores[best]):.3f}, robust z "
+        f"{float(z[best]):.2f} < threshold {threshold})"
+    )
 
 
 def focus(
@@ -265,6 +426,7 @@ def focus(
     query: str | None = None,
     region: Range | None = None,
     smoothing: float = SCORE_SMOOTHING,
+    threshold: float | None = ABSTAIN_THRESHOLD,
     guard: Guard | None = None,
 ) -> Focus:
     """Emphasize the passages of ``state`` that ``question`` points at, unless that would
@@ -277,7 +439,8 @@ def focus(
             name (``"paragraphs"``, ``"lines"``, ``"sentences"``), an int (windows of that many
             tokens), or ``None``: paragraphs, multi-line paragraphs cut into lines, long pieces
             into sentences (:func:`kvedit.passages.split_passages`).
-        top_k: how many passages are emphasized (1 to the number of passages).
+        top_k: the most passages emphasized (1 to the number of passages): the best ones
+            among those that stand out (``threshold``).
         target: the share of the question's attention each layer's bias lifts the chosen
             passages to, in ``(0, 1)``; ``None`` adds ``max_strength`` on every layer instead.
         max_strength: the most bias (nats) a layer may get (with ``target``, at least 0).
@@ -286,16 +449,27 @@ def focus(
         query: the part of ``question`` whose distinctive words the calibration removes
             (default: ``question`` up to its first chat-template token, stripped).
         region: the character range of ``state.text`` a splitter cuts (default: all).
-        smoothing: the share added to both sides of each score's log ratio
-            (:data:`SCORE_SMOOTHING`).
+        smoothing: the share added to both sides of each score's log ratio, as a fraction of
+            the mean calibration share of a passage (:data:`SCORE_SMOOTHING`).
+        threshold: the robust z-score a passage's score must reach among the candidates'
+            scores to be emphasized (:func:`stands_out`, default :data:`ABSTAIN_THRESHOLD`).
+            When none does, focus abstains: nothing is edited, :attr:`Focus.chosen` is empty,
+            :attr:`Focus.state` is the input state and :meth:`Focus.explain` says why.
+            ``None`` always emphasizes the ``top_k`` best (the former behaviour).
         guard: an answer guard (:mod:`kvedit.guard`, e.g. :data:`DEFAULT_GUARD`): it compares
             the answers with and without the edit and may drop it (then :attr:`Focus.state`
             is the input state and :attr:`Focus.kept` is ``False``). Off by default: on the
             tuning seeds every answer-confidence rule tried dropped more good edits than bad
-            ones on NQ (see ``reports/``). Focus's do-no-harm rules are in the scoring and
-            the sizing instead: smoothed scores keep the first and last passages from losing
-            to their neighbours (:data:`SCORE_SMOOTHING`), and a layer where the chosen
-            passage already has ``target`` of the attention gets no bias.
+            ones on NQ (see ``reports/``). Focus's do-no-harm rules are in the choice and
+            the sizing instead: it abstains when no passage stands out (``threshold``), never
+            chooses a passage that only restates the question (:func:`echo_passages`),
+            smoothed scores keep the first and last passages from losing to their neighbours
+            (:data:`SCORE_SMOOTHING`), and a layer where the chosen passage already has
+            ``target`` of the attention gets no bias.
+
+    Raises:
+        InvalidInputError: the question (or ``query``) has no content (only whitespace or
+            punctuation), or a bad argument.
 
     Returns:
         A :class:`Focus`: the state that answers, the passages, their scores, the chosen ones,
@@ -316,7 +490,10 @@ def focus(
         query=query,
         region=region,
         smoothing=smoothing,
+        threshold=threshold,
     )
+    if not found.chosen:  # abstained: nothing to edit, nothing to guard
+        return found
     spans = [found.passages[i] for i in found.chosen]
     edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
     return guarded(found, edited, guard)
@@ -325,7 +502,10 @@ def focus(
 def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     """``found`` (from :func:`choose`, holding the state it chose on) set to answer from
     ``edited``, an edit of its chosen passages; with ``guard``, only if the guard keeps the
-    edit (the verdict is kept in :attr:`Focus.verdict`). Returns ``found``."""
+    edit (the verdict is kept in :attr:`Focus.verdict`). When ``found`` chose nothing (it
+    abstained), it answers from its own state and ``edited`` is ignored. Returns ``found``."""
+    if not found.chosen:
+        return found
     original = found.state
     found.state = edited
     if guard is not None:
@@ -343,7 +523,7 @@ def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
     :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``, ``layers``).
     """
     context = checks.text("context", context, allow_empty=False)
-    question = checks.text("question", question, allow_empty=False)
+    question = content_question("question", question)
     if QUESTION_MARK in context:
         raise InvalidInputError(
             f"context must not contain {QUESTION_MARK!r}: the prompt is cut there"

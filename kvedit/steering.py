@@ -30,11 +30,13 @@ import torch
 from transformers import PreTrainedModel
 
 from . import checks
-from .errors import InvalidInputError, InvalidTypeError
-from .focus import focus as run_focus
+from .capturing import capture_tokens
+from .errors import EmptySelectionError, InvalidInputError, InvalidTypeError
+from .focusing import ABSTAIN_THRESHOLD, Focus, content_question
+from .focusing import focus as run_focus
+from .passages import template_ranges
 from .runtime import activate, detached
 from .spans import Spans, as_span_list, char_ranges, token_offsets, tokens_in_ranges
-from .state import capture_tokens
 from .strengths import strength_for_share, strength_from_pasta_alpha
 
 __all__ = [
@@ -59,6 +61,7 @@ class FocusRequest:
     passages: object = None
     top_k: int = 1
     guard: object = None  # a kvedit.guard.Guard, or None
+    threshold: float | None = ABSTAIN_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -140,22 +143,31 @@ class SpanPlan:
         return bias
 
     def _focus_bias(self, text: str, offsets: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
-        """Run :func:`kvedit.focus` on the prompt up to its question: ``1.0`` on the chosen
-        passages' tokens, the layer strengths in :attr:`layer_strengths`, and the bias applies
-        from the last token before the question on (:attr:`first_biased`), so the answer equals
-        :meth:`kvedit.focus.Focus.generate` on the same cut (the cache edit). Passages come
-        from the text before the question's line; ``protect_special`` does not apply (focus
+        """Run :func:`kvedit.focus` on the prompt up to its question's line: ``1.0`` on the
+        chosen passages' tokens, the layer strengths in :attr:`layer_strengths`, and the bias
+        applies from the last token before the cut on (:attr:`first_biased`), so the answer
+        equals :meth:`kvedit.focus.Focus.generate` on the same cut (the cache edit).
+
+        The cut is where the question's line starts, less the whitespace before it (for the
+        evaluation suite's prompt, ``context + "\n\nQuestion: " + question``, the cut of
+        :func:`kvedit.focus_text`). Passages come from the turn that asks (after the last
+        chat-template line before the cut), never from the template's own lines such as a
+        system prompt, so ``steer(focus=True)`` and :func:`kvedit.focus_text` choose among the
+        same passages. A prompt with no passage there gets no edit (``plan.found.chosen`` is
+        empty, ``plan.found.reason`` says why). ``protect_special`` does not apply (focus
         passages never hold template tokens, and the cache edit protects none)."""
         request = self.config.focus
         if self.model is None:
             raise InvalidInputError("steer(focus=True) needs the model to read the prompt")
-        cut = text.rfind(request.question)
-        if cut < 0:
+        asked = text.rfind(request.question)
+        if asked < 0:
             raise InvalidInputError(
                 f"steer(focus=True): the question {request.question!r} is not in the prompt"
             )
+        line = text.rfind("\n", 0, asked) + 1  # the question's line starts here
+        cut = len(text[:line].rstrip())
         ends = offsets[:, 1].tolist()
-        # the tokens before the question: up to the first one that reaches into it
+        # the tokens before the cut: up to the first one that reaches past it
         n_prefix = next((i for i, end in enumerate(ends) if end > cut), len(ends)) if cut else 0
         if n_prefix == 0:
             raise InvalidInputError(
@@ -171,17 +183,29 @@ class SpanPlan:
                     "steer(focus=True): the prompt's question part does not tokenize back to "
                     "the same ids; capture the context and call kvedit.focus instead"
                 )
-            line = state.text.rfind("\n")
-            region = (0, line + 1) if line > 0 else None  # not the question's own line
-            found = run_focus(
-                state,
-                continuation,
-                request.passages,
-                top_k=request.top_k,
-                query=request.question,
-                region=region,
-                guard=request.guard,
-            )
+            template = [b for a, b in template_ranges(state.text, tok) if b <= len(state.text)]
+            region = (max(template, default=0), len(state.text))  # the asking turn only
+            try:
+                found = run_focus(
+                    state,
+                    continuation,
+                    request.passages,
+                    top_k=request.top_k,
+                    query=request.question,
+                    region=region,
+                    threshold=request.threshold,
+                    guard=request.guard,
+                )
+            except EmptySelectionError:  # no passage in the asking turn: nothing to edit
+                found = Focus(
+                    state,
+                    [],
+                    [],
+                    [],
+                    [0.0] * len(state.layers),
+                    continuation,
+                    reason="no candidate passage before the question in its turn",
+                )
         self.found = found
         self.first_biased = n_prefix - 1
         bias = torch.zeros(len(ids), dtype=torch.float32)
@@ -346,10 +370,24 @@ class Steering:
 
         Spans refer to ``prompt``. Greedy and ``max_new_tokens=32`` by default; other keyword
         arguments go to ``model.generate``. Special tokens are skipped in the output.
+
+        Raises:
+            InvalidTypeError: ``prompt`` is not one str (None, bytes, a list of prompts: one
+                prompt per call), or ``max_new_tokens`` is not an int.
+            InvalidInputError: ``prompt`` is empty, ``max_new_tokens`` is below 1, or the
+                prompt and ``max_new_tokens`` do not fit the model's maximum positions.
         """
+        prompt = checks.text("prompt", prompt, allow_empty=False)
+        if "max_new_tokens" in gen_kwargs:
+            gen_kwargs["max_new_tokens"] = checks.count(
+                "max_new_tokens", gen_kwargs["max_new_tokens"], minimum=1
+            )
+        new_tokens = gen_kwargs.get("max_new_tokens", 32)
+        checks.context_fits(self.model, n_chars=len(prompt), reserve=new_tokens, what="prompt")
         tok = self.tokenizer
         enc = tok(prompt, return_offsets_mapping=True, return_tensors="pt")
         ids = enc["input_ids"]
+        checks.context_fits(self.model, n_tokens=ids.shape[1], reserve=new_tokens, what="prompt")
         plan = self._new_plan()
         bias = plan.bind_text(prompt, enc["offset_mapping"][0], ids[0].tolist())
         plan.token_bias = bias[None].to(self.model.device)
@@ -385,6 +423,7 @@ def steer(
     passages=None,
     top_k: int = 1,
     guard=None,
+    threshold: float | None = ABSTAIN_THRESHOLD,
 ) -> Steering:
     """Steer ``model``'s attention toward ``emphasize`` and away from ``suppress``.
 
@@ -404,15 +443,18 @@ def steer(
         protect_special: never bias special tokens (BOS, chat-template markers) or token 0,
             the attention sink.
         focus: choose the spans automatically: at each prompt, :func:`kvedit.focus` reads the
-            prompt's cache up to ``question`` (its last occurrence; passages from the lines
-            before the question's) and the chosen passages get its per-layer bias, in scope
-            ``"decode"``, from the last token before the question on.
+            prompt's cache up to the line of ``question`` (its last occurrence; passages from
+            the lines of the same turn before it, never the chat template's own lines such
+            as a system prompt) and the chosen passages get its per-layer bias, in scope
+            ``"decode"``, from the last token before that line on. When no passage stands
+            out (or there is none), nothing is steered (``plan.found.chosen`` is empty).
             The answer is the one :meth:`kvedit.focus.Focus.generate` gives on that cut. Not
             combined with ``emphasize``/``suppress``/``layers``/``heads``; one prompt at a
             time. ``plan.found`` holds the latest :class:`~kvedit.focus.Focus`.
         question: with ``focus``, the question's text as it appears in the prompt.
-        passages, top_k, guard: with ``focus``, as :func:`kvedit.focus` takes them (a guard
-            that drops the edit leaves the prompt unsteered).
+        passages, top_k, guard, threshold: with ``focus``, as :func:`kvedit.focus` takes them
+            (a guard that drops the edit, or a threshold no passage reaches, leaves the prompt
+            unsteered).
 
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
@@ -420,7 +462,7 @@ def steer(
     strength = checks.strength("strength", strength)
     if focus:
         _refuse_with_focus(emphasize, suppress, layers, heads, scope)
-        return _focus_steering(model, tokenizer, question, passages, top_k, guard)
+        return _focus_steering(model, tokenizer, question, passages, top_k, guard, threshold)
     scope = "all" if scope is None else scope
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, not {scope!r}")
@@ -460,15 +502,17 @@ def _refuse_with_focus(emphasize, suppress, layers, heads, scope) -> None:
         raise InvalidInputError(f"steer(focus=True) steers in scope 'decode', not {scope!r}")
 
 
-def _focus_steering(model, tokenizer, question, passages, top_k, guard) -> Steering:
+def _focus_steering(model, tokenizer, question, passages, top_k, guard, threshold) -> Steering:
     if question is None:
         raise InvalidInputError("steer(focus=True) needs question=: the question's text")
-    question = checks.text("question", question, allow_empty=False)
+    question = content_question("question", question)
     top_k = checks.count("top_k", top_k, minimum=1)
     if guard is not None and not callable(getattr(guard, "decide", None)):
         raise InvalidTypeError(
             f"guard must have a decide(original, edited, question), not {guard!r}"
         )
-    request = FocusRequest(question, passages, top_k, guard)
+    if threshold is not None:
+        threshold = checks.real("threshold", threshold)
+    request = FocusRequest(question, passages, top_k, guard, threshold)
     config = SteerConfig((), (), 1.0, None, None, "decode", False, request)
     return Steering(model, tokenizer, config)

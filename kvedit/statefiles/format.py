@@ -1,0 +1,43 @@
+"""The state file format: its name, versions, and the CRC-32 every file carries.
+
+A state file is one safetensors file with JSON metadata in its header. Layout: per layer ``i``,
+the tensors its cache-layer class writes (:mod:`kvedit.cache`), named ``layer.{i}.NAME`` (dense:
+``keys`` / ``values`` ``[batch, kv_heads, n_i, head_dim]``, ``token_index`` / ``positions``
+``[n_i]``, optional ``bias`` ``[batch, heads, n_i]``; quantized: packed codes, scales, zero
+points and the exact residual; merged: norms, retained entries and the exact tail),
+``shared.{key}.NAME`` for data layers share (a merged pair's directions, written once, named by
+the layers' ``shared`` param), and ``token_ids``, ``offsets``, ``position_ids``, ``last_logits``.
+The header's ``kvedit`` entry is JSON: format version, fingerprints, text, windows, each layer's
+kind and parameters, and a CRC-32 of every tensor's bytes (an integrity check).
+
+Format versions: 3 (kvedit 0.3) adds the state's provenance: ``history`` (its origin and
+every transformation, :class:`kvedit.provenance.History`, the cast of a ``save(dtype=...)``
+included), ``kv_dtype`` (the dtype its keys and values are written in) and ``last_input``
+(``[token index, position]`` of the entry its last logits follow). 2 (kvedit 0.2) records the
+model fingerprint of :func:`kvedit.fingerprint.model_fingerprint` (whole tensors,
+dtype-independent), the token count and each layer's entry count. Versions 1 (kvedit 0.1)
+and 2 are still read; their states have an unknown history.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "crc32_of"]
+
+FORMAT = "kvedit.kvstate"
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+
+
+def crc32_of(tensors: dict[str, torch.Tensor]) -> str:
+    """CRC-32 over the tensors' names and bytes, in name order (hex)."""
+    crc = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        crc = zlib.crc32(name.encode(), crc)
+        if t.numel():
+            crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
+    return f"{crc:08x}"
