@@ -69,6 +69,9 @@ def test_publish_context_writes_what_it_says_to_send(smollm2, example, tmp_path)
         "kv_transfer_params": {"kvedit": {"digest": got.digest}},
     }
     assert got.digest == edited.digest == files.digest_of(got.file)  # exact: no label
+    printed = json.loads(json.dumps(got.to_dict()))  # what kvedit publish prints
+    assert printed["digest"] == got.digest
+    assert printed["published_token_ids"] == got.published_token_ids
     assert got.served == len(got.published_token_ids) and Path(got.file).is_absolute()
 
 

@@ -238,7 +238,6 @@ def test_a_failed_load_reports_only_its_own_blocks(states, root, tmp_path_factor
     assert failed_blocks(conn, load) == set(range(100, 100 + (claim - 1) // BLOCK + 1))
 
 
-
 def test_a_request_asked_again_is_decided_afresh(states, tmp_path):
     """vLLM asks again for a request it could not schedule; a match from the first answer
     must not be used for the second."""
@@ -250,6 +249,7 @@ def test_a_request_asked_again_is_decided_afresh(states, tmp_path):
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
     conn.update_state_after_alloc(req, None, 0)
     assert outcome(conn, req) == {} and not conn.refusals
+
 
 # ---------------------------------------------------------------- end to end, one engine
 

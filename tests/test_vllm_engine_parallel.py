@@ -63,12 +63,14 @@ def _serve_and_compare(model, tok, root, scale: float, **llm_kwargs) -> None:
     llm = engine(model, root, distributed_executor_backend="mp", max_model_len=2048, **llm_kwargs)
     try:
         got = {}
-        for name, st in [("plain", state), ("scale_keys", edited)]:  # same ids: one at a time
+        for name, st in [("plain", state), ("scale_keys", edited)]:  # same ids, two files
             ids = publish(st, root)
-            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+            extra = ids.sampling_extra_args()  # names the digest
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=extra)
             out = llm.generate({"prompt_token_ids": ids + q}, params, use_tqdm=False)[0]
             want = st.answer(QUESTION, MAX_TOKENS).token_ids
             assert out.kv_transfer_params["kvedit"]["served"] == len(ids), name
+            assert out.kv_transfer_params["kvedit"]["digest"] == ids.digest, name
             assert out.num_cached_tokens == len(ids), name
             assert list(out.outputs[0].token_ids[: len(want)]) == want, (name, out.outputs[0].text)
             got[name] = want

@@ -93,11 +93,15 @@ class Highlighter:
         tokenizer: PreTrainedTokenizerBase,
         model_name: str,
         limits: Limits | None = None,
+        focus_threshold: float | None = kvedit.focusing.ABSTAIN_THRESHOLD,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits or Limits()
+        self.focus_threshold = focus_threshold
+        """Auto-highlight picks only passages that stand out (kvedit.focus's abstain rule);
+        None: always the best ``top_k``."""
 
     def parse(
         self, context: str, emphasize: str, suppress: str, strength: float, question: str
@@ -155,7 +159,14 @@ class Highlighter:
         if len(ranges) < 2:  # one paragraph of one line: its sentences are the passages
             ranges = split_passages(state, "sentences", region)
         k = min(req.top_k, len(ranges))
-        found = kvedit.choose(state, split.continuation, ranges, top_k=k, query=req.question)
+        found = kvedit.choose(
+            state,
+            split.continuation,
+            ranges,
+            top_k=k,
+            query=req.question,
+            threshold=self.focus_threshold,
+        )
 
         lo = split.context_start
         chosen = set(found.chosen)
@@ -177,7 +188,8 @@ class Highlighter:
             scores_html=render_scores(passages),
             status=render_focus_status(
                 self.model_name, seconds, n_tokens, len(passages), k, req.top_k
-            ),
+            )
+            + ("" if found.chosen else f" Nothing picked: {found.reason}."),
         )
 
     def run(

@@ -70,6 +70,12 @@ def litm_parser(sub) -> None:
         help=f"--engine vllm: examples whose prompts vLLM answers in one batch (default "
         f"{VLLM_BATCH}; ignored by --engine transformers)",
     )
+    p.add_argument(
+        "--approximate",
+        action="store_true",
+        help="--engine vllm: allow methods whose edits vLLM realises only approximately (auto, "
+        "oracle with a bias between copy counts); labelled per record and per method",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
         "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"

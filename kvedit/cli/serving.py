@@ -106,6 +106,13 @@ def publish_parser(sub) -> None:
     )
     p.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"])
     p.add_argument(
+        "--approximate",
+        action="store_true",
+        help="allow an edit vLLM's kernels realise only approximately (per-layer focus "
+        "strengths, a bias between copy counts); the approximation is labelled in the state's "
+        "history and digest",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model name in the request (default: --model as given, as kvedit serve does)",
@@ -128,10 +135,10 @@ def _run_publish(args) -> int:
     import json
 
     from ..atomic import atomic_write
+    from ..errors import InvalidInputError
     from ..evals.litm import resolve_prompt
     from ..integrations.vllm.contexts import publish_context
     from ..models import load_model
-    from .errors import InvalidInputError
 
     if args.request and args.question is None and args.focus is None:
         raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
@@ -153,6 +160,7 @@ def _run_publish(args) -> int:
         strength=args.strength,
         suppress_strength=args.suppress_strength,
         copies=args.copies,
+        approximate=args.approximate,
         prompt=prompt,
         served_model_name=args.served_model_name or args.model,
     )

@@ -199,7 +199,7 @@ def publish_context(
         model=served_model_name,
         file=str(Path(path).resolve()),
         digest=ids.digest,
-        published_token_ids=ids,
+        published_token_ids=list(ids),
         continuation=continuation,
         prompt_token_ids=full,
         question=question,

@@ -12,6 +12,7 @@ capture of its ids.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,19 @@ class PublishedIds(list):
     """
 
     digest: str
-    path: Path
+    path: Path | None
     exact: bool
     plain_capture: bool
 
-    def __init__(self, ids: list[int], digest: str, path: Path, exact: bool, plain: bool):
+    def __init__(
+        self,
+        ids: Iterable[int] = (),
+        digest: str = "",
+        path: Path | None = None,
+        exact: bool = False,
+        plain: bool = False,
+    ):
+        # the defaults: a copy made as a list is (``dataclasses.asdict``, ``copy``) keeps ids only
         super().__init__(int(t) for t in ids)
         self.digest, self.path, self.exact, self.plain_capture = digest, path, exact, plain
 
