@@ -85,7 +85,9 @@ def detached(model: PreTrainedModel) -> Iterator[None]:
 def scoped(model: PreTrainedModel, plan: BiasPlan, owner: object | None = None) -> Iterator[None]:
     """``plan`` active for ``model`` in the current context inside the block, replacing any
     other; no checks (:func:`kvedit.runtime.activate` is the checked entry point)."""
-    token = PLANS.set({**PLANS.get(NO_PLANS), config_key(model): Active(plan, owner, weakref.ref(model))})
+    token = PLANS.set(
+        {**PLANS.get(NO_PLANS), config_key(model): Active(plan, owner, weakref.ref(model))}
+    )
     try:
         yield
     finally:
