@@ -71,7 +71,8 @@ AUTO_DEFAULTS = {
     "layers": [0.0, 1.0],
     "target": 0.2,
     "guard": False,
-    "smoothing": 0.01,
+    "smoothing": 0.5,
+    "threshold": 2.5,
 }
 
 # What results.json records under extra.params, and --reuse compares, for specs users type: the

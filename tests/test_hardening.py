@@ -448,10 +448,10 @@ def test_atomic_write_fsyncs_file_and_directory(tmp_path, monkeypatch):
 
 def test_aliases_are_the_one_writer():
     import kvedit.evals.tasks as tasks
-    import kvedit.storage as storage
+    import kvedit.statefiles.write as write
     from kvedit.evals import report
 
-    assert storage.atomic_write is atomic_write
+    assert write.atomic_write is atomic_write
     assert tasks.atomic_write is atomic_write
     assert report.atomic_write is atomic_write
 
