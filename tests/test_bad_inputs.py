@@ -144,12 +144,12 @@ def test_debug_shows_the_traceback(inputs, capsys, monkeypatch, how):
 
 
 def test_an_unexpected_error_is_one_line_and_status_1(inputs, capsys, monkeypatch):
-    import kvedit.cli
+    import kvedit.cli.serving
 
     def boom(*args, **kwargs):
         raise RuntimeError("something broke")
 
-    monkeypatch.setattr(kvedit.cli, "_read_input", boom)
+    monkeypatch.setattr(kvedit.cli.serving, "read_input", boom)
     assert cli_main(["publish", "--context", "context.txt"]) == EXIT_FAILURE
     err = capsys.readouterr().err
     assert "Traceback" not in err

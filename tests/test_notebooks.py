@@ -118,9 +118,10 @@ def test_readme_example_runs(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    baseline, steered, reloaded = out.stdout.strip().splitlines()[-3:]
+    baseline, steered, history, reloaded = out.stdout.strip().splitlines()[-4:]
     assert "3407" not in baseline  # the middle record is missed ...
     assert "3407" in steered and "3407" in reloaded  # ... and found after steering
+    assert history.startswith("capture(") and "-> emphasize(" in history
     assert (tmp_path / "records.kv").is_file()
 
 

@@ -466,6 +466,7 @@ def test_select_method_answers_from_the_selected_cache(llama, monkeypatch):
     ctx = ExampleContext(model, tok, example, max_new_tokens=3)
     calls = []
     import kvedit.evals.methods.select as method_module
+    from kvedit.focusing import choose
 
     def spy(state, scorer, keep, *, protect=None):
         calls.append((scorer, keep, protect))
@@ -478,7 +479,9 @@ def test_select_method_answers_from_the_selected_cache(llama, monkeypatch):
     assert calls[-1] == (AdaKV(H2O(window=4), 0.5), 0.5, [ctx.gold_span()])
     parse_spec("select:scorer=snapkv:observe=window:protect=focus").predict(ctx)
     scorer, _, protect = calls[-1]
-    assert scorer == SnapKV(query=None) and len(protect) == 1 and protect[0] in ctx.doc_spans
+    found = choose(ctx.state, ctx.continuation, ctx.doc_spans, query=ctx.example.question)
+    expected = [ctx.doc_spans[i] for i in found.chosen] or None  # an abstention protects nothing
+    assert scorer == SnapKV(query=None) and protect == expected
 
 
 def test_select_method_runs_end_to_end(llama):

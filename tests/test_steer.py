@@ -18,7 +18,7 @@ from kvedit.errors import KVEditError, SpanNotFoundError
 from kvedit.runtime import active_plan
 from kvedit.testing import TINY_SLIDING_WINDOW, tiny_model
 
-steer_module = importlib.import_module("kvedit.steer")  # ``kvedit.steer`` is the function
+steer_module = importlib.import_module("kvedit.steering")  # ``kvedit.steer`` is the function
 
 PROMPT = RECORDS + "Question: What is Carol's secret number? Answer:"
 

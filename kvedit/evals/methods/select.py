@@ -119,7 +119,10 @@ class Select(Method):
         return state.generate(ctx.continuation, ctx.max_new_tokens)
 
     def protected(self, ctx: ExampleContext) -> list[tuple[int, int]] | None:
-        """The character spans of ``ctx.prefix`` no head may drop (None: nothing)."""
+        """The character spans of ``ctx.prefix`` no head may drop (None: nothing).
+
+        ``protect=focus`` protects the passages :func:`kvedit.focusing.choose` picks, and
+        nothing when it abstains."""
         if self.params.protect == "gold":
             return [ctx.gold_span()]
         if self.params.protect == "focus":
@@ -129,5 +132,6 @@ class Select(Method):
                     ctx.state, ctx.continuation, ctx.doc_spans, query=ctx.example.question
                 ),
             )
-            return [found.passages[i] for i in found.chosen]
+            # Focus abstains when no passage stands out: then nothing is protected.
+            return [found.passages[i] for i in found.chosen] or None
         return None
