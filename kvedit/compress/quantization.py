@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from ..cache import QuantizedLayerKV
 from ..cache.packed import BITS, PackedKV
-from ..passes import recompute_last
+from ..errors import InvalidInputError
+from ..passes import last_input_entries, recompute_last
 from ..provenance import Step
 from ..state import KVState
 
@@ -37,7 +38,8 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
     Args:
         state: the state (not modified); a quantized state is re-quantized from its values.
         bits: 2, 4 or 8.
-        residual: the most recent entries (at least this many) kept in full precision.
+        residual: the most recent entries (at least this many, and always the last input's,
+            which :func:`~kvedit.passes.recompute_last` reruns) kept in full precision.
         group: tokens per key scale group; channels per value scale group (capped at the head
             dimension, which it must then divide).
 
@@ -45,18 +47,23 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
         A state whose ``nbytes`` counts packed codes, scales, zero points and the residual;
         its history records a ``quantize`` step (inexact, unless nothing was quantized).
     """
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, not {bits!r}")
+    if isinstance(bits, bool) or bits not in BITS:
+        raise InvalidInputError(f"bits must be one of {BITS}, not {bits!r}")
     for name, value, low in (("residual", residual, 0), ("group", group, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, not {value!r}")
+            raise InvalidInputError(f"{name} must be an int >= {low}, not {value!r}")
     new_layers = []
     for layer in state.layers:
         n, d = len(layer), layer.keys.shape[-1]
         channels = min(group, d)  # values: one scale per token and group of channels
         if d % channels or (d * bits) % 8:
-            raise ValueError(f"group {group} must divide the head dimension {d} (or exceed it)")
-        n_quant = (max(0, n - residual) // group) * group
+            raise InvalidInputError(
+                f"group {group} must divide the head dimension {d} (or exceed it)"
+            )
+        # the last input's entries stay exact even with residual=0: recompute_last reruns them
+        mine = last_input_entries(state, layer).nonzero().flatten()
+        exact_from = min(n - residual, int(mine.min())) if mine.numel() else n - residual
+        n_quant = (max(0, exact_from) // group) * group
         if layer.window is not None or n_quant == 0:
             new_layers.append(layer)
             continue

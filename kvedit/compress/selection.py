@@ -132,6 +132,14 @@ def _select(
     ]
     if not targets:
         return state
+    packed = [i for i in targets if state.layers[i].packed]
+    if packed:
+        # A per-head selection of packed entries would hold them dense: larger than the input.
+        raise InvalidInputError(
+            f"select cannot keep layer {packed[0]} packed ({type(state.layers[packed[0]]).__name__}"
+            "): select the dense state first, then quantize or merge it "
+            "(quantize(select(state, ...), bits))"
+        )
     scores = scorer.score(state, targets)
     new_layers = list(state.layers)
     for i in targets:
