@@ -23,6 +23,7 @@ class                           raised when
 ``NestedSteeringError``         a second steering of one model in one context (``RuntimeError``)
 ``UnsupportedModelError``       the model's architecture cannot be captured or edited
 ``ModelNotAvailableError``      a bundled model's weights are not installed
+``UnknownModelError``           a model name names no model (also ``InvalidInputError``)
 ``InvalidExampleError``         an evaluation example is malformed (``ValueError``)
 ``KernelInputError``            a tensor handed to a kvedit kernel is malformed (``ValueError``)
 ``TritonUnavailableError``      Triton cannot run here (``ImportError``)
@@ -87,6 +88,11 @@ class UnsupportedModelError(KVEditError):
 
 class ModelNotAvailableError(KVEditError):
     """A bundled model's weights are not installed; the message gives the pip command."""
+
+
+class UnknownModelError(ModelNotAvailableError, InvalidInputError):
+    """A model name that is neither a registered name, a folder nor a ``.gguf`` file (a bad
+    argument: the CLI exits 2)."""
 
 
 class NestedSteeringError(KVEditError, RuntimeError):
@@ -165,5 +171,6 @@ __all__ = [
     "StoreUnavailableError",
     "TritonUnavailableError",
     "VLLMUnavailableError",
+    "UnknownModelError",
     "UnsupportedModelError",
 ]

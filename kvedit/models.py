@@ -18,7 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .atomic import atomic_directory, atomic_write
-from .errors import InvalidInputError, ModelNotAvailableError, UnsupportedModelError
+from .errors import (
+    InvalidInputError,
+    ModelNotAvailableError,
+    UnknownModelError,
+    UnsupportedModelError,
+)
 
 
 @dataclass(frozen=True)
@@ -250,7 +255,7 @@ def load_model(
             folder, gguf = path, None
         else:
             known = ", ".join(sorted(MODELS) + ["tiny-llama", "tiny-qwen2", "tiny-gemma3"])
-            raise ModelNotAvailableError(
+            raise UnknownModelError(
                 f"unknown model {name!r}: not a registered name ({known}), a directory, or a .gguf file"
             )
     if gguf:

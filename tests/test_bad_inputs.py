@@ -92,7 +92,7 @@ CLI_CASES = [
     ("demo-trials-0", ["demo", "--trials", "0"], 2, "at least 1"),
     ("serve-empty-root", ["serve", "--root", ""], 2, "--root"),
     ("serve-port-text", ["serve", "--port", "http"], 2, "port number"),
-    ("unknown-model", ["publish", "--context", "context.txt", "--model", "nope"], 1, "nope"),
+    ("unknown-model", ["publish", "--context", "context.txt", "--model", "nope"], 2, "nope"),
 ]
 
 

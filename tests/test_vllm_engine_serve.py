@@ -157,4 +157,33 @@ def test_a_request_for_a_digest_that_is_not_published_fails(server, case, smollm
     body["kv_transfer_params"] = {"kvedit": {"digest": "f" * 32}}
     with pytest.raises(urllib.error.HTTPError) as err:
         post(url, body)
-    assert err.value.code == 500  # vLLM ends the request with an error, not a text answer
+    assert err.value.code == 404  # kvedit's request check answers, with the reason
+    answer = json.loads(err.value.read())
+    assert "unknown-digest" in answer["error"]["message"] and "f" * 32 in answer["error"]["message"]
+    assert answer["kvedit"]["refused"] == "unknown-digest"
+
+
+def test_a_corrupt_published_file_fails_the_request_with_its_reason(server, case, smollm2):
+    url, root = server
+    ex, context, _ = case
+    model, tok = smollm2
+    state = kvedit.capture(model, tok, context + " (a copy to corrupt)")
+    published = kvedit.integrations.vllm.publish(
+        kvedit.ops.suppress(state, ex.gold_document, 1e4), root
+    )
+    data = bytearray(published.path.read_bytes())
+    data[-5] ^= 0xFF  # one byte of the tensors: the header still reads
+    published.path.write_bytes(bytes(data))
+    body = {
+        "model": "smollm2-135m-instruct",
+        "prompt": list(published) + tok(" Answer:", add_special_tokens=False)["input_ids"],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "kv_transfer_params": {"kvedit": {"digest": published.digest}},
+    }
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(url, body)
+    assert err.value.code == 500
+    answer = json.loads(err.value.read())
+    assert "checksum mismatch" in answer["error"]["message"]
+    assert answer["kvedit"]["file"] == published.path.name

@@ -36,8 +36,15 @@ def crc32_of(tensors: dict[str, torch.Tensor]) -> str:
     """CRC-32 over the tensors' names and bytes, in name order (hex)."""
     crc = 0
     for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        crc = zlib.crc32(name.encode(), crc)
-        if t.numel():
-            crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
+        crc = crc32_step(crc, name, tensors[name])
     return f"{crc:08x}"
+
+
+def crc32_step(crc: int, name: str, tensor: torch.Tensor) -> int:
+    """``crc`` continued over one tensor's name and bytes: :func:`crc32_of` one tensor at a
+    time (call it in name order)."""
+    t = tensor.contiguous()
+    crc = zlib.crc32(name.encode(), crc)
+    if t.numel():
+        crc = zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()), crc)
+    return crc

