@@ -22,14 +22,14 @@ This is the evaluation method ``auto`` (``kvedit eval litm --methods auto``) as 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from . import checks, ops
 from .capturing import capture
-from .errors import InvalidInputError
+from .errors import InvalidInputError, InvalidTypeError
 from .guard import AgreementGuard, Guard, Verdict
 from .passages import Range, split_passages
 from .prompts import chat_prefix
@@ -245,6 +245,7 @@ def focus(
     smoothing: float = SCORE_SMOOTHING,
     threshold: float | None = ABSTAIN_THRESHOLD,
     guard: Guard | None = None,
+    edit: Callable[[KVState, list[Range]], KVState] | None = None,
 ) -> Focus:
     """Emphasize the passages of ``state`` that ``question`` points at, unless that would
     change the answer for the worse.
@@ -283,10 +284,16 @@ def focus(
             smoothed scores keep the first and last passages from losing to their neighbours
             (:data:`SCORE_SMOOTHING`), and a layer where the chosen passage already has
             ``target`` of the attention gets no bias.
+        edit: another edit of the chosen passages instead of the sized emphasis, called as
+            ``edit(state, spans)`` with the chosen passages' character ranges, returning the
+            edited state: ``kvedit.ops.reread``, ``functools.partial(kvedit.ops.duplicate,
+            copies=2)``, ... (:attr:`Focus.strengths` still report the sizing, unused then).
+            It is called only when focus chooses something, and guarded like the emphasis.
 
     Raises:
         InvalidInputError: the question (or ``query``) has no content (only whitespace or
             punctuation), or a bad argument.
+        InvalidTypeError: ``edit`` is not callable, or returned no state.
 
     Returns:
         A :class:`Focus`: the state that answers, the passages, their scores, the chosen ones,
@@ -296,6 +303,8 @@ def focus(
     token to edit, and with the guard one more question pass (the unedited answer) plus one
     decode step per answer token on which the two agree.
     """
+    if edit is not None and not callable(edit):
+        raise InvalidTypeError(f"edit must be a function (state, spans) -> state, not {edit!r}")
     found = choose(
         state,
         question,
@@ -312,7 +321,15 @@ def focus(
     if not found.chosen:  # abstained: nothing to edit, nothing to guard
         return found
     spans = [found.passages[i] for i in found.chosen]
-    edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
+    if edit is None:
+        edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
+    else:
+        edited = edit(state, spans)
+        if not isinstance(edited, KVState):
+            raise InvalidTypeError(
+                f"edit {getattr(edit, '__name__', edit)!r} returned {type(edited).__name__}, "
+                "not a KVState"
+            )
     return guarded(found, edited, guard)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvedit import checks, ops
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_count, check_real
+from kvedit.state import KVState
 from kvedit.steering import steer
 
 __all__ = ["EDITS", "EditParams", "apply_edit", "edited_state"]
@@ -58,20 +59,26 @@ class EditParams:
         return self.edit != "steer"
 
 
-def edited_state(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams):
-    """The captured state with ``spans`` edited as ``params.edit`` says (``None`` for
-    ``steer``, which edits no cache: it steers a fresh run of the prompt)."""
+def edited_state(
+    ctx: ExampleContext,
+    spans: list[tuple[int, int]],
+    params: EditParams,
+    state: KVState | None = None,
+):
+    """``state`` (default: the captured state) with ``spans`` edited as ``params.edit`` says
+    (``None`` for ``steer``, which edits no cache: it steers a fresh run of the prompt)."""
     edit = params.edit
+    state = ctx.state if state is None else state
     if edit == "emphasize":
-        return ops.emphasize(ctx.state, spans, params.strength)
+        return ops.emphasize(state, spans, params.strength)
     if edit == "steer":
         return None
     if edit == "scale_keys":
-        return ops.scale_keys(ctx.state, spans, params.factor)
+        return ops.scale_keys(state, spans, params.factor)
     if edit == "duplicate":
-        return ops.duplicate(ctx.state, spans, params.copies)
+        return ops.duplicate(state, spans, params.copies)
     # "reread"; EditParams refuses anything outside EDITS
-    return ops.reread(ctx.state, spans, separator=params.separator)
+    return ops.reread(state, spans, separator=params.separator)
 
 
 def apply_edit(ctx: ExampleContext, spans: list[tuple[int, int]], params: EditParams) -> str:

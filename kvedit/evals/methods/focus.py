@@ -5,10 +5,9 @@ translates a method's parameters (:func:`focus_args`): the passages are the exam
 documents, the calibration query is its question, and ``layers`` (fractions of the depth)
 become layer indices.
 
-:func:`kvedit.focus` edits by emphasis only. For the other edits (``edit="reread"``,
-``"duplicate"``, ``"scale_keys"``; ``"steer"`` edits no cache) :func:`example_focus` makes the
-same choice with :func:`kvedit.choose` and applies the method's edit through
-:func:`kvedit.focusing.guarded`, the step :func:`kvedit.focus` itself ends with.
+:func:`kvedit.focus` makes the choice and the edit: its own sized emphasis, or the method's
+other edit (``edit="reread"``, ``"duplicate"``, ``"scale_keys"``) through its ``edit=``
+argument. ``"steer"`` edits no cache: the choice comes from :func:`kvedit.choose`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 import kvedit
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
-from kvedit.focusing import ABSTAIN_THRESHOLD, DEFAULT_GUARD, Focus, guarded
+from kvedit.focusing import ABSTAIN_THRESHOLD, DEFAULT_GUARD, Focus
 from kvedit.guard import AgreementGuard
 from kvedit.state import KVState
 
@@ -56,23 +55,24 @@ def focus_args(ctx: ExampleContext, params) -> dict[str, Any]:
 
 
 def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
-    """``ctx``'s documents focused for its question with ``params`` (an ``AutoParams``).
-
-    With ``params.edit="emphasize"`` this is :func:`kvedit.focus` (guarded if
-    ``params.guard``). Another cache edit is applied to the same choice
-    (:func:`kvedit.choose`) and guarded the same way; ``edit="steer"``, or ``edit=False``
-    (the choice only), returns the choice with the captured state.
+    """``ctx``'s documents focused for its question with ``params`` (an ``AutoParams``):
+    :func:`kvedit.focus` (guarded if ``params.guard``), which edits the chosen documents as
+    ``params.edit`` says (its own sized emphasis for ``"emphasize"``). ``edit="steer"`` (no
+    cache edit), or ``edit=False`` (the choice only), returns :func:`kvedit.choose`'s choice
+    with the captured state.
     """
     args = focus_args(ctx, params)
-    if edit and params.edit == "emphasize":
-        return kvedit.focus(
-            ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), **args
-        )
-    found = kvedit.choose(ctx.state, ctx.continuation, ctx.doc_spans, **args)
-    if not (edit and found.chosen):  # the choice only, or nothing chosen: nothing to edit
-        return found
-    edited = edited_state(ctx, [found.passages[i] for i in found.chosen], params)
-    return found if edited is None else guarded(found, edited, guard_of(params, ctx))
+    if not (edit and params.edits_cache):
+        return kvedit.choose(ctx.state, ctx.continuation, ctx.doc_spans, **args)
+    other = None
+    if params.edit != "emphasize":
+
+        def other(state: KVState, spans: list[tuple[int, int]]) -> KVState:
+            return edited_state(ctx, spans, params, state)
+
+    return kvedit.focus(
+        ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), edit=other, **args
+    )
 
 
 def focused_state(ctx: ExampleContext, params) -> tuple[KVState | None, Focus]:
