@@ -226,12 +226,15 @@ def test_the_check_needs_its_configuration(monkeypatch):
         RequestCheck(Downstream(), {"kv_connector_extra_config": {}})
 
 
-def test_kvedit_serve_installs_the_check_with_the_connectors_configuration(tmp_path):
-    argv = serve_command("smollm2-135m-instruct", tmp_path, cpu=True)
+def test_kvedit_serve_installs_the_check_with_the_connectors_configuration(tmp_path, monkeypatch):
+    from kvedit.integrations.vllm import server
+
+    monkeypatch.setattr(server, "model_folder", lambda model: ("/models/m", "f1ngerprint"))
+    argv = serve_command("m", tmp_path, cpu=True)
     assert argv[argv.index("--middleware") + 1] == (
         "kvedit.integrations.vllm.request_check.RequestCheck"
     )
     env = serve_environment(argv)
     assert json.loads(env[CONFIG_ENV]) == json.loads(argv[argv.index("--kv-transfer-config") + 1])
     check = RequestCheck(Downstream(), json.loads(env[CONFIG_ENV]))
-    assert check.root == tmp_path.resolve()
+    assert check.root == tmp_path.resolve() and check.fingerprint == "f1ngerprint"
