@@ -311,12 +311,53 @@ def test_prefix_context_keys_depend_on_the_prefix(tmp_path, llama):
 
 
 def test_prefix_context_recomputes_only_after_the_first_passage(tmp_path, llama):
+    """Part 1 was stored as read right after the prefix: the prefix's and its entries are
+    a prefill's, kept as stored, and only later tokens are recomputed: those of largest
+    deviation at layer 1, whose entries then equal a prefill's. The recompute brings the
+    blend closer to a full prefill than plain placement."""
     model, tok = llama
+    tol = dict(atol=1e-4, rtol=1e-4)
     store = KVStore(tmp_path)
     state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
     n01 = report.parts[0].n_tokens + report.parts[1].n_tokens
     assert report.tokens_recomputed == -(-3 * len(state) // 10)
-    assert (report.recomputed_tokens >= n01).all()  # prefix and part 1 are exact
+    selected = report.recomputed_tokens
+    assert (selected >= n01).all()  # prefix and part 1 are exact
+    assert selected[-1] == len(state) - 1  # the last token always
+    ids = state.token_ids
+    full = capture_tokens(model, tok, ids.tolist())  # a prefill of the blended ids
+    # the stored (prefix, part 1) entries, bit for bit, which are a prefill's
+    stored, _ = store.fetch(report.parts[1].key, model, tok)
+    assert len(stored) == n01
+    for layer, ref, real in zip(state.layers, stored.layers, full.layers, strict=True):
+        assert torch.equal(layer.keys[:, :, :n01], ref.keys)
+        assert torch.equal(layer.values[:, :, :n01], ref.values)
+        torch.testing.assert_close(layer.keys[:, :, :n01], real.keys[:, :, :n01], **tol)
+        torch.testing.assert_close(layer.values[:, :, :n01], real.values[:, :, :n01], **tol)
+    # the selection is the top of the layer-1 deviation of plain placement, whose entries
+    # the tokens not selected keep
+    placed, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    assert report.deviation_layer == 1
+    deviation = _deviation(model, ids, placed.layers[1], 1)
+    deviation[-1] = float("inf")
+    assert selected.tolist() == deviation.topk(len(selected)).indices.sort().values.tolist()
+    others = torch.tensor([i for i in range(n01, len(ids)) if i not in set(selected.tolist())])
+    for layer, plain in zip(state.layers, placed.layers, strict=True):
+        assert torch.equal(layer.keys[:, :, others], plain.keys[:, :, others])
+        assert torch.equal(layer.values[:, :, others], plain.values[:, :, others])
+    # layer 0 is exact after the move, so the recomputed tokens' layer-1 entries are a
+    # prefill's; the reused ones deviate
+    got, want = state.layers[1], full.layers[1]
+    for a, b in [(got.keys, want.keys), (got.values, want.values)]:
+        torch.testing.assert_close(a[:, :, selected], b[:, :, selected], **tol)
+        assert (a[:, :, others] - b[:, :, others]).abs().amax() > 1e-3
+    # closer to a full prefill than plain placement: the next token's logits, every layer
+    blend_error = (state.last_logits - full.last_logits).abs().amax()
+    placed_error = (placed.last_logits - full.last_logits).abs().amax()
+    assert blend_error < 0.5 * placed_error
+    layers = zip(state.layers, placed.layers, full.layers, strict=True)
+    for layer, plain, real in list(layers)[1:]:  # layer 0 is exact either way
+        assert (layer.values - real.values).norm() < (plain.values - real.values).norm()
 
 
 def test_passage_after(llama):

@@ -18,6 +18,7 @@ from kvedit.focusing import (
     passage_scores,
     passage_shares,
 )
+from kvedit.guard import AgreementGuard
 from kvedit.passages import split_passages
 from kvedit.readout import attention_share
 
@@ -80,25 +81,35 @@ def test_a_list_of_spans(llama):
 
 
 def test_focus_equals_the_ops_applied_by_hand(llama):
+    """focus chooses the best-scored passage (scores computed here from the attention shares)
+    and its state is ops.emphasize applied by hand to that passage, layer by layer, with the
+    adaptive bias sized from that passage's shares."""
     state = _state(llama)
     question = "\n\nQuestion: What is Bo's number?<|im_end|>\n<|im_start|>assistant\n"
-    found = kvedit.focus(state, question, target=0.6, max_strength=50.0, guard=None, threshold=None)
+    kw = dict(target=0.6, max_strength=50.0, threshold=None)
+    found = kvedit.focus(state, question, guard=None, **kw)
     assert found.kept and found.verdict is None
-    assert len(found.scores) == len(found.passages) == 4 and len(found.chosen) == 1
-    assert len(found.strengths) == len(state.layers) and any(b > 0 for b in found.strengths)
-    spans = [found.passages[i] for i in found.chosen]
+    assert len(found.scores) == len(found.passages) == 4 and found.echoes == []
+    # the scores, and so the choice, computed here
+    real, calib = passage_shares(state, question, found.passages, query="What is Bo's number?")
+    scores = passage_scores(real, calib)
+    assert found.scores == scores.tolist()
+    top, second = scores.topk(2).values.tolist()
+    assert top > second  # one passage is best: the choice is not a tie
+    best = int(scores.argmax())
+    assert found.chosen == [best] and found.best == best
+    assert kvedit.choose(state, question, **kw).chosen == [best]  # choose picks the same
+    # the strengths are the adaptive bias from the chosen passage's shares
+    expected = adaptive_strengths(real[:, best], 0.6, 50.0).tolist()
+    assert found.strengths == expected
+    assert len(expected) == len(state.layers) and any(b > 0 for b in expected)
     by_hand = state
-    for layer, b in enumerate(found.strengths):
+    for layer, b in enumerate(expected):
         if b > 0:
-            by_hand = ops.emphasize(by_hand, spans, b, layers=[layer])
+            by_hand = ops.emphasize(by_hand, [found.passages[best]], b, layers=[layer])
     assert torch.equal(found.state.last_logits, by_hand.last_logits)
     assert not torch.equal(found.state.last_logits, state.last_logits)
     assert found.generate(3) == by_hand.generate(question, 3)
-    # the strengths are the adaptive bias from the chosen passage's shares
-    real, calib = passage_shares(state, question, found.passages, query="What is Bo's number?")
-    assert found.scores == passage_scores(real, calib).tolist()
-    expected = adaptive_strengths(real[:, found.chosen].sum(-1), 0.6, 50.0).tolist()
-    assert found.strengths == expected
 
 
 def test_calibration_removes_the_questions_distinctive_words(llama):
@@ -137,19 +148,40 @@ def test_explain_is_a_readable_table(llama):
     state = _state(
         llama, "Intro.\n\n" + "A very long record that goes on and on and on and on.\nShort."
     )
-    found = kvedit.focus(state, "\n\nQuestion: Short?", top_k=2, threshold=None)
+    question = "\n\nQuestion: Short?"
+    found = kvedit.focus(state, question, top_k=2, threshold=None)
     text = found.explain()
     lines = text.splitlines()
     assert len(lines) == 1 + len(found.passages) and "score" in lines[0]
-    guarded = kvedit.focus(
-        state, "\n\nQuestion: Short?", top_k=2, guard=DEFAULT_GUARD, threshold=None
-    )
-    last = guarded.explain().splitlines()[-1]
-    assert last.startswith("edit kept" if guarded.kept else "edit dropped")
     assert "A very long record that goes on and o..." in text  # 40 characters at most
     for i, line in enumerate(lines[1:]):
         assert line.split()[0] == str(i) and f"{found.scores[i]:.3f}" in line
         assert line.rstrip().endswith("*") == (i in found.chosen)
+    # with a guard, one more line says what the guard decided, and the state follows it. A
+    # fixed strength of 10 changes the first answer token; a margin below any joint
+    # log-probability difference keeps that edit, one above drops it
+    kw = dict(top_k=2, target=None, max_strength=10.0, threshold=None)
+    edited = kvedit.focus(state, question, guard=None, **kw).state
+    assert edited.answer(question, 1).token_ids != state.answer(question, 1).token_ids
+    for guard, kept in [(AgreementGuard(margin=-1e9), True), (AgreementGuard(margin=1e9), False)]:
+        guarded = kvedit.focus(state, question, guard=guard, **kw)
+        v = guarded.verdict
+        assert guarded.kept == v.kept == kept
+        assert (v.reason, v.step) == ("edit" if kept else "original", 0)
+        said = "the edit's answer won" if kept else "the unedited answer won"
+        where = f"at answer token 0, margin {v.margin:.2f}"
+        table = guarded.explain().splitlines()
+        assert table[:-1] == lines  # the same table, then the verdict
+        assert table[-1] == f"edit {'kept' if kept else 'dropped'}: {said} {where}"
+        answers = edited if kept else state
+        assert (guarded.state is state) != kept  # dropped: the input state answers
+        assert torch.equal(guarded.state.last_logits, answers.last_logits)
+        assert guarded.generate(8) == answers.generate(question, 8)
+    # an edit that leaves the answer as it was is kept, and explain says so
+    agreed = kvedit.focus(state, question, top_k=2, guard=DEFAULT_GUARD, threshold=None)
+    assert agreed.verdict.reason == "agree" and agreed.kept
+    assert agreed.explain().splitlines()[-1] == "edit kept: same answer with and without it"
+    assert torch.equal(agreed.state.last_logits, found.state.last_logits)
 
 
 @pytest.mark.parametrize(

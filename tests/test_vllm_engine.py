@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import kvedit
 from kvedit.evals.tasks.records import records_examples
@@ -75,7 +76,16 @@ def served(case, tmp_path_factory):
     for name, st in variants.items():
         ids, stock, _ = publish_stock(st, root, approximate=name == "emphasize_2")
         lps = 0 if name == "emphasize_2" else None
-        add(name, ids + qids, ids.digest, lps, state=st, stock=stock, published=ids, digest=ids.digest)
+        add(
+            name,
+            ids + qids,
+            ids.digest,
+            logprobs=lps,
+            state=st,
+            stock=stock,
+            published=ids,
+            digest=ids.digest,
+        )
     plain_ids = out["plain"]["ids"]
     # the plain prompt naming no digest, after the scale_keys edit of the same ids was
     # published into the same root: served from the plain capture
@@ -175,7 +185,8 @@ def test_the_edits_change_the_answer_in_vllm(served):
 def test_emphasize_is_realised_by_the_nearest_copy_count(served, case):
     """A bias of 2.0 nats has no stock-kernel form: published with approximate=True it becomes
     6 extra copies of the passage (log 7 = 1.946 nats, the nearest count), labelled, and vLLM
-    then answers token for token as kvedit answers from the passage duplicated 6 times."""
+    then answers as kvedit answers from the passage duplicated 6 times: the same tokens, with
+    the same log-probabilities (not those of the exact 2.0 nats)."""
     _, _, state, question, gold = case
     entry = served["emphasize_2"]
     (r,) = {(x.asked, x.realized, x.copies) for x in entry["stock"].realizations}
@@ -183,18 +194,24 @@ def test_emphasize_is_realised_by_the_nearest_copy_count(served, case):
     assert not entry["stock"].exact  # published only when asked, and labelled:
     assert entry["stock"].history.steps[-1].kind == "approximation"
     assert entry["digest"] != entry["state"].digest
+    # the file vLLM served holds the 6 copies: 6 more slots per token of the passage
+    n_gold = state.token_indices(gold).numel()
+    assert len(entry["ids"]) == len(served["plain"]["ids"]) + 6 * n_gold
+    assert entry["vllm"].num_cached_tokens == len(entry["ids"])
+    assert entry["vllm"].kv_transfer_params["kvedit"]["digest"] == entry["digest"]
     copies = kvedit.ops.duplicate(state, gold, 6).answer(question, MAX_TOKENS)
     out = entry["vllm"].outputs[0]
     got = list(out.token_ids)
     assert got[: len(copies.token_ids)] == copies.token_ids, (out.text, copies.text)
-    got_lps = [step[t].logprob for step, t in zip(out.logprobs, got, strict=True)]
-    print("DEBUG", got, copies.token_ids, served["plain"]["kvedit"].token_ids, served["duplicate"]["kvedit"].token_ids, entry["kvedit"].token_ids)
-    print("DEBUG vllm", got_lps)
-    print("DEBUG dup6", copies.logprobs)
-    print("DEBUG plain", served["plain"]["kvedit"].logprobs)
-    print("DEBUG dup3", served["duplicate"]["kvedit"].logprobs)
-    print("DEBUG emph2", entry["kvedit"].logprobs)
-    print("DEBUG ids", len(entry["ids"]), len(served["plain"]["ids"]), state.token_indices(gold).numel(), entry["vllm"].num_cached_tokens, entry["vllm"].kv_transfer_params)
+    # with the 6 copies' log-probabilities, which tell them from other edits that would
+    # give the same tokens: the plain state, 3 copies, the exact bias of 2.0 nats
+    got_lps = torch.tensor([step[t].logprob for step, t in zip(out.logprobs, got, strict=True)])
+    got_lps = got_lps[: len(copies.token_ids)]
+    torch.testing.assert_close(got_lps, torch.tensor(copies.logprobs), atol=2e-4, rtol=0)
+    for other in ("plain", "duplicate", "emphasize_2"):
+        theirs = served[other]["kvedit"]  # (here all of them give the same tokens)
+        if theirs.token_ids == copies.token_ids:
+            assert (got_lps - torch.tensor(theirs.logprobs)).abs().max() > 2e-3, other
 
 
 @pytest.mark.parametrize(
