@@ -43,6 +43,12 @@ order, from stored caches of each part:
 hides every reused entry). ``recompute=0`` is plain placement: nothing is recomputed and the
 last logits are those of the last part as it was cached.
 
+Rules (:mod:`kvedit.blend_rules`, one keyword each, off by default, composable):
+``gradual`` narrows the recomputed set layer by layer (CacheBlend's gradual filtering),
+``leading`` always recomputes the first tokens of every passage (EPIC's LegoLink), ``rescale``
+biases the reused passage entries by ``ln(factor)`` nats for later queries (APE-style). All
+three are exact at ``recompute=1.0``.
+
 Sliding-window layers (Gemma-3): each stored part keeps the last ``window`` tokens of its
 sliding layers, so the blend's sliding layers hold, for every part, its last tokens, which
 always include the blend's last ``window`` tokens (all that the final state keeps there).
@@ -61,13 +67,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .blend_rules import BlendRules, Narrowing, deviation_scores
 from .cache import LayerKV
 from .cache.adapter import dynamic_cache
 from .capturing import capture, capture_passage, encode, extend_ids, passage_after
 from .compat import cache_kwarg, text_config
-from .errors import UnsupportedModelError
+from .errors import InvalidInputError, UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .passes import StateBias
+from .passes import StateBias, recompute_last
 from .prefix_reuse import require_plain
 from .provenance import History, Origin, token_ranges
 from .rope import KeyMover, movers
@@ -105,6 +112,10 @@ class BlendReport:
             by deviation: ``recompute`` 0 or 1).
         recomputed_tokens: ``LongTensor[tokens_recomputed]`` their indices, ascending.
         seconds: wall time.
+        rules: the keywords of the rules given (:mod:`kvedit.blend_rules`), () for none.
+        recomputed_per_layer: tokens recomputed at each layer: ``tokens_recomputed`` (every
+            token recomputed at some layer) unless ``gradual`` narrowed them.
+        tokens_rescaled: tokens whose reused entries ``rescale`` biased (on some layer).
     """
 
     parts: list[PartReport]
@@ -117,6 +128,9 @@ class BlendReport:
     deviation_layer: int | None
     seconds: float
     recomputed_tokens: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0))
+    rules: tuple[str, ...] = ()
+    recomputed_per_layer: list[int] = field(default_factory=list)
+    tokens_rescaled: int = 0
 
 
 @torch.no_grad()
@@ -128,6 +142,9 @@ def blend(
     recompute: float = 0.15,
     *,
     context: str = "prefix",
+    gradual: float | None = None,
+    leading: int | None = None,
+    rescale: float | None = None,
 ) -> tuple[KVState, BlendReport]:
     """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
 
@@ -138,21 +155,31 @@ def blend(
         recompute: fraction of the blend's tokens to recompute, in ``[0, 1]``.
         context: what each later part was cached after: ``"prefix"`` (part 0, the shared
             prefix; the default) or ``"alone"`` (nothing).
+        gradual: CacheBlend's gradual filtering, a factor ``>= 1``: the deviation layer
+            recomputes that many times the tokens, later layers narrow them down to
+            ``ceil(recompute * n)`` at the last layer.
+        leading: EPIC's LegoLink, a count ``>= 1``: the first ``leading`` tokens of every part
+            after part 0 are recomputed, in addition to the ``recompute`` budget.
+        rescale: an APE-style factor in ``(0, 1e4]``: reused passage entries get ``ln(rescale)``
+            nats of stored bias (a ``rescale`` step in the history).
+
+    The rules (:mod:`kvedit.blend_rules`) are off when None (the default) and compose.
 
     Returns:
         ``(state, report)``: a state of ``"".join(parts)`` whose token ids are the parts'
         ids concatenated, ready for ``generate``/``extend``. Its history's origin is a
         ``"blend"`` (the parts' digests, ``recompute``, ``context`` and the recomputed
-        tokens), never a capture: the store refuses it. The parts it reads from the store are
-        plain captures (the store serves nothing else).
+        tokens; the rules given, if any), never a capture: the store refuses it. The parts it
+        reads from the store are plain captures (the store serves nothing else).
     """
     t0 = time.perf_counter()
     if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
-        raise ValueError("blend: parts must be a non-empty list of strings")
+        raise InvalidInputError("blend: parts must be a non-empty list of strings")
     if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-        raise ValueError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
+        raise InvalidInputError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
     if context not in BLEND_CONTEXTS:
-        raise ValueError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
+        raise InvalidInputError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
+    rules = BlendRules.from_values(gradual=gradual, leading=leading, rescale=rescale)
     layer_movers = movers(model)
     for mover in layer_movers:  # refuse before any work
         if mover.kind == "refused":
@@ -164,7 +191,7 @@ def blend(
     for i, text in enumerate(parts):
         ids, offsets = encode(tokenizer, text, special_tokens=i == 0)
         if not ids:
-            raise ValueError(f"blend: part {i} tokenizes to nothing")
+            raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
         behind = context == "prefix" and i > 0
         key = store.key_for(model, tokenizer, prefix_ids + ids if behind else ids)
         state, source = store.fetch(key, model, tokenizer)
@@ -194,21 +221,31 @@ def blend(
     ids = torch.cat([s.token_ids for s in states])
 
     n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
-    deviation_layer = None
+    forced = rules.forced_tokens(starts)  # recomputed whatever their deviation (leading)
+    deviation_layer, narrowing = None, None
     if n_select == n:
         selected = torch.arange(n)
-    elif n_select == 0:
+    elif n_select == 0 and not len(forced):
         selected = torch.empty(0, dtype=torch.long)
     else:
-        deviation_layer = _deviation_layer(layers)
-        deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
+        deviation = torch.zeros(n)
+        if n_select:
+            deviation_layer = _deviation_layer(layers)
+            deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
         deviation[-1] = float("inf")  # the last token's logits start the continuation
-        selected = deviation.topk(n_select).indices.sort().values
+        selected, narrowing = rules.selection(
+            deviation, max(1, n_select), forced, deviation_layer, len(layers)
+        )
 
-    if n_select:
-        layers, last_logits = _recompute(model, layers, ids, selected)
+    if len(selected):
+        extra = {} if narrowing is None else {"narrowing": narrowing}
+        layers, last_logits = _recompute(model, layers, ids, selected, **extra)
     else:
         last_logits = states[-1].last_logits
+    kept = narrowing.kept if narrowing is not None else [selected] * len(layers)
+    rescaled = torch.empty(0, dtype=torch.long)
+    if rules.rescale is not None:
+        layers, rescaled = rules.rescale.apply(layers, kept, starts[1])
     char_starts = [0]
     for text in parts:
         char_starts.append(char_starts[-1] + len(text))
@@ -230,6 +267,7 @@ def blend(
                     "recompute": float(recompute),
                     "context": context,
                     "recomputed": token_ranges(selected),
+                    **rules.origin_params([len(k) for k in kept]),
                 },
             )
         ),
@@ -237,6 +275,10 @@ def blend(
         model=model,
         tokenizer=tokenizer,
     )
+    if rules.rescale is not None:
+        state = state.with_step(rules.rescale.step(rescaled))
+        if len(rescaled):  # the first continuation token reads the rescaled entries
+            state = recompute_last(state)
     stored_tokens = sum(r.n_tokens for r in reports if r.source != "computed")
     is_stored = torch.cat(
         [torch.full((len(s),), r.source != "computed") for s, r in zip(states, reports)]
@@ -252,6 +294,9 @@ def blend(
         deviation_layer=deviation_layer,
         seconds=time.perf_counter() - t0,
         recomputed_tokens=selected,
+        rules=rules.names,
+        recomputed_per_layer=[len(k) for k in kept],
+        tokens_rescaled=len(rescaled),
     )
     return state, report
 
@@ -344,28 +389,30 @@ def _deviation(
     """``[n]`` normalised K+V deviation of the blended cache from a real forward at ``layer``."""
     true_k, true_v = _true_kv(model, ids, layer)
     entries = blended.token_index.to(true_k.device)
-    true_k, true_v = true_k[:, :, entries].float(), true_v[:, :, entries].float()
-    dk = (blended.keys.float() - true_k).pow(2).sum(dim=(0, 1, 3))
-    dv = (blended.values.float() - true_v).pow(2).sum(dim=(0, 1, 3))
-    k_norm = true_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
-    v_norm = true_v.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    scores = deviation_scores(
+        blended.keys, blended.values, true_k[:, :, entries], true_v[:, :, entries]
+    )
     out = torch.zeros(len(ids), dtype=torch.float32)
-    out[blended.token_index] = (dk / k_norm + dv / v_norm).cpu()
+    out[blended.token_index] = scores.cpu()
     return out
 
 
 # -------------------------------------------------------------------- recomputing
 
 
-def _mask(layer: LayerKV, selected: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+def _mask(
+    layer: LayerKV, selected: torch.Tensor, n: int, dtype: torch.dtype, every_reused: bool = False
+) -> torch.Tensor:
     """``[1, 1, s, len(layer) + s]`` additive mask (0 or the dtype's lowest value): what
     selected token ``q`` may attend to.
 
-    Reused entries of unselected tokens at positions ``<= q``, and recomputed entries of
+    Reused entries of unselected tokens (of every token with ``every_reused``: a gradual
+    recompute's plan hides them per layer) at positions ``<= q``, and recomputed entries of
     selected tokens ``<= q``; within the window on a sliding layer.
     """
     is_selected = torch.zeros(n, dtype=torch.bool)
-    is_selected[selected] = True
+    if not every_reused:
+        is_selected[selected] = True
     q = selected[:, None]
     reused = (~is_selected[layer.positions])[None, :] & (layer.positions[None, :] <= q)
     fresh = selected[None, :] <= q
@@ -377,9 +424,14 @@ def _mask(layer: LayerKV, selected: torch.Tensor, n: int, dtype: torch.dtype) ->
 
 
 def _recompute(
-    model: PreTrainedModel, layers: list[LayerKV], ids: torch.Tensor, selected: torch.Tensor
+    model: PreTrainedModel,
+    layers: list[LayerKV],
+    ids: torch.Tensor,
+    selected: torch.Tensor,
+    narrowing: Narrowing | None = None,
 ) -> tuple[list[LayerKV], torch.Tensor]:
-    """Run the selected tokens through every layer on top of ``layers``; replace their entries.
+    """Run the selected tokens through every layer on top of ``layers``; replace their entries
+    (with ``narrowing``, on each layer only those of the tokens it kept there).
 
     Returns the new layers and the logits ``[vocab]`` after the last selected token.
     """
@@ -394,7 +446,8 @@ def _recompute(
                 raise UnsupportedModelError(f"{kind} layers hold different entries")
             continue
         held[kind] = layer.positions
-        masks[kind] = _mask(layer, selected, n, layers[0].keys.dtype).to(device)
+        masks[kind] = _mask(layer, selected, n, layers[0].keys.dtype, narrowing is not None)
+        masks[kind] = masks[kind].to(device)
     # one layer type: a plain 4D mask (Llama takes no dict); several: one per type (Gemma-3)
     attention_mask = masks if len(masks) > 1 else masks[kinds[0]]
 
@@ -404,7 +457,7 @@ def _recompute(
         ids[selected][None].to(device),
         selected[None].to(device),
         cache,
-        plan=StateBias(layers),
+        plan=StateBias(layers) if narrowing is None else narrowing.plan(layers, cache, selected),
         logits_to_keep=1,
         attention_mask=attention_mask,
     )
@@ -416,6 +469,8 @@ def _recompute(
         keys, values = cache.layers[i].keys, cache.layers[i].values
         m = len(layer)
         src = slot[layer.positions]  # entry e holds token layer.positions[e]
+        if narrowing is not None:  # a token this layer did not keep keeps its reused entry
+            src = torch.where(torch.isin(layer.positions, narrowing.kept[i]), src, -1)
         hit = (src >= 0).nonzero().flatten()
         dst, fresh = hit.to(device), (src[hit] + m).to(device)
         keys[:, :, dst] = keys[:, :, fresh]

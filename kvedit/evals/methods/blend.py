@@ -5,14 +5,18 @@ after the prompt's instruction prefix, in a store (one temporary store per metho
 documents shared by examples with the same prefix are computed once), then the documents are
 blended after the prefix with :func:`kvedit.blend`, which recomputes that fraction of the
 tokens; the question follows as usual. ``context=alone`` caches each document on its own
-instead (the blend of earlier reports).
+instead (the blend of earlier reports). The rules of :mod:`kvedit.blend_rules` are parameters
+too, off unless given: ``blend:recompute=0.15:gradual=2``, ``blend:recompute=0:leading=4``,
+``blend:rescale=0.8``; a spec records them only when given.
 """
 
 from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
+from kvedit.blend_rules import BLEND_RULES, BlendRules
 from kvedit.blending import BLEND_CONTEXTS, blend
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_fraction
@@ -56,14 +60,25 @@ class BlendParams:
         recompute: The fraction of the tokens :func:`kvedit.blend` recomputes, in ``[0, 1]``.
         context: What each document is cached after: ``"prefix"`` (the instruction prefix)
             or ``"alone"`` (nothing); see :data:`kvedit.blend.BLEND_CONTEXTS`.
+        gradual, leading, rescale: the blend rules (:mod:`kvedit.blend_rules`); None: off.
     """
 
     recompute: float = 0.15
     context: str = "prefix"
+    gradual: float | None = None
+    leading: int | None = None
+    rescale: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", check_fraction("recompute", self.recompute))
         check_choice("context", self.context, BLEND_CONTEXTS)
+        self.rules()  # refuses bad values
+
+    def rules(self) -> dict[str, Any]:
+        """The rules that are on, as :func:`kvedit.blend` keywords (checked)."""
+        values = {k: getattr(self, k) for k in BLEND_RULES if getattr(self, k) is not None}
+        BlendRules.from_values(**values)
+        return values
 
 
 @register_method("blend")
@@ -83,6 +98,12 @@ class Blend(Method):
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._kvstore: KVStore | None = None
 
+    def param_dict(self) -> dict[str, Any]:
+        """The parameters, rules only when on: a spec without rules records what it always
+        did, so runs recorded before the rules existed still resume."""
+        out = super().param_dict()
+        return {k: v for k, v in out.items() if k not in BLEND_RULES or v is not None}
+
     def _store(self) -> KVStore:
         if self._kvstore is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvedit-blend-")
@@ -101,6 +122,7 @@ class Blend(Method):
             self._store(),
             recompute=float(self.params.recompute),
             context=self.params.context,
+            **self.params.rules(),
         )
         ctx.notes["blend_report"] = report
         return state.generate(ctx.continuation, ctx.max_new_tokens)

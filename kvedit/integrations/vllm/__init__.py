@@ -35,7 +35,7 @@ biases are realised by the nearest copy count, only with ``approximate=True``, a
 from __future__ import annotations
 
 from ...errors import VLLMUnavailableError
-from . import files
+from . import admission, files, request_check
 from .engines import (
     CONNECTOR,
     CONNECTOR_MODULE,
@@ -66,6 +66,7 @@ __all__ = [
     "StockCache",
     "VLLMUnavailableError",
     "Verdict",
+    "admission",
     "check_load_failure",
     "connector_config",
     "engine",
@@ -76,6 +77,7 @@ __all__ = [
     "publish",
     "publish_stock",
     "realize",
+    "request_check",
     "require_vllm",
     "to_stock",
 ]

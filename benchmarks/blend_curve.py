@@ -1,0 +1,270 @@
+"""Accuracy and time-to-first-token of ``kvedit.blend``'s rules across recompute fractions.
+
+Lost-in-the-middle NQ examples (the gold passage among ``--n-docs`` documents, at each of
+``--positions``; ``kvedit.evals.tasks.nq_examples``) are cut into blend parts as the eval's
+``blend`` method does (``kvedit.evals.methods.blend.document_parts``: the instruction, then one
+part per document). The parts are stored first (a blend at ``recompute=0``, not timed). Then,
+for every rule and every recompute fraction, the example is answered from the blend and
+compared with a full prefill of the same token ids:
+
+* accuracy: the task's metric (best subspan EM) of the greedy answer, per gold position too;
+* time to first token: ``kvedit.blend`` (parts from the store's memory tier) and the question's
+  forward on the blended state, against one plain forward over the same ids + question with
+  ``logits_to_keep=1`` (median of ``--repeats``); speed-up is full / blend.
+
+A rule is a blend spec's rule part, ``:``-separated: ``default`` (no rule), ``gradual=2``,
+``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.blend_rules``). The
+plot (``OUT/blend_curve.png``) has one line per rule, accuracy and speed-up against the
+fraction, the full prefill's accuracy dashed; ``OUT/blend_curve.json`` holds the rows and every
+answer, ``OUT/blend_curve.md`` a table.
+
+Usage::
+
+    python benchmarks/blend_curve.py --model smollm2-135m-instruct --limit 30 \\
+        --rules default,gradual=2,leading=4,rescale=0.8 --fractions 0,0.05,0.15,0.3,0.5,1
+    python benchmarks/blend_curve.py --model tiny-llama --limit 2 --n-docs 3 --out /tmp/bc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+import kvedit
+from kvedit.blend_rules import BLEND_RULES
+from kvedit.capturing import empty_state, extend_ids
+from kvedit.errors import InvalidInputError
+from kvedit.evals.litm import interleave_positions, resolve_prompt
+from kvedit.evals.methods.blend import BlendParams, document_parts
+from kvedit.evals.methods.context import ExampleContext
+from kvedit.evals.methods.params import from_text
+from kvedit.evals.schema import Example, score
+from kvedit.evals.tasks import nq_examples
+
+DEFAULT_RULES = "default,gradual=2,leading=4,rescale=0.8,gradual=2:leading=4"
+DEFAULT_FRACTIONS = "0,0.05,0.15,0.3,0.5,1"
+
+
+def parse_rule(text: str) -> dict[str, float | int]:
+    """``"gradual=2:leading=4"`` -> ``{"gradual": 2, "leading": 4}`` (checked); ``"default"``
+    -> ``{}``."""
+    text = text.strip()
+    if text in ("", "default", "none"):
+        return {}
+    texts = {}
+    for part in text.split(":"):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in BLEND_RULES:
+            raise InvalidInputError(
+                f"bad rule {text!r}: expected name=value parts with names in {sorted(BLEND_RULES)}"
+            )
+        texts[key.strip()] = value.strip()
+    return from_text(BlendParams, texts, "blend").rules()
+
+
+def parse_fractions(text: str) -> list[float]:
+    out = [float(x) for x in text.split(",") if x.strip()]
+    if not out or any(not 0.0 <= f <= 1.0 for f in out):
+        raise InvalidInputError(f"--fractions must be numbers in [0, 1], not {text!r}")
+    return out
+
+
+def load_examples(args) -> list[Example]:
+    """``--limit`` NQ examples, round-robin over the gold positions (default: first, middle
+    and last document)."""
+    last = args.n_docs - 1
+    positions = (
+        tuple(int(p) for p in args.positions.split(","))
+        if args.positions
+        else tuple(dict.fromkeys((0, last // 2, last)))
+    )
+    trials = -(-args.limit // len(positions))
+    examples = nq_examples(
+        n_docs=args.n_docs, positions=positions, trials=trials, seed=args.seed, path=args.data
+    )
+    return interleave_positions(examples)[: args.limit]
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """``(median seconds, last result)`` of ``repeats`` calls of ``fn``."""
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+@torch.no_grad()
+def run_example(model, tok, example: Example, store, rules, fractions, args) -> list[dict]:
+    """One record per (rule, fraction), plus the full prefill's (``rule`` None)."""
+    ctx = ExampleContext(model, tok, example, args.max_new_tokens, args.prompt_format)
+    parts = document_parts(ctx)
+    placed, _ = kvedit.blend(model, tok, parts, store, recompute=0.0, context=args.context)
+    ids = placed.token_ids.tolist()
+    question = placed.encode(ctx.continuation)
+    device = next(model.parameters()).device
+    whole = torch.tensor([ids + question], device=device)
+    t_full, _ = timed(lambda: model(whole, logits_to_keep=1), args.repeats)
+    full = extend_ids(empty_state(model, tok), ids, placed.offsets, placed.text)
+    answer = full.generate(ctx.continuation, args.max_new_tokens)
+    base = {"id": example.id, "gold_index": example.gold_index, "tokens": len(ids)}
+    records = [{**base, "rule": None, "recompute": 1.0, "prediction": answer, "seconds": t_full}]
+    records[0]["correct"] = score(example, answer)
+    for label, rule in rules:
+        for fraction in fractions:
+
+            def first_token(fraction=fraction, rule=rule):
+                state, report = kvedit.blend(
+                    model, tok, parts, store, recompute=fraction, context=args.context, **rule
+                )
+                state.run(question, logits_to_keep=1)
+                return state, report
+
+            seconds, (state, report) = timed(first_token, args.repeats)
+            answer = state.generate(ctx.continuation, args.max_new_tokens)
+            records.append(
+                {
+                    **base,
+                    "rule": label,
+                    "recompute": fraction,
+                    "prediction": answer,
+                    "correct": score(example, answer),
+                    "seconds": seconds,
+                    "speedup": t_full / seconds,
+                    "tokens_recomputed": report.tokens_recomputed,
+                    "recomputed_per_layer": report.recomputed_per_layer,
+                    "tokens_rescaled": report.tokens_rescaled,
+                    "rules": list(report.rules),
+                }
+            )
+    return records
+
+
+@torch.no_grad()
+def warm_up(model, tok, example: Example, store, args) -> None:
+    """One untimed blend and prefill, so that the first timed point pays no one-time cost."""
+    ctx = ExampleContext(model, tok, example, args.max_new_tokens, args.prompt_format)
+    state, _ = kvedit.blend(model, tok, document_parts(ctx), store, 0.5, context=args.context)
+    model(state.token_ids[None].to(next(model.parameters()).device), logits_to_keep=1)
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """Mean accuracy (overall and per gold position), median seconds and speed-up per
+    (rule, fraction); the full prefill is the row with ``rule`` None."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["rule"], r["recompute"]), []).append(r)
+    rows = []
+    for (rule, fraction), rs in groups.items():
+        by_position: dict[int, list[float]] = {}
+        for r in rs:
+            by_position.setdefault(r["gold_index"], []).append(r["correct"])
+        rows.append(
+            {
+                "rule": rule,
+                "recompute": fraction,
+                "n": len(rs),
+                "accuracy": statistics.fmean(r["correct"] for r in rs),
+                "by_position": {p: statistics.fmean(v) for p, v in sorted(by_position.items())},
+                "seconds": statistics.median(r["seconds"] for r in rs),
+                "speedup": statistics.median(r.get("speedup", 1.0) for r in rs),
+                "tokens_recomputed": statistics.fmean(r.get("tokens_recomputed", 0) for r in rs),
+            }
+        )
+    return rows
+
+
+def plot(rows: Sequence[dict], path: Path, title: str) -> None:
+    """Accuracy and speed-up against the recompute fraction, one line per rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    full = next(r for r in rows if r["rule"] is None)
+    for rule in dict.fromkeys(r["rule"] for r in rows if r["rule"] is not None):
+        line = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["recompute"])
+        xs = [r["recompute"] for r in line]
+        acc_ax.plot(xs, [r["accuracy"] for r in line], marker="o", label=rule)
+        speed_ax.plot(xs, [r["speedup"] for r in line], marker="o", label=rule)
+    acc_ax.axhline(full["accuracy"], color="black", linestyle="--", label="full prefill")
+    speed_ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
+    acc_ax.set(xlabel="recompute fraction", ylabel="accuracy (best subspan EM)", ylim=(-0.02, 1.02))
+    speed_ax.set(xlabel="recompute fraction", ylabel="time-to-first-token speed-up (x)")
+    speed_ax.set_yscale("log")
+    for ax in (acc_ax, speed_ax):
+        ax.grid(alpha=0.3)
+    acc_ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(rows: Sequence[dict], title: str) -> str:
+    positions = sorted({p for r in rows for p in r["by_position"]})
+    head = ["rule", "recompute", "n", "accuracy", *(f"pos {p}" for p in positions)]
+    head += ["TTFT s", "speed-up", "recomputed"]
+    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["rule"] is not None, str(r["rule"]), r["recompute"])):
+        cells = [r["rule"] or "full prefill", f"{r['recompute']:g}", str(r["n"])]
+        cells += [f"{r['accuracy']:.3f}"]
+        cells += [f"{r['by_position'].get(p, float('nan')):.3f}" for p in positions]
+        cells += [f"{r['seconds']:.3f}", f"{r['speedup']:.2f}", f"{r['tokens_recomputed']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--limit", type=int, default=30, help="examples in all")
+    parser.add_argument("--n-docs", type=int, default=10)
+    parser.add_argument("--positions", default=None, help="gold positions (default 0,4,9)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", default=None, help="an NQ file (default: the bundled one)")
+    parser.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rules")
+    parser.add_argument("--fractions", default=DEFAULT_FRACTIONS)
+    parser.add_argument("--context", default="prefix", choices=("prefix", "alone"))
+    parser.add_argument("--prompt", default="auto", help="chat, plain or auto")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
+    parser.add_argument("--out", default="reports", help="folder of the png, json and md")
+    args = parser.parse_args(argv)
+    rules = [(text.strip() or "default", parse_rule(text)) for text in args.rules.split(",")]
+    fractions = parse_fractions(args.fractions)
+    args.prompt_format = resolve_prompt(args.prompt, args.model)
+    model, tok = kvedit.load_model(args.model, device=args.device)
+    examples = load_examples(args)
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvedit-blend-curve-") as tmp:
+        store = kvedit.KVStore(tmp, memory_bytes=2**30)
+        warm_up(model, tok, examples[0], store, args)
+        for i, example in enumerate(examples):
+            records += run_example(model, tok, example, store, rules, fractions, args)
+            print(f"[{i + 1}/{len(examples)}] {example.id}", file=sys.stderr, flush=True)
+    rows = summarize(records)
+    title = f"kvedit.blend rules: {args.model}, NQ-{args.n_docs}, {len(examples)} examples"
+    out = Path(args.out)
+    plot(rows, out / "blend_curve.png", title)
+    payload = {"settings": vars(args), "rows": rows, "records": records}
+    (out / "blend_curve.json").write_text(json.dumps(payload, indent=1))
+    (out / "blend_curve.md").write_text(markdown(rows, title))
+    print(markdown(rows, title))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
