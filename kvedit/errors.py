@@ -11,6 +11,7 @@ class                           raised when
 ``InvalidInputError``           an argument has a bad value (``ValueError``)
 ``InvalidTypeError``            an argument has the wrong type (``TypeError`` and ``ValueError``)
 ``EmptySelectionError``         spans or layers select nothing to edit (``ValueError``)
+``NotACaptureError``            an edited state given where only a plain capture will do
 ``SpanNotFoundError``           a span is not in the text (``LookupError``)
 ``CacheMismatchError``          a cache is used with a model or tokenizer it was not made by
 ``ModelNotAttachedError``       a state needs its model and has none (also ``ValueError``)
@@ -44,6 +45,12 @@ class KVEditError(Exception):
 
 class InvalidInputError(KVEditError, ValueError):
     """An argument has a value kvedit cannot use (out of range, empty, not finite, ...)."""
+
+
+class NotACaptureError(InvalidInputError):
+    """A state that is not a plain capture where only one will do: ``KVStore.put`` (its key is a
+    function of the token ids, which say nothing of edits). The message names the first
+    transformation in the state's history."""
 
 
 class InvalidTypeError(InvalidInputError, TypeError):
@@ -164,6 +171,7 @@ __all__ = [
     "ModelNotAttachedError",
     "ModelNotAvailableError",
     "NestedSteeringError",
+    "NotACaptureError",
     "SpanNotFoundError",
     "StateAlteredError",
     "StorageError",

@@ -18,7 +18,7 @@ from helpers import reference_generate, same, snapshot
 import kvedit
 from kvedit import ops
 from kvedit.atomic import is_temp_name
-from kvedit.errors import CacheMismatchError, InvalidInputError
+from kvedit.errors import CacheMismatchError, InvalidInputError, NotACaptureError
 from kvedit.store import KVStore, StoreLockTimeout, chain_root, chunk_hashes, content_key
 from kvedit.testing import tiny_model
 
@@ -125,7 +125,7 @@ def test_put_refuses_every_state_that_is_not_a_plain_capture(tmp_path, llama):
     model, tok = llama
     store = KVStore(tmp_path)
     for name, edited, phrase in _refused_states(model, tok):
-        with pytest.raises(InvalidInputError, match="unedited captures only") as e:
+        with pytest.raises(NotACaptureError, match="unedited captures only") as e:
             store.put(edited)
         assert phrase in str(e.value), name
         assert store.refusal(edited) is not None, name
@@ -147,7 +147,7 @@ def test_put_refuses_a_hand_built_state_whose_tensors_are_edited(tmp_path, llama
         layers=[dataclasses.replace(first, bias=torch.ones(1, 2, len(first))), *state.layers[1:]]
     )
     assert biased.is_plain_capture  # it lies
-    with pytest.raises(InvalidInputError, match="has a bias"):
+    with pytest.raises(NotACaptureError, match="has a bias"):
         KVStore(tmp_path).put(biased)
 
 

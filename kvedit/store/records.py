@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache import LAYER_CLASSES
-from ..errors import CacheMismatchError, InvalidInputError
+from ..errors import CacheMismatchError, NotACaptureError
 from ..state import KVState
 from .keys import STORE_FORMAT, chain_root, chunk_hashes, is_key, tail_key
 
@@ -132,7 +132,7 @@ def check_storable(state: KVState, allowed_casts: Sequence = ()) -> None:
     holds all ``n``, and the last logits follow the last token.
 
     Raises:
-        InvalidInputError: the state is not such a capture (the message names the first
+        NotACaptureError: the state is not such a capture (the message names the first
             transformation in its history, or the first problem with its tensors).
     """
     n = len(state)
@@ -158,13 +158,13 @@ def check_storable(state: KVState, allowed_casts: Sequence = ()) -> None:
         if problems:
             break
     if problems:
-        raise InvalidInputError(
+        raise NotACaptureError(
             "KVStore holds unedited captures only (an edited cache is not determined by its "
             f"tokens, so it cannot be content-addressed): {problems[0]}"
         )
     last = state.last_input
     if n and (last.token_index, last.position) != (n - 1, n - 1):
-        raise InvalidInputError(
+        raise NotACaptureError(
             "KVStore holds unedited captures only: the last logits follow token "
             f"{last.token_index} at position {last.position}, not the last token"
         )

@@ -148,9 +148,8 @@ class KVStore:
         """Store ``state`` (a plain capture) and return its key (hex).
 
         ``ttl``: seconds until the entry expires (None: never); putting an existing key again
-        refreshes it and sets its TTL anew. Raises
-        :class:`~kvedit.errors.InvalidInputError` (a ValueError) for any state that is not a
-        plain capture, naming the first transformation in its history
+        refreshes it and sets its TTL anew. Raises :class:`~kvedit.errors.NotACaptureError`
+        (an ``InvalidInputError``) for any state that is not a plain capture, naming the first transformation in its history
         (:meth:`~kvedit.provenance.History.first_change`): an edit (scaled keys, a bias,
         copies, a re-read), a compression, a projection, a blend, a lossy cast not in
         ``allow_casts``, or an unknown history; then for tensors that do not look like a
