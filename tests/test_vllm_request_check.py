@@ -238,3 +238,19 @@ def test_kvedit_serve_installs_the_check_with_the_connectors_configuration(tmp_p
     assert json.loads(env[CONFIG_ENV]) == json.loads(argv[argv.index("--kv-transfer-config") + 1])
     check = RequestCheck(Downstream(), json.loads(env[CONFIG_ENV]))
     assert check.root == tmp_path.resolve() and check.fingerprint == "f1ngerprint"
+
+
+def test_the_printed_serve_command_carries_the_checks_configuration(tmp_path, monkeypatch, capsys):
+    """``kvedit serve --dry-run`` prints a command a shell can run as it is: the request check
+    reads its configuration from the environment, so the line sets it."""
+    import shlex
+
+    from kvedit.integrations.vllm import server
+
+    monkeypatch.setattr(server, "require_vllm", lambda what: None)
+    monkeypatch.setattr(server, "model_folder", lambda model: ("/models/m", "f1ngerprint"))
+    argv = server.serve("m", tmp_path, dry_run=True)
+    words = shlex.split(capsys.readouterr().err.strip().splitlines()[-1])
+    name, _, config = words[0].partition("=")
+    assert name == CONFIG_ENV and json.loads(config) == json.loads(serve_environment(argv)[name])
+    assert words[1:] == argv

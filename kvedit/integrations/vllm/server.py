@@ -164,8 +164,9 @@ def serve(
     dry_run: bool = False,
     load_failure: str = "fail",
 ) -> list[str]:
-    """Print :func:`serve_command`'s command to stderr and run it in place of this process
-    (it returns only with ``dry_run``, giving the command).
+    """Print :func:`serve_command`'s command to stderr (with the environment variable
+    :func:`serve_environment` adds) and run it in place of this process (it returns only with
+    ``dry_run``, giving the command).
 
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
@@ -180,9 +181,12 @@ def serve(
         vllm_args=vllm_args,
         load_failure=load_failure,
     )
-    print(shlex.join(argv), file=sys.stderr, flush=True)
+    env = serve_environment(argv)
+    # the command as a shell runs it, with the request check's configuration
+    print(f"{CONFIG_ENV}={shlex.quote(env[CONFIG_ENV])} {shlex.join(argv)}", file=sys.stderr)
+    sys.stderr.flush()
     if not dry_run:
-        os.execve(argv[0], argv, serve_environment(argv))
+        os.execve(argv[0], argv, env)
     return argv
 
 
