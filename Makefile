@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvedit-installed
 # Root installs system packages directly; anyone else goes through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-browser browser-deps app lint format bench clean vllm-setup test-vllm \
+.PHONY: setup demo test test-browser browser-deps app lint format bench clean vllm-setup test-vllm test-vllm-pipeline \
 	check-vllm-env check-vllm-cuda
 
 setup: $(STAMP)
@@ -84,6 +84,11 @@ check-vllm-cuda:
 
 test-vllm: vllm-setup check-vllm-env
 	$(VLLM_PY) -m pytest -q tests/test_bad_inputs.py tests/test_vllm_stock.py tests/test_vllm_cli.py tests/test_vllm_engine*.py
+
+# Pipeline parallelism on CPU (two workers, ~2 min): left out of test-vllm to keep CI short.
+test-vllm-pipeline: vllm-setup check-vllm-env
+	KVEDIT_TEST_PIPELINE=1 $(VLLM_PY) -m pytest -q \
+		tests/test_vllm_engine_parallel.py::test_pipeline_parallel_2_serves_each_stage_its_layers
 
 app: setup
 	$(VENV)/bin/kvedit app
