@@ -88,7 +88,7 @@ class RequestCheck:
         self.root = Path(extra["root"])
         self.fingerprint: str | None = extra.get("model_fingerprint")
         self.index = files.PublishedIndex(self.root)
-        self._verified: OrderedDict[tuple, str] = OrderedDict()
+        self._verified: OrderedDict[tuple, tuple[str, str] | None] = OrderedDict()
         self._lock = threading.Lock()  # decisions run in worker threads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,32 +158,32 @@ class RequestCheck:
         version: inode, size and modification time)."""
         try:
             st = path.stat()
+            key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+            with self._lock:
+                if key not in self._verified:
+                    self._verified[key] = self._problem(path)
+                    while len(self._verified) > _VERIFIED:
+                        self._verified.popitem(last=False)
+                self._verified.move_to_end(key)
+                problem = self._verified[key]
         except FileNotFoundError:
-            return Refusal("missing", f"{path} was removed after the lookup", n, str(path), digest)
-        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._lock:
-            return self._verified_refusal(key, path, n, digest)
+            problem = ("missing", f"{path} was removed after the lookup")
+        return None if problem is None else Refusal(*problem, n, str(path), digest)
 
-    def _verified_refusal(
-        self, key: tuple, path: Path, n: int, digest: str | None
-    ) -> Refusal | None:
-        if key not in self._verified:
-            try:
-                meta = files.verify(path)
-                problem = fingerprint_problem(meta, self.fingerprint)
-                self._verified[key] = f"mismatch:{path.name}: {problem}" if problem else ""
-            except FileNotFoundError:
-                return Refusal("missing", f"{path} was removed after the lookup", n, str(path))
-            except (KVEditError, OSError) as e:
-                self._verified[key] = f"corrupt:{e}"
-            while len(self._verified) > _VERIFIED:
-                self._verified.popitem(last=False)
-        self._verified.move_to_end(key)
-        found = self._verified[key]
-        if not found:
-            return None
-        reason, detail = found.split(":", 1)
-        return Refusal(reason, detail, n, str(path), digest)
+    def _problem(self, path: Path) -> tuple[str, str] | None:
+        """``(reason, detail)`` when the file at ``path`` fails its CRC or is another model's.
+
+        Raises:
+            FileNotFoundError: it vanished.
+        """
+        try:
+            meta = files.verify(path)
+        except FileNotFoundError:
+            raise
+        except (KVEditError, OSError) as e:
+            return "corrupt", str(e)
+        problem = fingerprint_problem(meta, self.fingerprint)
+        return None if problem is None else ("mismatch", f"{path.name}: {problem}")
 
 
 def _token_prompts(prompt: object) -> list[list[int]] | None:
