@@ -405,3 +405,36 @@ def test_the_app_hands_top_k_to_the_validator_unrounded():
 
     with pytest.raises(InputError, match="whole number"):
         parse_focus("Alice's number is 1.", "Whose?", 2.5)
+
+
+# ------------------------------------------------------------------------ new entry points
+
+
+@pytest.mark.parametrize(
+    "rule,problem",
+    [
+        ({"gradual": 0.5}, "gradual must be a number >= 1"),
+        ({"leading": 0}, "leading must be an int >= 1"),
+        ({"rescale": 0}, "rescale must be a factor in"),
+        ({"rescale": 2e4}, "rescale must be a factor in"),
+    ],
+    ids=["gradual-below-1", "leading-0", "rescale-0", "rescale-over-limit"],
+)
+def test_blend_refuses_a_bad_rule_before_any_work(llama, tmp_path, rule, problem):
+    import kvedit
+    from kvedit.store import KVStore
+
+    model, tok = llama
+    store_dir = tmp_path / "store"
+    with pytest.raises(InvalidInputError, match=problem):
+        kvedit.blend(model, tok, ["Prefix.", " A passage."], KVStore(store_dir), **rule)
+    assert not store_dir.exists() or not any(store_dir.rglob("*.safetensors"))  # nothing stored
+
+
+def test_focus_refuses_an_edit_that_is_not_a_function(llama):
+    import kvedit
+
+    model, tok = llama
+    state = capture(model, tok, "Alice's secret number is 4821.\n\nBob's is 7310.")
+    with pytest.raises(InvalidTypeError, match="edit must be a function"):
+        kvedit.focus(state, " Whose is 7310?", edit="reread")
