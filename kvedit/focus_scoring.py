@@ -1,7 +1,8 @@
 """Scoring passages for :mod:`kvedit.focusing`: how much more attention the question gives a
 passage than a content-free copy of the question does (scale-free smoothing), which passages
-stand out (a robust z-score against the others; :data:`ABSTAIN_THRESHOLD`), echoes of the
-question, and the per-layer bias that lifts a passage's share to a target.
+stand out (a robust z-score against the others; :data:`ABSTAIN_THRESHOLD`), which may be
+chosen (those holding the most of the question's distinctive words), echoes of the question,
+and the per-layer bias that lifts a passage's share to a target.
 """
 
 from __future__ import annotations
@@ -49,30 +50,63 @@ QUESTION_MARK = "\n\nQuestion:"
 """Where :func:`focus_text` cuts the prompt: the context is captured, the question asked after."""
 
 
-def content_free_question(question: str, documents: Sequence[str]) -> str:
-    """The question with its *distinctive* words removed: words that occur in some documents
-    but not most of them (names, entities). What is left keeps the question's form and
-    position, and serves as a calibration query for positional bias. Task-agnostic: it uses
-    only the question and the documents, never the task's wording. ``"?"`` when nothing was
-    removed.
-    """
-    words = re.findall(r"\w+|\W+", question)
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def distinctive_words(question: str, documents: Sequence[str]) -> set[str]:
+    """The question's *distinctive* words, lowercased: words that occur (as whole words) in
+    some of ``documents`` but not in most of them (in 1 to ``max(1, n // 2)`` of the ``n``).
+    Names and entities, not the question's form ("what", "is", "number")."""
     lowered = [d.lower() for d in documents]
     n = max(1, len(documents))
-    kept = []
-    for w in words:
-        if w.strip() and w[0].isalnum():
-            df = sum(1 for d in lowered if re.search(r"\b" + re.escape(w.lower()) + r"\b", d))
-            if 0 < df <= max(1, n // 2):
-                continue
-        kept.append(w)
-    out = "".join(kept)
-    out = re.sub(r"\s+", " ", out).strip()
+    out = set()
+    for w in set(_words(question)):
+        df = sum(1 for d in lowered if re.search(r"\b" + re.escape(w) + r"\b", d))
+        if 0 < df <= max(1, n // 2):
+            out.add(w)
+    return out
+
+
+def content_free_question(question: str, documents: Sequence[str]) -> str:
+    """The question with its :func:`distinctive_words` removed. What is left keeps the
+    question's form and position, and serves as a calibration query for positional bias.
+    Task-agnostic: it uses only the question and the documents, never the task's wording.
+    ``"?"`` when nothing was removed.
+    """
+    distinctive = distinctive_words(question, documents)
+    words = re.findall(r"\w+|\W+", question)
+    kept = [w for w in words if not (w.strip() and w[0].isalnum() and w.lower() in distinctive)]
+    out = re.sub(r"\s+", " ", "".join(kept)).strip()
     return out if out != question.strip() else "?"
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
+def word_coverage(question: str, texts: Sequence[str]) -> torch.Tensor:
+    """``[n_passages]``: the fraction of the question's :func:`distinctive_words` (among
+    ``texts``) each passage holds; all 0 when the question has none."""
+    words = distinctive_words(question, texts)
+    if not words:
+        return torch.zeros(len(texts))
+    found = [
+        sum(1 for w in words if re.search(r"\b" + re.escape(w) + r"\b", t.lower())) for t in texts
+    ]
+    return torch.tensor(found, dtype=torch.float64) / len(words)
+
+
+def best_covered(question: str, texts: Sequence[str], candidates: torch.Tensor) -> torch.Tensor:
+    """The candidates (a boolean mask) that hold the most of the question's
+    :func:`distinctive_words` (:func:`word_coverage`): the passages focus may choose. All
+    candidates when none holds any. Among 300 records "Emeka Yilmaz" shares a first or last
+    name with ~30 others, and the question's attention goes to those about as much as to the
+    record with both names; only that one holds both words."""
+    coverage = word_coverage(question, texts)
+    candidates = candidates.bool()
+    if not bool(candidates.any()):
+        return candidates
+    top = float(coverage[candidates].max())
+    if top <= 0:
+        return candidates.clone()
+    return candidates & (coverage >= top)
 
 
 def content_question(name: str, question: str) -> str:
@@ -107,26 +141,31 @@ def stands_out(
     scores: torch.Tensor,
     candidates: torch.Tensor | None = None,
     threshold: float | None = ABSTAIN_THRESHOLD,
+    eligible: torch.Tensor | None = None,
 ) -> list[int]:
-    """The candidate passages whose score stands out, best first.
+    """The eligible passages whose score stands out among the candidates', best first.
 
     A passage stands out when its score is positive and its robust z-score against the other
     candidates (:func:`robust_z`: ``(score - median) / max(1.4826 * MAD, MIN_SPREAD)`` of the
-    others' scores) reaches ``threshold``
-    (default :data:`ABSTAIN_THRESHOLD`). The rule reads only the distribution of the scores,
-    never how many there are. ``candidates`` is a boolean mask (default: all); ``threshold``
-    ``None`` keeps every candidate (no abstention).
+    others' scores) reaches ``threshold`` (default :data:`ABSTAIN_THRESHOLD`). The rule reads
+    only the distribution of the scores, never how many there are. ``candidates`` is a
+    boolean mask (default: all); ``eligible`` (a mask within it, default: the candidates,
+    e.g. :func:`best_covered`) the passages that may be returned: the z-score is still taken
+    against every candidate. ``threshold`` ``None`` keeps every candidate (no abstention):
+    the eligible ones first, then the others, each by score.
     """
     scores = scores.double()
     mask = torch.ones_like(scores, dtype=torch.bool) if candidates is None else candidates.bool()
+    allowed = mask if eligible is None else eligible.bool() & mask
     idx = mask.nonzero().flatten()
     if idx.numel() == 0:
         return []
     order = idx[scores[idx].argsort(descending=True, stable=True)].tolist()
+    first = [i for i in order if allowed[i]]
     if threshold is None:
-        return order
+        return first + [i for i in order if not allowed[i]]
     z = robust_z(scores, mask)
-    return [i for i in order if scores[i] > 0 and z[i] >= threshold]
+    return [i for i in first if scores[i] > 0 and z[i] >= threshold]
 
 
 def robust_z(scores: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,6 +42,7 @@ __all__ = [
     "SHARE_EPS",
     "Focus",
     "adaptive_strengths",
+    "best_covered",
     "choose",
     "content_free_question",
     "content_question",
@@ -61,6 +62,7 @@ from .focus_scoring import (
     SCORE_SMOOTHING,
     SHARE_EPS,
     adaptive_strengths,
+    best_covered,
     content_free_question,
     content_question,
     default_query,
@@ -94,7 +96,10 @@ class Focus:
         verdict: the guard's decision (``None`` without a guard).
         reason: why nothing was chosen (``""`` when something was).
         echoes: indices of the passages that only restate the question (never chosen).
-        best: the best-scored candidate passage, chosen or not (``None`` without candidates).
+        best: the best-scored eligible passage, chosen or not (``None`` without candidates).
+        eligible: the passages focus may choose: the candidates (not echoes) that hold the
+            most of the question's distinctive words (:func:`best_covered`; all candidates
+            when none holds any).
     """
 
     state: KVState
@@ -107,6 +112,7 @@ class Focus:
     reason: str = ""
     echoes: list[int] = field(default_factory=list)
     best: int | None = None
+    eligible: list[int] = field(default_factory=list)
 
     @property
     def kept(self) -> bool:
@@ -199,12 +205,14 @@ def choose(
     layer_idx = _layer_indices(state, layers)
     real, calib = passage_shares(state, question, spans, query=query)
     scores = passage_scores(real, calib, layer_idx, smoothing)
-    echoes = echo_passages(query, [state.text[a:b] for a, b in spans])
+    texts = [state.text[a:b] for a, b in spans]
+    echoes = echo_passages(query, texts)
     candidates = torch.ones(len(spans), dtype=torch.bool)
     candidates[echoes] = False
-    ranked = stands_out(scores, candidates, None)
-    chosen = stands_out(scores, candidates, threshold)[:top_k]
-    reason = "" if chosen else _why_none(scores, candidates, threshold, real, calib)
+    eligible = best_covered(query, texts, candidates)
+    ranked = stands_out(scores, candidates, None, eligible)
+    chosen = stands_out(scores, candidates, threshold, eligible)[:top_k]
+    reason = "" if chosen else _why_none(scores, candidates, eligible, threshold, real, calib)
     if not chosen:
         strengths = [0.0] * len(state.layers)
     elif target is None:
@@ -213,21 +221,31 @@ def choose(
         strengths = adaptive_strengths(real[:, chosen].sum(-1), target, max_strength).tolist()
     best = ranked[0] if ranked else None
     return Focus(
-        state, spans, scores.tolist(), chosen, strengths, question, None, reason, echoes, best
+        state,
+        spans,
+        scores.tolist(),
+        chosen,
+        strengths,
+        question,
+        None,
+        reason,
+        echoes,
+        best,
+        eligible.nonzero().flatten().tolist(),
     )
 
 
-def _why_none(scores, candidates, threshold, real, calib) -> str:
+def _why_none(scores, candidates, eligible, threshold, real, calib) -> str:
     if not bool(candidates.any()):
         return "every passage only restates the question"
     if torch.equal(real, calib):
         return "the question has no distinctive word in the passages (every score 0)"
     z = robust_z(scores, candidates)
-    zc = z.masked_fill(~candidates, float("-inf"))
-    best = int(zc.argmax())
+    best = stands_out(scores, candidates, None, eligible)[0]
+    among = "" if bool(eligible[candidates].all()) else " among the passages with most of its words"
     return (
-        f"no passage stands out (best: #{best}, score {float(scores[best]):.3f}, robust z "
-        f"{float(z[best]):.2f} < threshold {threshold})"
+        f"no passage stands out{among} (best: #{best}, score {float(scores[best]):.3f}, "
+        f"robust z {float(z[best]):.2f} < threshold {threshold})"
     )
 
 

@@ -163,8 +163,8 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
     methods = [
         "none",
         "oracle",
-        "auto:strength=3",
-        "reread",
+        "auto:strength=3:threshold=None",
+        "reread:threshold=None",
         "repeat",
         "oracle:edit=duplicate:copies=3",
     ]
@@ -182,7 +182,7 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
     edited = set()
     for ex in examples:
         unedited = by[(ex.id, "none")]["prediction"]
-        for spec in ("auto:strength=3", "reread"):
+        for spec in ("auto:strength=3:threshold=None", "reread:threshold=None"):
             rec = by[(ex.id, spec)]
             chosen = rec["chosen"]
             assert len(chosen) <= 1 and all(0 <= i < len(ex.documents) for i in chosen)
@@ -191,7 +191,9 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
                 edited.add(spec)
             else:
                 assert rec["prediction"] == unedited
-    assert edited == {"auto:strength=3", "reread"}, "each must edit some example for this test"
+    assert edited == {"auto:strength=3:threshold=None", "reread:threshold=None"}, (
+        "each must edit some example for this test"
+    )
 
 
 def test_auto_calls_kvedit_focus_on_the_documents(llama, monkeypatch):
@@ -230,7 +232,7 @@ def test_adaptive_strengths_reach_the_target_and_clip():
 def test_auto_with_a_target_biases_each_layer_to_reach_it(llama):
     model, tok = llama
     ctx = ExampleContext(model, tok, small_examples()[0], max_new_tokens=2)
-    method = parse_spec("auto:target=0.6:strength=50")
+    method = parse_spec("auto:target=0.6:strength=50:threshold=None")
     method.predict(ctx)
     (chosen,) = ctx.notes["auto_choice"]
     strengths = ctx.notes["auto_strengths"]
@@ -678,10 +680,10 @@ def test_reread_with_a_guard_answers_from_the_state_the_guard_keeps(llama, monke
     model, tok = llama
     ex = small_examples()[0]
     ctx = ExampleContext(model, tok, ex, max_new_tokens=6)
-    reread = parse_spec("reread").predict(ctx)
+    reread = parse_spec("reread:threshold=None").predict(ctx)
     none = ctx.state.generate(ctx.continuation, 6)
     assert reread != none, "the edit must change the answer for this test"
     for margin, expected in ((-1e9, reread), (1e9, none)):
         guard = AgreementGuard(margin, max_new_tokens=32)
         monkeypatch.setattr(example_focus_module, "DEFAULT_GUARD", guard)
-        assert parse_spec("reread:guard=True").predict(ctx) == expected
+        assert parse_spec("reread:guard=True:threshold=None").predict(ctx) == expected

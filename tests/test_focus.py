@@ -81,8 +81,8 @@ def test_a_list_of_spans(llama):
 
 
 def test_focus_equals_the_ops_applied_by_hand(llama):
-    """focus chooses the best-scored passage (scores computed here from the attention shares)
-    and its state is ops.emphasize applied by hand to that passage, layer by layer, with the
+    """focus chooses the best-scored passage among those holding the question's distinctive
+    words (scores computed here from the attention shares) and its state is ops.emphasize applied by hand to that passage, layer by layer, with the
     adaptive bias sized from that passage's shares."""
     state = _state(llama)
     question = "\n\nQuestion: What is Bo's number?<|im_end|>\n<|im_start|>assistant\n"
@@ -94,9 +94,12 @@ def test_focus_equals_the_ops_applied_by_hand(llama):
     real, calib = passage_shares(state, question, found.passages, query="What is Bo's number?")
     scores = passage_scores(real, calib)
     assert found.scores == scores.tolist()
-    top, second = scores.topk(2).values.tolist()
-    assert top > second  # one passage is best: the choice is not a tie
-    best = int(scores.argmax())
+    texts = [state.text[a:b] for a, b in found.passages]
+    assert found.eligible == [texts.index("Bo's number is 22.")]  # the one naming Bo
+    eligible = torch.zeros(len(texts), dtype=torch.bool)
+    eligible[found.eligible] = True
+    best = int(scores.masked_fill(~eligible, float("-inf")).argmax())
+    assert best != int(scores.argmax())  # this random model's attention points elsewhere
     assert found.chosen == [best] and found.best == best
     assert kvedit.choose(state, question, **kw).chosen == [best]  # choose picks the same
     # the strengths are the adaptive bias from the chosen passage's shares

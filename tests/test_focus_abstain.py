@@ -4,12 +4,15 @@ the same passages as focus_text."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 import kvedit
 from kvedit.errors import InvalidInputError
-from kvedit.focusing import echo_passages, passage_scores, stands_out
+from kvedit.focus_scoring import distinctive_words, word_coverage
+from kvedit.focusing import best_covered, echo_passages, passage_scores, stands_out
 
 RECORDS = (
     "Read the records and answer the question.\n\n"
@@ -71,6 +74,34 @@ def test_echo_passages_are_restatements_only():
     assert echo_passages(q, texts) == [0]
 
 
+def test_only_the_passages_with_most_of_the_questions_words_may_be_chosen():
+    q = "What is Cy Diaz's secret number?"
+    texts = [
+        "Read the records and answer the question.",
+        "Cy Moss's secret number is 1111.",  # a first-name match
+        "Cy Diaz's secret number is 2096.",  # both names
+        "Bo Diaz's secret number is 3333.",  # a last-name match
+        "Ann Lee's secret number is 4444.",
+    ]
+    assert distinctive_words(q, texts) == {"cy", "diaz"}  # not "what", "secret", "number"
+    assert word_coverage(q, texts).tolist() == [0.0, 0.5, 1.0, 0.5, 0.0]
+    everyone = torch.ones(5, dtype=torch.bool)
+    assert best_covered(q, texts, everyone).nonzero().flatten().tolist() == [2]
+    no_names = ["Records follow.", "A is 1.", "B is 2."]
+    assert best_covered(q, no_names, torch.ones(3, dtype=torch.bool)).all()  # no gate
+    # the partial match scores highest: it is not chosen; the full match is, where it
+    # stands out against every candidate (not only the eligible ones)
+    scores = torch.tensor([0.0, 0.9, 0.6, 0.1, 0.05] + [0.01 * i for i in range(10)])
+    texts += [f"Person {i}'s secret number is {i}." for i in range(10)]
+    eligible = best_covered(q, texts, torch.ones(15, dtype=torch.bool))
+    assert stands_out(scores) == [1, 2]
+    assert stands_out(scores, None, 2.5, eligible) == [2]
+    assert stands_out(scores, None, None, eligible)[:2] == [2, 1]  # no threshold: eligible first
+    weak = scores.clone()
+    weak[2] = 0.08  # the full match does not stand out among all: focus abstains
+    assert stands_out(weak, None, 2.5, eligible) == []
+
+
 def _shares_at_300():
     """Per-layer shares like SmolLM2's on 300 records (mean share ~0.0015): the first and last
     passages hold much of the attention, and the question lifts passage 150 (x2.5) while the
@@ -108,6 +139,28 @@ def test_nothing_stands_out_in_flat_or_zero_scores():
     mask = torch.ones(300, dtype=torch.bool)
     mask[7] = False
     assert stands_out(peaked, mask) == []  # an excluded passage is never chosen
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("asked", [15])
+def test_among_shared_names_focus_chooses_the_record_with_both(smollm2, asked):
+    """64 records from 8 first and 8 last names: the question's attention goes to records
+    that share one of its names about as much as to the one with both (SmolLM2's scores put
+    "Fay Lee" over "Fay Kent", "Dee Moss" over "Fay Moss"); focus chooses the one with both."""
+    model, tok = smollm2
+    first = ["Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Ida"]
+    last = ["Lee", "Park", "Diaz", "Wolf", "Moss", "Kent", "Ray", "Hale"]
+    names = [f"{f} {x}" for f in first for x in last]
+    random.Random(0).shuffle(names)
+    records = [f"{n}'s secret number is {1000 + 37 * i}." for i, n in enumerate(names)]
+    context = "Read the records and answer the question.\n\n" + "\n".join(records)
+    found = kvedit.focus_text(model, tok, context, f"What is {names[asked]}'s secret number?")
+    texts = [found.state.text[a:b] for a, b in found.passages]
+    gold = texts.index(records[asked])
+    scores = torch.tensor(found.scores)
+    scores[0] = float("-inf")  # the instruction line
+    assert int(scores.argmax()) != gold  # attention alone prefers a shared-name record
+    assert found.eligible == [gold] and found.chosen == [gold]
 
 
 @pytest.mark.real

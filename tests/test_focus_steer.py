@@ -138,7 +138,9 @@ def test_a_guard_that_drops_the_edit_leaves_the_prompt_unsteered(llama):
     enc = tok(prompt, return_tensors="pt")
     plain = model.generate(**enc, max_new_tokens=6, do_sample=False)
     unsteered = tok.decode(plain[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    keep = kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None)
+    # passages that do not name Bo: on this random model, emphasizing one changes the answer
+    others = ["Ann's number is 11.", "Cy's number is 33."]
+    keep = kvedit.steer(model, tok, focus=True, question=QUESTION, threshold=None, passages=others)
     assert keep.generate(prompt, max_new_tokens=6) != unsteered  # the edit changes the answer
     drop = kvedit.steer(
         model,
@@ -147,6 +149,7 @@ def test_a_guard_that_drops_the_edit_leaves_the_prompt_unsteered(llama):
         question=QUESTION,
         guard=AgreementGuard(1e9, max_new_tokens=6),
         threshold=None,
+        passages=others,
     )
     assert drop.generate(prompt, max_new_tokens=6) == unsteered
     assert not drop.plan.found.kept and drop.plan.found.verdict.reason == "original"
