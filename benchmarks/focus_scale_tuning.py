@@ -11,8 +11,8 @@ scoring variant per size.
 Usage::
 
     python benchmarks/focus_scale_tuning.py --collect --sizes 100,300 --seeds 1,2,3 \
-        --out reports/focus-scale/tuning/scale-shares.safetensors
-    python benchmarks/focus_scale_tuning.py --analyze reports/focus-scale/tuning/scale-shares.safetensors
+        --out runs/scale-shares.safetensors
+    python benchmarks/focus_scale_tuning.py --analyze runs/scale-shares.safetensors
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def main() -> None:
     p.add_argument("--sizes", default="100,300")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--out", default="reports/focus-scale/tuning/scale-shares.safetensors")
+    p.add_argument("--out", default="runs/scale-shares.safetensors")
     p.add_argument("--analyze", nargs="*", default=None)
     args = p.parse_args()
     if args.analyze:
