@@ -12,130 +12,122 @@ Usage::
     python benchmarks/focus_coverage_check.py [scale-shares.safetensors]
 """
 
-# ruff: noqa
-import sys, re, json
+from __future__ import annotations
 
-sys.path.insert(0, "benchmarks")
+import json
+import sys
+from pathlib import Path
+
 import torch
 from safetensors import safe_open
-from focus_scale_tuning import load as load_scale
-from focus_scale import context_of
+
 from kvedit.evals.litm import build_examples
-from kvedit.focus_scoring import passage_scores, stands_out, echo_passages
+from kvedit.focus_scoring import (
+    ABSTAIN_THRESHOLD,
+    best_covered,
+    echo_passages,
+    passage_scores,
+    stands_out,
+    word_coverage,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from focus_scale import context_of  # noqa: E402
+from focus_scale_tuning import load as load_scale  # noqa: E402
+
+VARIANTS = [("base", 0), ("add", 0.1), ("add", 0.3), ("add", 1.0), ("gate", 0.0), ("zall", 0.0)]
 
 
-def distinctive(question, texts):
-    lowered = [t.lower() for t in texts]
-    n = max(1, len(texts))
-    out = []
-    for w in set(re.findall(r"\w+", question.lower())):
-        df = sum(1 for d in lowered if re.search(r"\b" + re.escape(w) + r"\b", d))
-        if 0 < df <= max(1, n // 2):
-            out.append(w)
+def rows_of(path: str, examples) -> list[dict]:
+    """The stored shares of ``path`` (``focus_scoring.py``/``focus_abstain.py`` files) with
+    their examples' question and documents."""
+    by_id = {ex.id: ex for ex in examples}
+    rows = []
+    with safe_open(path, "pt") as f:
+        for i, m in enumerate(json.loads(f.metadata()["rows"])):
+            ex = by_id[m["id"]]
+            rows.append(
+                {
+                    "gold": m["gold"],
+                    "q": m.get("question", ex.question),
+                    "texts": list(ex.documents),
+                    "real": f.get_tensor(f"{i}.real"),
+                    "calib": f.get_tensor(f"{i}.calib"),
+                    "first_is_candidate": True,
+                }
+            )
+    return rows
+
+
+def scale_rows(paths: list[str]) -> dict[str, list[dict]]:
+    """:mod:`focus_scale_tuning`'s shares (every query, mean over heads) per size; the
+    instruction line is not a candidate."""
+    out: dict[str, list[dict]] = {}
+    for r in load_scale(paths):
+        if r["reduce"] != "all":
+            continue
+        context, records, names, _ = context_of(r["n"], r["seed"])
+        out.setdefault(f"scale-{r['n']}", []).append(
+            {
+                "gold": r["gold"],
+                "q": f"What is {names[r['pos']]}'s secret number?",
+                "texts": [context.split("\n\n")[0], *records],
+                "real": r["real"].mean(1),
+                "calib": r["calib"].mean(1),
+                "first_is_candidate": False,
+            }
+        )
     return out
 
 
-def coverage(question, texts):
-    d = distinctive(question, texts)
-    if not d:
-        return torch.zeros(len(texts))
-    return torch.tensor(
-        [
-            sum(1 for w in d if re.search(r"\b" + re.escape(w) + r"\b", t.lower())) / len(d)
-            for t in texts
-        ]
-    )
+def edited(row: dict, kind: str, weight: float) -> list[int]:
+    """What a variant edits (at most one passage, at the default threshold)."""
+    scores = passage_scores(row["real"], row["calib"])
+    cand = torch.ones_like(scores, dtype=torch.bool)
+    cand[0] = row["first_is_candidate"]
+    cand[echo_passages(row["q"], row["texts"])] = False
+    covered = best_covered(row["q"], row["texts"], cand)
+    if kind == "add":
+        scores = (scores.double() + weight * word_coverage(row["q"], row["texts"])).float()
+    if kind == "gate":  # the z-score among the best covered only
+        return stands_out(scores, covered, ABSTAIN_THRESHOLD)[:1]
+    if kind == "zall":  # kvedit.choose: the best covered, the z-score against every candidate
+        return stands_out(scores, cand, ABSTAIN_THRESHOLD, covered)[:1]
+    return stands_out(scores, cand, ABSTAIN_THRESHOLD)[:1]
 
 
-def rows_of(path, examples):
-    by_id = {ex.id: ex for ex in examples}
-    f = safe_open(path, "pt")
-    meta = json.loads(f.metadata()["rows"])
-    for i, m in enumerate(meta):
-        ex = by_id[m["id"]]
-        q = m.get("question", ex.question)
-        yield {
-            "gold": m["gold"],
-            "q": q,
-            "texts": list(ex.documents),
-            "real": f.get_tensor(f"{i}.real"),
-            "calib": f.get_tensor(f"{i}.calib"),
-            "cand0": True,
-        }
-
-
-sets = {}
-nq = build_examples("nq", None, None, None, 100, 1, 45)
-sets["nq-s1"] = list(rows_of("reports/focus-tuning/shares-nq-s1.safetensors", nq))
-sets["nq-s1-unrel"] = list(
-    rows_of(
-        "reports/focus-scale/tuning/unrel-nq-s1.safetensors",
-        build_examples("nq", None, None, None, 100, 1, 8),
-    )
-)
-sets["records-s1"] = list(
-    rows_of(
-        "reports/focus-tuning/shares-records-s1.safetensors",
-        build_examples("records", None, None, None, 10, 1, None),
-    )
-)
-sets["lockers-s3"] = list(
-    rows_of(
-        "reports/focus-tuning/shares-lockers-s3.safetensors",
-        build_examples(
-            "records", "reports/focus-tuning/lockers-seed3-t5.jsonl", None, None, None, 3, None
+def main() -> None:
+    sets = {
+        "nq-s1": rows_of(
+            "reports/focus-tuning/shares-nq-s1.safetensors",
+            build_examples("nq", None, None, None, 100, 1, 45),
         ),
-    )
-)
-for r in load_scale(sys.argv[1:]) if sys.argv[1:] else []:
-    if r["reduce"] != "all":
-        continue
-    ctx, records, names, _ = context_of(r["n"], r["seed"])
-    texts = [ctx.split("\n\n")[0]] + records
-    sets.setdefault(f"scale-{r['n']}", []).append(
-        {
-            "gold": r["gold"],
-            "q": f"What is {names[r['pos']]}'s secret number?",
-            "texts": texts,
-            "real": r["real"].mean(1),
-            "calib": r["calib"].mean(1),
-            "cand0": False,
-        }
-    )
+        "nq-s1-unrel": rows_of(
+            "reports/focus-scale/tuning/unrel-nq-s1.safetensors",
+            build_examples("nq", None, None, None, 100, 1, 8),
+        ),
+        "records-s1": rows_of(
+            "reports/focus-tuning/shares-records-s1.safetensors",
+            build_examples("records", None, None, None, 10, 1, None),
+        ),
+        "lockers-s3": rows_of(
+            "reports/focus-tuning/shares-lockers-s3.safetensors",
+            build_examples(
+                "records", "reports/focus-tuning/lockers-seed3-t5.jsonl", None, None, None, 3, None
+            ),
+        ),
+        **scale_rows(sys.argv[1:]),
+    }
+    print("set".ljust(14), " ".join(f"{k}{a}".ljust(14) for k, a in VARIANTS))
+    for name, rows in sets.items():
+        cells = []
+        for kind, weight in VARIANTS:
+            picks = [edited(r, kind, weight) for r in rows]
+            hit = sum(p == [r["gold"]] for p, r in zip(picks, rows, strict=True)) / len(rows)
+            edits = sum(bool(p) for p in picks) / len(rows)
+            cells.append(f"{hit:.2f}/{edits:.2f}".ljust(14))
+        print(name.ljust(14), " ".join(cells))
 
 
-def run(rows, variant):
-    hit = edits = 0
-    for r in rows:
-        s = passage_scores(r["real"], r["calib"]).double()
-        cov = coverage(r["q"], r["texts"]).double()
-        cand = torch.ones_like(s, dtype=torch.bool)
-        if not r["cand0"]:
-            cand[0] = False
-        for e in echo_passages(r["q"], r["texts"]):
-            cand[e] = False
-        kind, a = variant
-        if kind == "add":
-            s = s + a * cov
-        elif kind == "gate" and cov.max() > 0:
-            cand &= cov >= cov.max() - a
-        if kind == "zall":
-            full = cand.clone()
-            if cov.max() > 0:
-                cand = cand & (cov >= cov.max() - a)
-            from kvedit.focus_scoring import robust_z
-
-            z = robust_z(s.float(), full)
-            order = [i for i in cand.nonzero().flatten()[s[cand].argsort(descending=True)].tolist()]
-            keep = [i for i in order if s[i] > 0 and z[i] >= 2.5]
-        else:
-            keep = stands_out(s.float(), cand, 2.5)
-        edits += bool(keep)
-        hit += keep[:1] == [r["gold"]]
-    return hit / len(rows), edits / len(rows)
-
-
-variants = [("base", 0), ("add", 0.1), ("add", 0.3), ("add", 1.0), ("gate", 0.0), ("zall", 0.0)]
-print("set".ljust(14), " ".join(f"{k}{a}".ljust(14) for k, a in variants))
-for name, rows in sets.items():
-    print(name.ljust(14), " ".join(("%.2f/%.2f" % run(rows, v)).ljust(14) for v in variants))
+if __name__ == "__main__":
+    main()
