@@ -59,35 +59,38 @@ def question_end(text: str) -> int:
     return text.index("?") + 1 if "?" in text else len(text)
 
 
-def query_shares(model, state, text: str, end: int, spans) -> dict[str, torch.Tensor]:
-    """``[layers, heads, passages]`` shares, over all the queries (``all``), the queries after
-    the question's text (``tail``: the chat template) and the last one (``last``)."""
-    ids = state.encode(text)
-    n_q = len(state.encode(text[:end]))
+def kept_attention(model, state, ids: list[int]) -> dict[int, torch.Tensor]:
+    """One pass of ``ids`` over ``state``: every query's attention per layer,
+    ``[batch, heads, q, k]``."""
     keep = _Keep(state.layers)
     positions = torch.arange(state.next_position, state.next_position + len(ids))
     run_model(
         model, state.layers, torch.tensor([ids]), positions[None], logits_to_keep=1, plan=keep
     )
-    tokens = [state.token_indices(s) for s in spans]
+    return keep.probs
+
+
+def query_shares(state, probs, n_q: int, tokens) -> dict[str, torch.Tensor]:
+    """``[layers, heads, passages]`` shares, over all the queries (``all``), the queries after
+    the first ``n_q`` (``tail``: the chat template after the question) and the last one
+    (``last``); ``probs`` from :func:`kept_attention`, ``tokens`` each passage's token indices."""
     out = {}
     for name, sl in (
         ("all", slice(0, None)),
         ("tail", slice(n_q, None)),
         ("last", slice(-1, None)),
     ):
-        probs = {k: v[:, :, sl].mean(2) for k, v in keep.probs.items()}
-        out[name] = span_shares(state, probs, tokens)[0]
+        out[name] = span_shares(state, {k: v[:, :, sl].mean(2) for k, v in probs.items()}, tokens)[
+            0
+        ]
     return out
 
 
-def token_shares(model, state, cont: str, question: str, free: str, spans):
-    """``([layers, q, passages]`` shares of each query token (mean over heads), and for each
-    query token whether it is part of a distinctive word of ``question`` (one that
-    :func:`content_free_question` removed)."""
-    ids = state.encode(cont)
+def distinctive_marks(state, cont: str, question: str, free: str) -> list[bool]:
+    """For each token of ``cont``: whether it is part of a distinctive word of ``question``
+    (one that :func:`content_free_question` removed, leaving ``free``)."""
     enc = state.tokenizer(cont, add_special_tokens=False, return_offsets_mapping=True)
-    assert list(enc["input_ids"]) == list(ids)
+    assert list(enc["input_ids"]) == state.encode(cont)
     kept = set(re.findall(r"\w+", free.lower()))
     q0 = cont.index(question)
     marks = []
@@ -95,17 +98,17 @@ def token_shares(model, state, cont: str, question: str, free: str, spans):
         inside = q0 <= a < q0 + len(question)
         word = re.search(r"\w+", cont[a:b])
         marks.append(bool(inside and word and word.group(0).lower() not in kept))
-    keep = _Keep(state.layers)
-    positions = torch.arange(state.next_position, state.next_position + len(ids))
-    run_model(
-        model, state.layers, torch.tensor([ids]), positions[None], logits_to_keep=1, plan=keep
-    )
-    tokens = [state.token_indices(s) for s in spans]
-    per_q = []
-    for qi in range(len(ids)):
-        probs = {k: v[:, :, qi] for k, v in keep.probs.items()}
-        per_q.append(span_shares(state, probs, tokens)[0].mean(1))  # [layers, passages]
-    return torch.stack(per_q, 1).contiguous(), marks
+    return marks
+
+
+def token_shares(state, probs, tokens) -> torch.Tensor:
+    """``[layers, q, passages]``: each query token's shares (mean over heads)."""
+    n_q = next(iter(probs.values())).shape[2]
+    per_q = [
+        span_shares(state, {k: v[:, :, qi] for k, v in probs.items()}, tokens)[0].mean(1)
+        for qi in range(n_q)
+    ]
+    return torch.stack(per_q, 1).contiguous()
 
 
 def collect(args) -> None:
@@ -123,6 +126,8 @@ def collect(args) -> None:
             state = kvedit.capture(model, tok, prefix)
             start = prefix.rfind(context)
             spans = split_passages(state, None, (start, start + len(context)))
+            tokens = [state.token_indices(s) for s in spans]
+            texts = [state.text[a:b] for a, b in spans]
             for pos in sorted({0, n // 4, n // 2, (3 * n) // 4, n - 1}):
                 question = f"What is {names[pos]}'s secret number?"
                 _, cont = kvedit.chat_prefix(
@@ -130,17 +135,18 @@ def collect(args) -> None:
                 )
                 gold = pos + 1  # passage 0 is the instruction
                 assert state.text[spans[gold][0] : spans[gold][1]] == records[pos]
-                texts = [state.text[a:b] for a, b in spans]
                 free = content_free_question(question, texts)
                 i = len(meta)
                 for key, text in (("real", cont), ("calib", cont.replace(question, free, 1))):
-                    for reduce, shares in query_shares(
-                        model, state, text, question_end(text), spans
-                    ).items():
+                    ids = state.encode(text)
+                    probs = kept_attention(model, state, ids)
+                    n_q = len(state.encode(text[: question_end(text)]))
+                    for reduce, shares in query_shares(state, probs, n_q, tokens).items():
                         tensors[f"{i}.{key}.{reduce}"] = shares.contiguous()
-                tensors[f"{i}.tokens"], marks = token_shares(
-                    model, state, cont, question, free, spans
-                )
+                    if key == "real":  # the real question's pass also gives its per-token shares
+                        tensors[f"{i}.tokens"] = token_shares(state, probs, tokens)
+                    del probs
+                marks = distinctive_marks(state, cont, question, free)
                 meta.append({"n": n, "seed": seed, "pos": pos, "gold": gold, "distinctive": marks})
             print(f"n={n} seed={seed}: {time.time() - t0:.0f}s", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
