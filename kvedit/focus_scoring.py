@@ -54,18 +54,25 @@ def _words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
+def _distinctive_holders(question: str, documents: Sequence[str]) -> dict[str, set[int]]:
+    """Each distinctive word of ``question`` (see :func:`distinctive_words`) and the indices
+    of the documents that hold it as a whole word."""
+    lowered = [d.lower() for d in documents]
+    most = max(1, max(1, len(documents)) // 2)
+    out = {}
+    for w in set(_words(question)):
+        pattern = re.compile(r"\b" + re.escape(w) + r"\b")
+        held = {i for i, d in enumerate(lowered) if pattern.search(d)}
+        if 0 < len(held) <= most:
+            out[w] = held
+    return out
+
+
 def distinctive_words(question: str, documents: Sequence[str]) -> set[str]:
     """The question's *distinctive* words, lowercased: words that occur (as whole words) in
     some of ``documents`` but not in most of them (in 1 to ``max(1, n // 2)`` of the ``n``).
     Names and entities, not the question's form ("what", "is", "number")."""
-    lowered = [d.lower() for d in documents]
-    n = max(1, len(documents))
-    out = set()
-    for w in set(_words(question)):
-        df = sum(1 for d in lowered if re.search(r"\b" + re.escape(w) + r"\b", d))
-        if 0 < df <= max(1, n // 2):
-            out.add(w)
-    return out
+    return set(_distinctive_holders(question, documents))
 
 
 def content_free_question(question: str, documents: Sequence[str]) -> str:
@@ -84,13 +91,11 @@ def content_free_question(question: str, documents: Sequence[str]) -> str:
 def word_coverage(question: str, texts: Sequence[str]) -> torch.Tensor:
     """``[n_passages]``: the fraction of the question's :func:`distinctive_words` (among
     ``texts``) each passage holds; all 0 when the question has none."""
-    words = distinctive_words(question, texts)
-    if not words:
+    holders = _distinctive_holders(question, texts)
+    if not holders:
         return torch.zeros(len(texts))
-    found = [
-        sum(1 for w in words if re.search(r"\b" + re.escape(w) + r"\b", t.lower())) for t in texts
-    ]
-    return torch.tensor(found, dtype=torch.float64) / len(words)
+    found = [sum(i in held for held in holders.values()) for i in range(len(texts))]
+    return torch.tensor(found, dtype=torch.float64) / len(holders)
 
 
 def best_covered(question: str, texts: Sequence[str], candidates: torch.Tensor) -> torch.Tensor:
