@@ -98,14 +98,23 @@ def word_coverage(question: str, texts: Sequence[str]) -> torch.Tensor:
     return torch.tensor(found, dtype=torch.float64) / len(holders)
 
 
+def _mask(name: str, mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``mask`` as a boolean ``[n]`` tensor; an :class:`InvalidInputError` naming ``name``
+    for any other shape."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (n,):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InvalidInputError(f"{name} must be a mask of the {n} passages, not {shape}")
+    return mask.bool()
+
+
 def best_covered(question: str, texts: Sequence[str], candidates: torch.Tensor) -> torch.Tensor:
     """The candidates (a boolean mask) that hold the most of the question's
     :func:`distinctive_words` (:func:`word_coverage`): the passages focus may choose. All
     candidates when none holds any. Among 300 records "Emeka Yilmaz" shares a first or last
     name with ~30 others, and the question's attention goes to those about as much as to the
     record with both names; only that one holds both words."""
+    candidates = _mask("candidates", candidates, len(texts))
     coverage = word_coverage(question, texts)
-    candidates = candidates.bool()
     if not bool(candidates.any()):
         return candidates
     top = float(coverage[candidates].max())
@@ -160,8 +169,13 @@ def stands_out(
     the eligible ones first, then the others, each by score.
     """
     scores = scores.double()
-    mask = torch.ones_like(scores, dtype=torch.bool) if candidates is None else candidates.bool()
-    allowed = mask if eligible is None else eligible.bool() & mask
+    n = scores.numel()
+    mask = (
+        torch.ones(n, dtype=torch.bool)
+        if candidates is None
+        else _mask("candidates", candidates, n)
+    )
+    allowed = mask if eligible is None else _mask("eligible", eligible, n) & mask
     idx = mask.nonzero().flatten()
     if idx.numel() == 0:
         return []

@@ -17,6 +17,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from kvedit import checks
 from kvedit.capturing import capture, capture_tokens
@@ -24,6 +25,7 @@ from kvedit.cli import EXIT_FAILURE, EXIT_USAGE
 from kvedit.cli import main as cli_main
 from kvedit.errors import InvalidExampleError, InvalidInputError, InvalidTypeError, KVEditError
 from kvedit.evals.jsonl import load_jsonl
+from kvedit.focusing import best_covered, stands_out
 
 GOOD_LINE = (
     '{"id": "a", "instruction": "Answer.", "documents": ["x"], "separator": "\\n", '
@@ -438,3 +440,19 @@ def test_focus_refuses_an_edit_that_is_not_a_function(llama):
     state = capture(model, tok, "Alice's secret number is 4821.\n\nBob's is 7310.")
     with pytest.raises(InvalidTypeError, match="edit must be a function"):
         kvedit.focus(state, " Whose is 7310?", edit="reread")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: best_covered(
+            "Who is Cy?", ["Cy is 1.", "Bo is 2."], torch.ones(3, dtype=torch.bool)
+        ),
+        lambda: stands_out(torch.zeros(4), None, 2.5, torch.ones(2, dtype=torch.bool)),
+        lambda: stands_out(torch.zeros(4), [True, False, True, True]),
+    ],
+    ids=["best_covered-candidates", "stands_out-eligible", "stands_out-candidates-list"],
+)
+def test_focus_masks_of_the_wrong_shape_are_named(call):
+    with pytest.raises(InvalidInputError, match=r"(candidates|eligible) must be a mask of the"):
+        call()
