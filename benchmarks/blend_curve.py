@@ -16,7 +16,9 @@ A rule is a blend spec's rule part, ``:``-separated: ``default`` (no rule), ``gr
 ``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.blend_rules``). The
 plot (``OUT/blend_curve.png``) has one line per rule, accuracy and speed-up against the
 fraction, the full prefill's accuracy dashed; ``OUT/blend_curve.json`` holds the rows and every
-answer, ``OUT/blend_curve.md`` a table.
+answer, ``OUT/blend_curve.md`` a table. Each example's records are appended to
+``OUT/partial.jsonl`` as it finishes (its settings in ``OUT/partial.settings.json``);
+``--resume`` keeps those of an interrupted run with the same settings and computes the rest.
 
 Usage::
 
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 import kvedit
+from kvedit.atomic import atomic_write
 from kvedit.blend_rules import BLEND_RULES
 from kvedit.capturing import empty_state, extend_ids
 from kvedit.errors import InvalidInputError
@@ -226,6 +229,36 @@ def markdown(rows: Sequence[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+RESUME_KEYS = (
+    "model", "n_docs", "positions", "seed", "data", "rules", "fractions", "context",
+    "prompt_format", "max_new_tokens", "repeats",
+)  # fmt: skip
+"""The settings an interrupted run must share with ``--resume``'s (``--limit`` may grow)."""
+
+
+def resumed(out: Path, settings: dict) -> dict[str, list[dict]]:
+    """``example id -> records`` an interrupted run in ``out`` left with the same settings.
+
+    Raises:
+        InvalidInputError: ``out`` holds no such run, or one with other settings (named).
+    """
+    partial, saved = out / "partial.jsonl", out / "partial.settings.json"
+    if not partial.exists() or not saved.exists():
+        raise InvalidInputError(f"--resume: {out} holds no partial.jsonl with its settings")
+    theirs = json.loads(saved.read_text())
+    differ = [
+        f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v
+    ]
+    if differ:
+        raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
+    done: dict[str, list[dict]] = {}
+    for line in partial.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            done.setdefault(record["id"], []).append(record)
+    return done
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -242,27 +275,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
     parser.add_argument("--out", default="reports", help="folder of the png, json and md")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep what an interrupted run in --out finished"
+    )
     args = parser.parse_args(argv)
     rules = [(text.strip() or "default", parse_rule(text)) for text in args.rules.split(",")]
     fractions = parse_fractions(args.fractions)
     args.prompt_format = resolve_prompt(args.prompt, args.model)
     model, tok = kvedit.load_model(args.model, device=args.device)
     examples = load_examples(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in RESUME_KEYS}
+    done = resumed(out, settings) if args.resume else {}
+    atomic_write(out / "partial.settings.json", json.dumps(settings, sort_keys=True))
+    partial = out / "partial.jsonl"
+    atomic_write(partial, "".join(json.dumps(r) + "\n" for rs in done.values() for r in rs))
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvedit-blend-curve-") as tmp:
         store = kvedit.KVStore(tmp, memory_bytes=2**30)
         warm_up(model, tok, examples[0], store, args)
         for i, example in enumerate(examples):
-            records += run_example(model, tok, example, store, rules, fractions, args)
+            if example.id in done:
+                records += done[example.id]
+                continue
+            mine = run_example(model, tok, example, store, rules, fractions, args)
+            with open(partial, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in mine))
+            records += mine
             print(f"[{i + 1}/{len(examples)}] {example.id}", file=sys.stderr, flush=True)
     rows = summarize(records)
     title = f"kvedit.blend rules: {args.model}, NQ-{args.n_docs}, {len(examples)} examples"
-    out = Path(args.out)
     plot(rows, out / "blend_curve.png", title)
     payload = {"settings": vars(args), "rows": rows, "records": records}
     (out / "blend_curve.json").write_text(json.dumps(payload, indent=1))
     (out / "blend_curve.md").write_text(markdown(rows, title))
     print(markdown(rows, title))
+    partial.unlink()
+    (out / "partial.settings.json").unlink()
     return 0
 
 

@@ -306,6 +306,36 @@ def test_blend_curve_runs_on_a_tiny_model(tmp_path, monkeypatch):
     assert "| full prefill |" in (tmp_path / "blend_curve.md").read_text()
 
 
+def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
+    curve = load_script("blend_curve", monkeypatch)
+    args = ["--model", "tiny-llama", "--n-docs", "2", "--fractions", "0", "--rules", "default"]
+    args += ["--max-new-tokens", "2", "--limit", "2", "--out", str(tmp_path)]
+    real, calls = curve.run_example, []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(curve, "run_example", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        curve.main(args)
+    partial = tmp_path / "partial.jsonl"
+    kept = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert len(kept) == 2 and {r["rule"] for r in kept} == {None, "default"}  # example 1 only
+    partial.write_text("".join(json.dumps({**r, "prediction": "KEPT"}) + "\n" for r in kept))
+    with pytest.raises(InvalidInputError, match="came from another run: seed 0"):
+        curve.main([*args, "--seed", "1", "--resume"])
+    monkeypatch.setattr(curve, "run_example", real)
+    assert curve.main([*args, "--resume"]) == 0
+    records = json.loads((tmp_path / "blend_curve.json").read_text())["records"]
+    assert [r["prediction"] == "KEPT" for r in records] == [True, True, False, False]
+    assert not partial.exists() and not (tmp_path / "partial.settings.json").exists()
+    with pytest.raises(InvalidInputError, match="holds no partial"):
+        curve.main([*args, "--resume"])
+
+
 def test_blend_diagnosis_runs_on_a_tiny_model(tmp_path, monkeypatch):
     load_script("blend_curve", monkeypatch)  # what blend_diagnosis imports, removed after
     diagnosis = load_script("blend_diagnosis", monkeypatch)
