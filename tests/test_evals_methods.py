@@ -533,6 +533,66 @@ def test_reuse_takes_an_earlier_runs_results_and_checks_its_origin(tmp_path, mon
         )
 
 
+def test_reuse_across_a_change_of_kvedit_source_takes_only_the_named_methods(tmp_path):
+    """An earlier run by other code may hold answers this code would not give (a method whose
+    parameters are the same but whose code changed): reuse refuses it unless the caller names
+    the methods the change left alone, and records what it took."""
+    from kvedit.evals import litm
+    from kvedit.version import source_digest
+
+    kwargs = dict(model_name="tiny-llama", n_docs=4, positions=[0, 3], trials=1, max_new_tokens=3)
+    litm.evaluate(methods=["none", "oracle"], out=tmp_path / "a", progress=False, **kwargs)
+    earlier = tmp_path / "a" / "results.json"
+    res = json.loads(earlier.read_text())
+    assert res["extra"]["kvedit"]["source"] == source_digest()
+    res["extra"]["kvedit"]["source"] = "0" * 64  # as if made before a code change
+    for r in res["examples"]:
+        r["prediction"] = "OLD-CODE"
+    earlier.write_text(json.dumps(res))
+    methods = ["none", "oracle"]
+    with pytest.raises(InvalidInputError, match="other kvedit code.*--reuse-methods"):
+        litm.evaluate(methods=methods, out=tmp_path / "b", progress=False, reuse=earlier, **kwargs)
+    del res["extra"]["kvedit"]  # a file from before sources were recorded
+    earlier.write_text(json.dumps(res))
+    with pytest.raises(InvalidInputError, match="did not record"):
+        litm.evaluate(methods=methods, out=tmp_path / "b", progress=False, reuse=earlier, **kwargs)
+    with pytest.raises(InvalidInputError, match="--reuse-methods auto: not among"):
+        litm.evaluate(
+            methods=methods, out=tmp_path / "b", progress=False, reuse=earlier,
+            reuse_methods=["auto"], **kwargs,
+        )  # fmt: skip
+    litm.evaluate(
+        methods=methods, out=tmp_path / "b", progress=False, reuse=earlier,
+        reuse_methods=["none"], **kwargs,
+    )  # fmt: skip
+    got = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert [r["prediction"] == "OLD-CODE" for r in got["examples"]] == [
+        r["method"] == "none" for r in got["examples"]
+    ]
+    assert got["extra"]["reused"] == {"from": str(earlier), "methods": ["none"]}
+    # --resume across a change of source is refused too
+    out = tmp_path / "c"
+    litm.evaluate(methods=["none"], out=out, progress=False, **kwargs)
+    (out / "partial.jsonl").write_text("")
+    settings = {**json.loads(json.dumps(_settings_of(out, kwargs))), "source": "0" * 64}
+    (out / "partial.settings.json").write_text(json.dumps(settings))
+    with pytest.raises(InvalidInputError, match="kvedit's source"):
+        litm.evaluate(methods=["none"], out=out, progress=False, resume=True, **kwargs)
+
+
+def _settings_of(out, kwargs) -> dict:
+    """The partial.settings.json an ``evaluate`` of ``none`` with ``kwargs`` writes."""
+    return {
+        "model": kwargs["model_name"],
+        "task": "records",
+        "seed": 0,
+        "prompt": "chat",
+        "max_new_tokens": kwargs["max_new_tokens"],
+        "engine": "transformers",
+        "params": {"none": {}},
+    }
+
+
 # -- prompt formats (--prompt chat|plain) ------------------------------------------------------
 
 

@@ -86,7 +86,16 @@ def litm_parser(sub) -> None:
         metavar="RESULTS_JSON",
         help="take (example, method) results from an earlier run's results.json (same model, "
         "task, seed and prompt format) instead of recomputing them: to add methods to a "
-        "finished run",
+        "finished run; only when it ran the same kvedit source (results.json extra.kvedit), "
+        "unless --reuse-methods names the methods to take",
+    )
+    p.add_argument(
+        "--reuse-methods",
+        default=None,
+        metavar="SPECS",
+        help="with --reuse: take only these methods (comma-separated specs, as in --methods) "
+        "from the earlier run; needed when it ran other kvedit code, to say which answers the "
+        "change left alone",
     )
     p.set_defaults(run=_run_litm)
 
@@ -101,6 +110,8 @@ def _check_litm(args) -> None:
     reuse = getattr(args, "reuse", None)
     if reuse is not None and not Path(reuse).is_file():
         raise UsageError(f"--reuse {reuse}: no such file")
+    if getattr(args, "reuse_methods", None) is not None and reuse is None:
+        raise UsageError("--reuse-methods needs --reuse (the run to take the methods from)")
     examples = build_examples(
         task=args.task,
         data=args.data,

@@ -21,6 +21,7 @@ from kvedit.evals.report import format_table, plot_curves, summarize, write_resu
 from kvedit.evals.schema import Example
 from kvedit.evals.tasks import nq_examples, records_examples
 from kvedit.models import default_prompt, load_model
+from kvedit.version import __version__, source_digest
 
 PROMPT_CHOICES = ("auto", *PROMPT_FORMATS)
 """What ``--prompt`` accepts: a format of :data:`~kvedit.evals.prompts.PROMPT_FORMATS`, or
@@ -158,6 +159,7 @@ def evaluate(
     progress: bool = True,
     resume: bool = False,
     reuse: str | Path | None = None,
+    reuse_methods: Sequence[str] | None = None,
     prompt: str = "auto",
     engine: str = "transformers",
     batch: int = VLLM_BATCH,
@@ -170,8 +172,13 @@ def evaluate(
     kept and only the missing (example, method) pairs are computed. With
     ``reuse`` (an earlier run's ``results.json`` of the same model, task, seed and prompt
     format; ValueError otherwise), that run's answers are taken for the methods it ran with the
-    same parameters (see :func:`reused_records`). Answers are deterministic, so such a run writes what
-    a full run would. ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
+    same parameters (see :func:`reused_records`): all of them when that run ran the same kvedit
+    source (:func:`~kvedit.version.source_digest`, recorded as ``extra["kvedit"]``), else only
+    the specs named in ``reuse_methods`` (an :class:`~kvedit.errors.InvalidInputError` when
+    none is named: the caller says which answers the code change left alone). Answers are
+    deterministic, so such a run writes what a full run would; ``extra["reused"]`` records the
+    file and the methods taken from it. ``resume`` is refused across a change of source.
+    ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
     :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine``
     decodes the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`;
     recorded as ``extra["engine"]``, with the engine's timings and ``seconds_per_example``);
@@ -184,8 +191,23 @@ def evaluate(
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
     task_name = f"data:{Path(data).name}" if data else task
     params = {spec: json.loads(json.dumps(parse_spec(spec).param_dict())) for spec in methods}
+    code = {"version": __version__, "source": source_digest()}
+    if reuse_methods is not None and reuse is None:
+        raise InvalidInputError(
+            "--reuse-methods names methods to take from --reuse, which is not given"
+        )
     reused = (
-        reused_records(reuse, model_name, task_name, seed, params, prompt, engine)
+        reused_records(
+            reuse,
+            model_name,
+            task_name,
+            seed,
+            params,
+            prompt,
+            engine,
+            code["source"],
+            reuse_methods,
+        )
         if reuse is not None
         else {}
     )
@@ -203,6 +225,7 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
         "engine": engine,
         "params": params,
+        "source": code["source"],
     }
     done = {}
     if resume and partial.exists():
@@ -243,7 +266,13 @@ def evaluate(
         "seconds": round(seconds, 1),
         "seconds_per_example": round(seconds / max(1, len(examples)), 3),
         "params": params,
+        "kvedit": code,
     }
+    if reuse is not None:
+        extra["reused"] = {
+            "from": str(reuse),
+            "methods": sorted({method for _, method in reused}),
+        }
     if engine == "vllm":
         extra["batch"] = batch
         extra["approximate"] = bool(approximate)
@@ -274,8 +303,13 @@ def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple
     differ = [
         f"{k} {theirs.get(k)!r} (now {v!r})"
         for k, v in settings.items()
-        if k != "params" and theirs.get(k) != v
+        if k not in ("params", "source") and theirs.get(k) != v
     ]
+    if theirs.get("source") != settings["source"]:
+        differ.append(
+            "kvedit's source (the interrupted run's answers may not be what this code gives; "
+            "delete the file to start again)"
+        )
     if differ:
         raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
     same = {spec for spec, p in settings["params"].items() if theirs["params"].get(spec) == p}
@@ -296,8 +330,16 @@ def reused_records(
     params: dict[str, dict],
     prompt: str = "chat",
     engine: str = "transformers",
+    source: str | None = None,
+    trusted: Sequence[str] | None = None,
 ) -> dict[tuple[str, str], dict]:
     """The ``(id, method) -> record`` pairs of an earlier ``results.json`` worth reusing.
+
+    ``source`` is the running kvedit's :func:`~kvedit.version.source_digest` (``None``: not
+    checked). When the earlier run recorded another source, or none, its answers may come from
+    other code: only the specs in ``trusted`` are reused, and with no ``trusted`` that is an
+    :class:`~kvedit.errors.InvalidInputError`. ``trusted`` always limits the reuse to its specs,
+    each of which must be one of this run's.
 
     The earlier run must be of the same model, task, seed, prompt format and engine (a file
     that recorded no format was made with ``"chat"``, one that recorded no engine with
@@ -323,9 +365,27 @@ def reused_records(
         raise InvalidInputError(
             f"--reuse {path}: answered by the {their_engine!r} engine, not {engine!r}"
         )
+    if trusted is not None:
+        unknown = [spec for spec in trusted if spec not in params]
+        if unknown:
+            raise InvalidInputError(
+                f"--reuse-methods {','.join(unknown)}: not among this run's methods "
+                f"({','.join(params)})"
+            )
+    their_source = extra.get("kvedit", {}).get("source")
+    if source is not None and their_source != source and trusted is None:
+        made = f"source {their_source[:12]}" if their_source else "a source it did not record"
+        raise InvalidInputError(
+            f"--reuse {path}: made by other kvedit code ({made}; now {source[:12]}), so its "
+            "answers may not be this code's; name the methods whose answers the change left "
+            "alone with --reuse-methods (for example none)"
+        )
     recorded = extra.get("params", {})
     same = {
-        spec for spec, p in params.items() if (recorded[spec] == p if spec in recorded else not p)
+        spec
+        for spec, p in params.items()
+        if (recorded[spec] == p if spec in recorded else not p)
+        and (trusted is None or spec in trusted)
     }
     return {(r["id"], r["method"]): r for r in res["examples"] if r["method"] in same}
 
@@ -346,6 +406,9 @@ def main(args) -> int:
         progress=not args.no_progress,
         resume=getattr(args, "resume", False),
         reuse=getattr(args, "reuse", None),
+        reuse_methods=split_specs(args.reuse_methods)
+        if getattr(args, "reuse_methods", None)
+        else None,
         prompt=getattr(args, "prompt", "auto"),
         engine=getattr(args, "engine", "transformers"),
         batch=getattr(args, "batch", VLLM_BATCH),
