@@ -51,3 +51,32 @@ def test_the_table_counts_lost_and_won_questions_and_judges_each_position(tmp_pa
     text = table.table([path])
     assert "| run | 9 | 3 | 0.667 | 0.000 | 2 | 0 | 0.67 | **no** |" in text
     assert "| run | 0.667 | 0.333 | 1.000 | **no** |" in text  # auto far below gold_only
+
+
+def test_the_lead_check_splits_the_edits_outcomes_by_whether_the_gold_passage_led(
+    tmp_path, monkeypatch
+):
+    import torch
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location(
+        "focus_lead_check", SCRIPT.parent / "focus_lead_check.py"
+    )
+    check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "focus_lead_check", check)
+    spec.loader.exec_module(check)
+    led = torch.tensor([[0.1, 0.2, 0.7], [0.1, 0.1, 0.8]])  # [layers, passages]: 2 leads
+    trails = torch.tensor([[0.5, 0.2, 0.3], [0.1, 0.6, 0.3]])  # 2 trails 0 and 1 on the mean
+    tensors = {"0.real": led, "0.calib": led.clone(), "1.real": trails, "1.calib": trails.clone()}
+    rows = [{"id": "a", "gold": 2}, {"id": "b", "gold": 2}]
+    save_file(tensors, tmp_path / "shares.safetensors", metadata={"rows": json.dumps(rows)})
+    answers = [
+        {"id": "a", "chosen": [2], "none_ok": True, "edit_ok": False},  # led, harmed
+        {"id": "b", "chosen": [2], "none_ok": False, "edit_ok": True},  # did not lead, helped
+    ]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    leads, outcomes = check.lead_table(
+        str(tmp_path / "shares.safetensors"), str(tmp_path / "answers.jsonl")
+    )
+    assert leads == {(2, True): 1, (2, False): 1}
+    assert outcomes == {(2, True, True, False): 1, (2, False, False, True): 1}
