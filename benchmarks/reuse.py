@@ -17,9 +17,11 @@ tokens, followed by a short question. Each number is the median of ``--repeats``
 * blend: the context cut into ``--passages`` passages, each stored on its own, then
   ``kvedit.blend(..., recompute=--recompute)`` and the question's forward, vs a prefill of the
   same token ids. ``agree`` says whether the first answer token is the prefill's; ``|dlogit|``
-  is the largest difference of the first answer token's logits.
+  is the largest difference of the first answer token's logits. ``--rule`` adds blend rules
+  (``rescale=0.7``, ``leading=8:rescale=0.6``: ``kvedit.blend_rules``; default none).
 
-Usage: ``python benchmarks/reuse.py [--lengths 512,2048,4096] [--repeats 5] [--json out.json]``
+Usage: ``python benchmarks/reuse.py [--lengths 512,2048,4096] [--repeats 5] [--rule RULE]
+[--json out.json]``
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +38,9 @@ import torch
 
 import kvedit
 from kvedit.evals.tasks import load_nq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from blend_curve import parse_rule  # noqa: E402
 
 QUESTION = "\n\nQuestion: Which of these passages mentions a war?\nAnswer:"
 
@@ -67,7 +73,14 @@ def median_time(fn, repeats: int) -> float:
 
 @torch.no_grad()
 def bench_length(
-    model, tok, n_tokens: int, repeats: int, tmpdir: Path, passages: int, recompute: float
+    model,
+    tok,
+    n_tokens: int,
+    repeats: int,
+    tmpdir: Path,
+    passages: int,
+    recompute: float,
+    rule: dict | None = None,
 ) -> dict:
     text = context_text(tok, n_tokens)
     state = kvedit.capture(model, tok, text)
@@ -100,7 +113,7 @@ def bench_length(
         "memory_s": median_time(from_memory, repeats),
     }
     row.update(bench_store(model, tok, state, repeats, tmpdir / f"store{n_tokens}"))
-    row.update(bench_blend(model, tok, state, passages, recompute, repeats, tmpdir))
+    row.update(bench_blend(model, tok, state, passages, recompute, repeats, tmpdir, rule))
     for name in ("disk", "memory", "store_mem", "store_disk", "blend"):
         row[f"{name}_speedup"] = row["prefill_s"] / row[f"{name}_s"]
     for name in ("disk", "store_mem", "store_disk"):
@@ -137,11 +150,15 @@ def passage_texts(state, n_passages: int) -> list[str]:
     return [state.text[a:b] for a, b in zip(starts, starts[1:], strict=False)]
 
 
-def bench_blend(model, tok, state, n_passages: int, recompute: float, repeats, tmp) -> dict:
-    """Blend of ``n_passages`` stored passages + the question, vs a prefill of the same ids."""
+def bench_blend(
+    model, tok, state, n_passages: int, recompute: float, repeats, tmp, rule: dict | None = None
+) -> dict:
+    """Blend of ``n_passages`` stored passages + the question, vs a prefill of the same ids;
+    ``rule``: :func:`kvedit.blend`'s rule keywords."""
+    rule = rule or {}
     parts = passage_texts(state, n_passages)
     store = kvedit.KVStore(tmp / f"blend{len(state)}", memory_bytes=4 * state.nbytes)
-    blended, report = kvedit.blend(model, tok, parts, store, recompute=recompute)  # stores them
+    blended, report = kvedit.blend(model, tok, parts, store, recompute=recompute, **rule)
     question_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([blended.token_ids.tolist() + question_ids])
 
@@ -149,7 +166,7 @@ def bench_blend(model, tok, state, n_passages: int, recompute: float, repeats, t
         return model(ids, logits_to_keep=1).logits[0, -1]
 
     def from_blend():
-        out, report = kvedit.blend(model, tok, parts, store, recompute=recompute)
+        out, report = kvedit.blend(model, tok, parts, store, recompute=recompute, **rule)
         assert report.tokens_computed == 0, report
         return out.extend(QUESTION).last_logits
 
@@ -170,14 +187,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--passages", type=int, default=10)
     parser.add_argument("--recompute", type=float, default=0.15)
+    parser.add_argument("--rule", default="default", help="blend rules, e.g. rescale=0.7")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    rule = parse_rule(args.rule)
     model, tok = kvedit.load_model(args.model, device="cpu")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in args.lengths.split(",")]:
             rows.append(
-                bench_length(model, tok, n, args.repeats, Path(tmp), args.passages, args.recompute)
+                bench_length(
+                    model, tok, n, args.repeats, Path(tmp), args.passages, args.recompute, rule
+                )
             )
     print(f"time to first token, {args.model}, {torch.get_num_threads()} threads (median, s)")
     header = ["tokens", "file MB", "prefill", "disk", "memory", "store mem", "store disk"]
@@ -198,7 +219,8 @@ def main() -> None:
             f"{r['store_mem_over_floor']:.2f}x  store disk {r['store_disk_over_floor']:.2f}x"
         )
     print(
-        f"\nblend of {args.passages} stored passages (recompute={args.recompute}) + question, "
+        f"\nblend of {args.passages} stored passages (recompute={args.recompute}, rule "
+        f"{args.rule}) + question, "
         "vs prefill of the same ids"
     )
     print(
@@ -212,7 +234,7 @@ def main() -> None:
             f"{str(r['blend_agree']):>6} {r['blend_dlogit']:>9.3f}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps([{**r, "rule": args.rule} for r in rows], indent=2))
 
 
 if __name__ == "__main__":

@@ -336,6 +336,26 @@ def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
         curve.main([*args, "--resume"])
 
 
+def test_reuse_benchmark_times_a_blend_with_the_rules_given(tmp_path, monkeypatch):
+    load_script("blend_curve", monkeypatch)  # what reuse.py imports
+    bench = load_script("reuse", monkeypatch)
+    out = tmp_path / "reuse.json"
+    argv = ["reuse.py", "--model", "tiny-llama", "--lengths", "128", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--rule", "leading=2:rescale=0.5", "--json", str(out)])
+    seen = []
+    real = kvedit.blend
+
+    def spy(*args, **kw):
+        seen.append({k: kw[k] for k in ("leading", "rescale") if k in kw})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench.kvedit, "blend", spy)
+    bench.main()
+    (row,) = json.loads(out.read_text())
+    assert row["rule"] == "leading=2:rescale=0.5" and row["blend_s"] > 0
+    assert seen and all(kw == {"leading": 2, "rescale": 0.5} for kw in seen)
+
+
 def test_blend_diagnosis_runs_on_a_tiny_model(tmp_path, monkeypatch):
     load_script("blend_curve", monkeypatch)  # what blend_diagnosis imports, removed after
     diagnosis = load_script("blend_diagnosis", monkeypatch)
