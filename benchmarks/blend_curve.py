@@ -51,6 +51,7 @@ from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import from_text
 from kvedit.evals.schema import Example, score
 from kvedit.evals.tasks import nq_examples
+from kvedit.version import source_digest
 
 DEFAULT_RULES = "default,gradual=2,leading=4,rescale=0.8,gradual=2:leading=4"
 DEFAULT_FRACTIONS = "0,0.05,0.15,0.3,0.5,1"
@@ -233,7 +234,8 @@ RESUME_KEYS = (
     "model", "n_docs", "positions", "seed", "data", "rules", "fractions", "context",
     "prompt_format", "max_new_tokens", "repeats",
 )  # fmt: skip
-"""The settings an interrupted run must share with ``--resume``'s (``--limit`` may grow)."""
+"""The settings an interrupted run must share with ``--resume``'s (``--limit`` may grow), and
+kvedit's source (:func:`kvedit.version.source_digest`): other code may answer otherwise."""
 
 
 def resumed(out: Path, settings: dict) -> dict[str, list[dict]]:
@@ -286,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     examples = load_examples(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in RESUME_KEYS}
+    settings = {k: getattr(args, k) for k in RESUME_KEYS} | {"source": source_digest()}
     done = resumed(out, settings) if args.resume else {}
     atomic_write(out / "partial.settings.json", json.dumps(settings, sort_keys=True))
     partial = out / "partial.jsonl"

@@ -327,6 +327,12 @@ def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
     partial.write_text("".join(json.dumps({**r, "prediction": "KEPT"}) + "\n" for r in kept))
     with pytest.raises(InvalidInputError, match="came from another run: seed 0"):
         curve.main([*args, "--seed", "1", "--resume"])
+    settings = tmp_path / "partial.settings.json"
+    saved = settings.read_text()
+    settings.write_text(json.dumps({**json.loads(saved), "source": "0" * 64}))
+    with pytest.raises(InvalidInputError, match="came from another run: source"):
+        curve.main([*args, "--resume"])  # kvedit's code changed since
+    settings.write_text(saved)
     monkeypatch.setattr(curve, "run_example", real)
     assert curve.main([*args, "--resume"]) == 0
     records = json.loads((tmp_path / "blend_curve.json").read_text())["records"]
