@@ -570,6 +570,8 @@ def test_reuse_across_a_change_of_kvedit_source_takes_only_the_named_methods(tmp
         r["method"] == "none" for r in got["examples"]
     ]
     assert got["extra"]["reused"] == {"from": str(earlier), "methods": ["none"]}
+    with pytest.raises(InvalidInputError, match="--reuse-methods names methods"):
+        litm.evaluate(methods=methods, out=tmp_path / "e", reuse_methods=["none"], **kwargs)
     # --resume across a change of source is refused too
     out = tmp_path / "c"
     litm.evaluate(methods=["none"], out=out, progress=False, **kwargs)
