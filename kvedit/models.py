@@ -162,10 +162,65 @@ def default_prompt(name_or_path: str | os.PathLike) -> str:
     return spec.prompt if spec is not None else "chat"
 
 
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 """Version of the converted-folder layout, part of its cache key (a new version rebuilds old
 folders). 2: ``config.json`` names the model class in ``architectures`` and a tied embedding is
-stored under its own name (``model.embed_tokens.weight``), so other loaders (vLLM) read it."""
+stored under its own name (``model.embed_tokens.weight``), so other loaders (vLLM) read it.
+3: the tokenizer adds the BOS/EOS tokens the GGUF says it adds (some transformers versions drop
+Gemma-3's ``<bos>``, and the model then answers garbage without any error)."""
+
+_GGUF_TOKEN_FLAGS = {
+    "add_bos_token": "tokenizer.ggml.add_bos_token",
+    "add_eos_token": "tokenizer.ggml.add_eos_token",
+}
+
+
+def gguf_token_flags(path: str | os.PathLike) -> dict[str, bool]:
+    """The special-token flags a GGUF file states for its tokenizer: ``{"add_bos_token": bool,
+    "add_eos_token": bool}``, only the keys the file has."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    flags = {}
+    for attr, key in _GGUF_TOKEN_FLAGS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            flags[attr] = bool(field.parts[field.data[0]][0])
+    return flags
+
+
+def apply_token_flags(tokenizer, flags: dict[str, bool], source: str) -> None:
+    """Make ``tokenizer`` add BOS/EOS exactly as ``flags`` (from :func:`gguf_token_flags`) say,
+    and check that it does: a model trained with a BOS in front of every sequence answers
+    garbage without it, and nothing else would tell.
+
+    Raises:
+        UnsupportedModelError: the tokenizer cannot be made to follow the flags.
+    """
+    for attr, want in flags.items():
+        setattr(tokenizer, attr, want)
+    check_token_flags(tokenizer, flags, source)
+
+
+def check_token_flags(tokenizer, flags: dict[str, bool], source: str) -> None:
+    """Raise :class:`UnsupportedModelError` when ``tokenizer`` does not add BOS/EOS as ``flags``
+    say (see :func:`apply_token_flags`)."""
+    ids = list(tokenizer("x")["input_ids"])
+    bare = list(tokenizer("x", add_special_tokens=False)["input_ids"])
+    for attr, token_id, at in (
+        ("add_bos_token", tokenizer.bos_token_id, 0),
+        ("add_eos_token", tokenizer.eos_token_id, -1),
+    ):
+        if attr not in flags or token_id is None:
+            continue
+        adds = len(ids) > len(bare) and ids[at] == token_id
+        if adds != flags[attr]:
+            raise UnsupportedModelError(
+                f"{source}: the model's tokenizer {'adds' if flags[attr] else 'does not add'} "
+                f"{'BOS' if at == 0 else 'EOS'} (token {token_id}), but the tokenizer transformers "
+                f"built for it {'does not' if flags[attr] else 'does'} ({ids} for 'x'); "
+                "refusing rather than running the model on sequences it was not trained on"
+            )
 
 
 def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
@@ -185,7 +240,9 @@ def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
         return target, None
     if os.environ.get("KVEDIT_NO_CONVERT"):
         return folder, gguf
+    flags = gguf_token_flags(src)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    apply_token_flags(tok, flags, str(src))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
 
     def fill(tmp: Path) -> None:
@@ -208,6 +265,8 @@ def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        # the flags must survive the round trip (the copy is what every later load reads)
+        check_token_flags(AutoTokenizer.from_pretrained(tmp), flags, f"{src} (converted copy)")
         (tmp / "kvedit-converted.ok").write_text(f"{src}\n")
 
     # Written into a temporary directory and renamed; if another process won the race, its
@@ -263,6 +322,8 @@ def load_model(
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
         tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        if gguf:
+            apply_token_flags(tok, gguf_token_flags(folder / gguf), str(folder / gguf))
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation="sdpa", **kwargs
         )

