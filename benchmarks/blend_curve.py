@@ -20,11 +20,18 @@ answer, ``OUT/blend_curve.md`` a table. Each example's records are appended to
 ``OUT/partial.jsonl`` as it finishes (its settings in ``OUT/partial.settings.json``);
 ``--resume`` keeps those of an interrupted run with the same settings and computes the rest.
 
+``--merge A/blend_curve.json B/blend_curve.json ... --out DIR`` joins runs that differ only in
+their gold positions or limit (the same model, seed, rules, fractions and kvedit source; two
+processes on two cores), and adds ``OUT/paired.md``: per rule and gold position, how many
+questions the blend lost and won against the prefill of the same ids.
+
 Usage::
 
     python benchmarks/blend_curve.py --model smollm2-135m-instruct --limit 30 \\
         --rules default,gradual=2,leading=4,rescale=0.8 --fractions 0,0.05,0.15,0.3,0.5,1
     python benchmarks/blend_curve.py --model tiny-llama --limit 2 --n-docs 3 --out /tmp/bc
+    python benchmarks/blend_curve.py --merge runs/a/blend_curve.json runs/b/blend_curve.json \
+        --out reports/blend/report-s0
 """
 
 from __future__ import annotations
@@ -238,6 +245,105 @@ RESUME_KEYS = (
 kvedit's source (:func:`kvedit.version.source_digest`): other code may answer otherwise."""
 
 
+def paired(records: Sequence[dict]) -> list[dict]:
+    """Per (rule, fraction, gold position): questions, prefill accuracy, blend accuracy, and the
+    questions the blend lost (prefill right, blend wrong) and won against the prefill."""
+    full = {r["id"]: r["correct"] for r in records if r["rule"] is None}
+    cells: dict[tuple, list[tuple[float, float]]] = {}
+    for r in records:
+        if r["rule"] is not None:
+            key = (r["rule"], r["recompute"], r["gold_index"])
+            cells.setdefault(key, []).append((full[r["id"]], r["correct"]))
+    return [
+        {
+            "rule": rule,
+            "recompute": fraction,
+            "position": position,
+            "n": len(pairs),
+            "prefill": statistics.fmean(f for f, _ in pairs),
+            "blend": statistics.fmean(b for _, b in pairs),
+            "lost": sum(f > b for f, b in pairs),
+            "won": sum(b > f for f, b in pairs),
+        }
+        for (rule, fraction, position), pairs in sorted(cells.items(), key=lambda kv: str(kv[0]))
+    ]
+
+
+def paired_markdown(rows: Sequence[dict], title: str) -> str:
+    head = (
+        "| rule | recompute | gold position | n | prefill | blend | blend − prefill | lost | won |"
+    )
+    lines = [f"# {title}: paired with the prefill", "", head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['rule']} | {r['recompute']:g} | {r['position']} | {r['n']} | "
+            f"{r['prefill']:.3f} | {r['blend']:.3f} | {r['blend'] - r['prefill']:+.3f} | "
+            f"{r['lost']} | {r['won']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+MERGE_KEYS = (
+    "model", "n_docs", "seed", "data", "rules", "fractions", "context", "prompt_format",
+    "max_new_tokens", "repeats", "source",
+)  # fmt: skip
+"""The settings every run joined by ``--merge`` must share."""
+
+
+def merged(paths: Sequence[str]) -> tuple[dict, list[dict]]:
+    """``(settings, records)`` of finished runs that differ only in positions and limit.
+
+    Raises:
+        InvalidInputError: a file is missing or not a finished run, the runs' settings differ
+            (named), or two runs answered the same example.
+    """
+    settings: dict | None = None
+    records: list[dict] = []
+    for path in paths:
+        try:
+            payload = json.loads(Path(path).read_text())
+            theirs, mine = payload["settings"], payload["records"]
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidInputError(
+                f"--merge: {path} is not a finished blend_curve.json ({e})"
+            ) from e
+        if settings is None:
+            settings = theirs
+        differ = [
+            f"{k} {theirs.get(k)!r} (first run: {settings.get(k)!r})"
+            for k in MERGE_KEYS
+            if theirs.get(k) != settings.get(k)
+        ]
+        if differ:
+            raise InvalidInputError(
+                f"--merge: {path} differs from {paths[0]}: " + ", ".join(differ)
+            )
+        twice = {r["id"] for r in records} & {r["id"] for r in mine}
+        if twice:
+            raise InvalidInputError(
+                f"--merge: {path} repeats {len(twice)} examples, e.g. {min(twice)}"
+            )
+        records += mine
+    assert settings is not None
+    settings = {k: settings.get(k) for k in MERGE_KEYS} | {"merged": list(paths)}
+    return settings, records
+
+
+def write_report(out: Path, settings: dict, records: list[dict]) -> None:
+    """``blend_curve.{json,md,png}`` and ``paired.md`` of ``records`` in ``out``."""
+    rows = summarize(records)
+    n = len({r["id"] for r in records})
+    title = f"kvedit.blend rules: {settings['model']}, NQ-{settings['n_docs']}, {n} examples"
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out / "blend_curve.png", title)
+    payload = {"settings": settings, "rows": rows, "records": records, "paired": paired(records)}
+    atomic_write(out / "blend_curve.json", json.dumps(payload, indent=1))
+    atomic_write(out / "blend_curve.md", markdown(rows, title))
+    atomic_write(out / "paired.md", paired_markdown(payload["paired"], title))
+    print(markdown(rows, title))
+    print(paired_markdown(payload["paired"], title))
+
+
 def resumed(out: Path, settings: dict) -> dict[str, list[dict]]:
     """``example id -> records`` an interrupted run in ``out`` left with the same settings.
 
@@ -280,7 +386,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--resume", action="store_true", help="keep what an interrupted run in --out finished"
     )
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="join finished runs' blend_curve.json into --out"
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        settings, records = merged(args.merge)
+        write_report(Path(args.out), settings, records)
+        return 0
     rules = [(text.strip() or "default", parse_rule(text)) for text in args.rules.split(",")]
     fractions = parse_fractions(args.fractions)
     args.prompt_format = resolve_prompt(args.prompt, args.model)
@@ -306,13 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write("".join(json.dumps(r) + "\n" for r in mine))
             records += mine
             print(f"[{i + 1}/{len(examples)}] {example.id}", file=sys.stderr, flush=True)
-    rows = summarize(records)
-    title = f"kvedit.blend rules: {args.model}, NQ-{args.n_docs}, {len(examples)} examples"
-    plot(rows, out / "blend_curve.png", title)
-    payload = {"settings": vars(args), "rows": rows, "records": records}
-    (out / "blend_curve.json").write_text(json.dumps(payload, indent=1))
-    (out / "blend_curve.md").write_text(markdown(rows, title))
-    print(markdown(rows, title))
+    write_report(out, vars(args) | {"source": settings["source"]}, records)
     partial.unlink()
     (out / "partial.settings.json").unlink()
     return 0

@@ -342,6 +342,35 @@ def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
         curve.main([*args, "--resume"])
 
 
+def test_blend_curve_merges_runs_split_by_position_and_pairs_them(tmp_path, monkeypatch):
+    curve = load_script("blend_curve", monkeypatch)
+    args = ["--model", "tiny-llama", "--n-docs", "2", "--fractions", "0", "--rules", "default"]
+    args += ["--max-new-tokens", "2"]
+    for name, positions in (("a", "0"), ("b", "1")):
+        out = tmp_path / name
+        assert curve.main([*args, "--limit", "2", "--positions", positions, "--out", str(out)]) == 0
+    a, b = str(tmp_path / "a" / "blend_curve.json"), str(tmp_path / "b" / "blend_curve.json")
+    assert curve.main(["--merge", a, b, "--out", str(tmp_path / "m")]) == 0
+    payload = json.loads((tmp_path / "m" / "blend_curve.json").read_text())
+    assert len({r["id"] for r in payload["records"]}) == 4
+    assert payload["settings"]["source"] and payload["settings"]["merged"] == [a, b]
+    by_position = {r["position"]: r for r in payload["paired"]}
+    assert set(by_position) == {0, 1} and all(r["n"] == 2 for r in by_position.values())
+    full = {r["id"]: r["correct"] for r in payload["records"] if r["rule"] is None}
+    lost = sum(full[r["id"]] > r["correct"] for r in payload["records"] if r["rule"])
+    assert sum(r["lost"] for r in payload["paired"]) == lost
+    assert "| default | 0 | 1 | 2 |" in (tmp_path / "m" / "paired.md").read_text()
+    with pytest.raises(InvalidInputError, match="repeats 2 examples"):
+        curve.main(["--merge", a, a, "--out", str(tmp_path / "m2")])
+    other = json.loads(Path(b).read_text())
+    other["settings"]["seed"] = 5
+    Path(b).write_text(json.dumps(other))
+    with pytest.raises(InvalidInputError, match="differs from .*seed 5"):
+        curve.main(["--merge", a, b, "--out", str(tmp_path / "m3")])
+    with pytest.raises(InvalidInputError, match="not a finished"):
+        curve.main(["--merge", str(tmp_path / "nope.json"), "--out", str(tmp_path / "m4")])
+
+
 def test_reuse_benchmark_times_a_blend_with_the_rules_given(tmp_path, monkeypatch):
     load_script("blend_curve", monkeypatch)  # what reuse.py imports
     bench = load_script("reuse", monkeypatch)
