@@ -12,7 +12,8 @@ compared with a full prefill of the same token ids:
   forward on the blended state, against one plain forward over the same ids + question with
   ``logits_to_keep=1`` (median of ``--repeats``); speed-up is full / blend.
 
-A rule is a blend spec's rule part, ``:``-separated: ``default`` (no rule), ``gradual=2``,
+``--previous TEXT`` caches every document after the first behind the prefix and ``TEXT``
+(``kvedit.blend``'s ``previous=``, for every rule). A rule is a blend spec's rule part, ``:``-separated: ``default`` (no rule), ``gradual=2``,
 ``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.blend_rules``). The
 plot (``OUT/blend_curve.png``) has one line per rule, accuracy and speed-up against the
 fraction, the full prefill's accuracy dashed; ``OUT/blend_curve.json`` holds the rows and every
@@ -119,7 +120,9 @@ def run_example(model, tok, example: Example, store, rules, fractions, args) -> 
     """One record per (rule, fraction), plus the full prefill's (``rule`` None)."""
     ctx = ExampleContext(model, tok, example, args.max_new_tokens, args.prompt_format)
     parts = document_parts(ctx)
-    placed, _ = kvedit.blend(model, tok, parts, store, recompute=0.0, context=args.context)
+    placed, _ = kvedit.blend(
+        model, tok, parts, store, recompute=0.0, context=args.context, previous=args.previous
+    )
     ids = placed.token_ids.tolist()
     question = placed.encode(ctx.continuation)
     device = next(model.parameters()).device
@@ -135,8 +138,9 @@ def run_example(model, tok, example: Example, store, rules, fractions, args) -> 
 
             def first_token(fraction=fraction, rule=rule):
                 state, report = kvedit.blend(
-                    model, tok, parts, store, recompute=fraction, context=args.context, **rule
-                )
+                    model, tok, parts, store, fraction, context=args.context,
+                    previous=args.previous, **rule,
+                )  # fmt: skip
                 state.run(question, logits_to_keep=1)
                 return state, report
 
@@ -164,7 +168,10 @@ def run_example(model, tok, example: Example, store, rules, fractions, args) -> 
 def warm_up(model, tok, example: Example, store, args) -> None:
     """One untimed blend and prefill, so that the first timed point pays no one-time cost."""
     ctx = ExampleContext(model, tok, example, args.max_new_tokens, args.prompt_format)
-    state, _ = kvedit.blend(model, tok, document_parts(ctx), store, 0.5, context=args.context)
+    parts = document_parts(ctx)
+    state, _ = kvedit.blend(
+        model, tok, parts, store, 0.5, context=args.context, previous=args.previous
+    )
     model(state.token_ids[None].to(next(model.parameters()).device), logits_to_keep=1)
 
 
@@ -239,7 +246,7 @@ def markdown(rows: Sequence[dict], title: str) -> str:
 
 RESUME_KEYS = (
     "model", "n_docs", "positions", "seed", "data", "rules", "fractions", "context",
-    "prompt_format", "max_new_tokens", "repeats",
+    "prompt_format", "max_new_tokens", "repeats", "previous",
 )  # fmt: skip
 """The settings an interrupted run must share with ``--resume``'s (``--limit`` may grow), and
 kvedit's source (:func:`kvedit.version.source_digest`): other code may answer otherwise."""
@@ -285,7 +292,7 @@ def paired_markdown(rows: Sequence[dict], title: str) -> str:
 
 MERGE_KEYS = (
     "model", "n_docs", "seed", "data", "rules", "fractions", "context", "prompt_format",
-    "max_new_tokens", "repeats", "source",
+    "max_new_tokens", "repeats", "previous", "source",
 )  # fmt: skip
 """The settings every run joined by ``--merge`` must share."""
 
@@ -379,6 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rules")
     parser.add_argument("--fractions", default=DEFAULT_FRACTIONS)
     parser.add_argument("--context", default="prefix", choices=("prefix", "alone"))
+    parser.add_argument(
+        "--previous",
+        default=None,
+        help="a neutral passage every document after the first is cached behind (blend's previous=)",
+    )
     parser.add_argument("--prompt", default="auto", help="chat, plain or auto")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")

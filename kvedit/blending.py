@@ -17,7 +17,11 @@ order, from stored caches of each part:
    With ``context="alone"``, each later part is cached on its own (the passage convention of
    :func:`~kvedit.reuse.capture_passage`) and keyed by its ids alone: reusable behind any
    prefix, but its tokens never read an instruction and its first token is its own attention
-   sink. The blended token ids are the parts' ids concatenated, which can differ from
+   sink. With ``previous=TEXT`` (``context="prefix"`` only), every part after part 1 is cached
+   behind the prefix *and* ``TEXT``, a neutral passage: it is cached as a later passage rather
+   than as the first one after the instruction, so the blend does not hold many "first
+   passages" that draw the attention only the true first passage gets (part 1 is still cached
+   right after the prefix, which is exact). The store key then includes ``TEXT``. The blended token ids are the parts' ids concatenated, which can differ from
    tokenizing the joined text at part boundaries.
 2. **Placing.** Every part was cached at some positions (``0..n_i-1`` alone, right after the
    prefix behind it); its keys are re-rotated to their positions in the blend, with each layer's own rotary
@@ -116,6 +120,7 @@ class BlendReport:
         recomputed_per_layer: tokens recomputed at each layer: ``tokens_recomputed`` (every
             token recomputed at some layer) unless ``gradual`` narrowed them.
         tokens_rescaled: tokens whose reused entries ``rescale`` biased (on some layer).
+        previous: the neutral passage later parts were cached behind, None when none.
     """
 
     parts: list[PartReport]
@@ -131,6 +136,7 @@ class BlendReport:
     rules: tuple[str, ...] = ()
     recomputed_per_layer: list[int] = field(default_factory=list)
     tokens_rescaled: int = 0
+    previous: str | None = None
 
 
 @torch.no_grad()
@@ -145,6 +151,7 @@ def blend(
     gradual: float | None = None,
     leading: int | None = None,
     rescale: float | None = None,
+    previous: str | None = None,
 ) -> tuple[KVState, BlendReport]:
     """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
 
@@ -162,6 +169,8 @@ def blend(
             after part 0 are recomputed, in addition to the ``recompute`` budget.
         rescale: an APE-style factor in ``(0, 1e4]``: reused passage entries get ``ln(rescale)``
             nats of stored bias (a ``rescale`` step in the history).
+        previous: a neutral passage every part after part 1 is cached behind, between the
+            prefix and it (``context="prefix"`` only; see the module doc). None: none.
 
     The rules (:mod:`kvedit.blend_rules`) are off when None (the default) and compose.
 
@@ -179,27 +188,45 @@ def blend(
         raise InvalidInputError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
     if context not in BLEND_CONTEXTS:
         raise InvalidInputError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
+    if previous is not None:
+        if context != "prefix":
+            raise InvalidInputError('blend: previous needs context="prefix"')
+        if not isinstance(previous, str) or not previous.strip():
+            raise InvalidInputError("blend: previous must be a non-empty passage text")
     rules = BlendRules.from_values(gradual=gradual, leading=leading, rescale=rescale)
     layer_movers = movers(model)
     for mover in layer_movers:  # refuse before any work
         if mover.kind == "refused":
             raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
 
+    previous_ids = encode(tokenizer, previous, special_tokens=False)[0] if previous else []
+    if previous is not None and not previous_ids:
+        raise InvalidInputError("blend: previous tokenizes to nothing")
     states, reports = [], []
     prefix_ids: list[int] = []
     prefix: KVState | None = None
+    behind_previous: KVState | None = None  # the prefix's state extended by ``previous``
     for i, text in enumerate(parts):
         ids, offsets = encode(tokenizer, text, special_tokens=i == 0)
         if not ids:
             raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
         behind = context == "prefix" and i > 0
-        key = store.key_for(model, tokenizer, prefix_ids + ids if behind else ids)
+        lead = previous_ids if behind and i > 1 else []  # part 1 reads right after the prefix
+        key = store.key_for(model, tokenizer, prefix_ids + lead + ids if behind else ids)
         state, source = store.fetch(key, model, tokenizer)
         if state is not None:
             require_plain(state, store, f"blend part {i}")
         if state is None:
             if i == 0:
                 state = capture(model, tokenizer, text)
+            elif lead:
+                if behind_previous is None:
+                    _, prev_offsets = encode(tokenizer, previous, special_tokens=False)
+                    behind_previous = extend_ids(
+                        prefix, lead, prev_offsets + len(prefix.text), prefix.text + previous
+                    )
+                base = behind_previous
+                state = extend_ids(base, ids, offsets + len(base.text), base.text + text)
             elif behind:
                 state = extend_ids(prefix, ids, offsets + len(prefix.text), prefix.text + text)
             else:
@@ -209,7 +236,8 @@ def blend(
         if i == 0:
             prefix, prefix_ids = state, ids
         elif behind:
-            state = passage_after(state, len(prefix_ids), len(prefix.text))
+            text_start = len(prefix.text) + (len(previous) if lead else 0)
+            state = passage_after(state, len(prefix_ids) + len(lead), text_start)
         states.append(state)
         reports.append(PartReport(key, len(ids), source))
 
@@ -268,6 +296,7 @@ def blend(
                     "context": context,
                     "recomputed": token_ranges(selected),
                     **rules.origin_params([len(k) for k in kept]),
+                    **({"previous": previous} if previous is not None else {}),
                 },
             )
         ),
@@ -297,6 +326,7 @@ def blend(
         rules=rules.names,
         recomputed_per_layer=[len(k) for k in kept],
         tokens_rescaled=len(rescaled),
+        previous=previous,
     )
     return state, report
 

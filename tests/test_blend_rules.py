@@ -230,6 +230,56 @@ def test_rules_compose(llama, store):
     assert set(state.history.origin.params["rules"]) == {"gradual", "leading", "rescale"}
 
 
+# ------------------------------------------------------------------ previous (a neutral passage)
+
+NEUTRAL = "Notes follow. "
+
+
+def test_previous_caches_later_passages_behind_a_neutral_passage(llama, tmp_path):
+    model, tok = llama
+    store = KVStore(tmp_path, memory_bytes=10**8)
+    state, report = kvedit.blend(model, tok, PARTS, store, recompute=0.0, previous=NEUTRAL)
+    assert report.previous == NEUTRAL and state.history.origin.params["previous"] == NEUTRAL
+    assert state.text == "".join(PARTS)  # the neutral passage is not in the blend
+    ids = tok(PARTS[0])["input_ids"]
+    neutral = tok(NEUTRAL, add_special_tokens=False)["input_ids"]
+    first = tok(PARTS[1], add_special_tokens=False)["input_ids"]
+    later = tok(PARTS[2], add_special_tokens=False)["input_ids"]
+    # part 1 is stored right after the prefix (exact in the blend), later parts behind both
+    assert store.fetch(store.key_for(model, tok, ids + first), model, tok)[0] is not None
+    assert store.fetch(store.key_for(model, tok, ids + neutral + later), model, tok)[0] is not None
+    assert store.fetch(store.key_for(model, tok, ids + later), model, tok)[0] is None
+    # part 2's entries are those of the prefilled prefix + neutral + part 2, moved into place
+    whole = model(torch.tensor([ids + neutral + later])).logits[0, -1]
+    start = len(ids) + len(first)
+    alone = kvedit.blend(model, tok, PARTS[:3], store, recompute=0.0, previous=NEUTRAL)[0]
+    torch.testing.assert_close(alone.last_logits, whole, atol=1e-4, rtol=1e-4)
+    plain, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
+    k, p = state.layers[1], plain.layers[1]
+    assert torch.equal(k.values[:, :, :start], p.values[:, :, :start])  # prefix, part 1: exact
+    assert not torch.allclose(k.values[:, :, start:], p.values[:, :, start:])  # later: moved
+    # a blend with recompute changes its answer logits too, and is exact at 1.0
+    partial, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.3, previous=NEUTRAL)
+    other, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.3)
+    assert not torch.allclose(partial.last_logits, other.last_logits)
+    full, _ = kvedit.blend(model, tok, PARTS, store, recompute=1.0, previous=NEUTRAL)
+    logits = model(full.token_ids[None]).logits[0, -1]
+    torch.testing.assert_close(full.last_logits, logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"previous": "Notes. ", "context": "alone"}, 'previous needs context="prefix"'),
+        ({"previous": "  "}, "previous must be a non-empty passage text"),
+        ({"previous": 3}, "previous must be a non-empty passage text"),
+    ],
+)
+def test_bad_previous_is_refused(llama, store, kwargs, message):
+    with pytest.raises(InvalidInputError, match=message):
+        blend(llama, store, 0.3, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("rule", "value", "message"),
     [
@@ -304,6 +354,23 @@ def test_blend_curve_runs_on_a_tiny_model(tmp_path, monkeypatch):
         if r["rule"] is not None and r["recompute"] == 1.0:  # exact: the prefill's answer
             assert r["prediction"] == full[r["id"]]
     assert "| full prefill |" in (tmp_path / "blend_curve.md").read_text()
+
+
+def test_blend_curve_passes_previous_to_every_blend(tmp_path, monkeypatch):
+    curve = load_script("blend_curve", monkeypatch)
+    real, seen = kvedit.blend, []
+
+    def recording(*a, **kw):
+        seen.append(kw.get("previous"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kvedit, "blend", recording)
+    args = ["--model", "tiny-llama", "--limit", "1", "--n-docs", "3", "--fractions", "0.5"]
+    args += ["--rules", "default", "--max-new-tokens", "2", "--previous", "Notes. "]
+    assert curve.main([*args, "--out", str(tmp_path)]) == 0
+    assert seen and set(seen) == {"Notes. "}
+    payload = json.loads((tmp_path / "blend_curve.json").read_text())
+    assert payload["settings"]["previous"] == "Notes. "
 
 
 def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
