@@ -3,7 +3,6 @@ each changing the blend as documented, composing; the eval spec; the two benchma
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_benchmark
 
 import kvedit
 from kvedit.capturing import capture_tokens, empty_state, extend_ids
@@ -26,7 +26,6 @@ PARTS = [
     "Carol's secret number is 5902. Dave's secret number is 1234. ",
     "Eve's secret number is 8080. Frank's secret number is 6611. The quick brown fox.",
 ]
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -326,17 +325,8 @@ def test_the_blend_method_takes_the_rules(llama):
 # ------------------------------------------------------------------ the benchmark scripts
 
 
-def load_script(name: str, monkeypatch):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])  # the scripts import each other
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_blend_curve_runs_on_a_tiny_model(tmp_path, monkeypatch):
-    curve = load_script("blend_curve", monkeypatch)
+    curve = load_benchmark("blend_curve", monkeypatch)
     args = ["--model", "tiny-llama", "--limit", "2", "--n-docs", "2", "--fractions", "0,1"]
     args += ["--rules", "default,leading=2:rescale=0.5", "--max-new-tokens", "2"]
     assert curve.main([*args, "--out", str(tmp_path)]) == 0
@@ -357,7 +347,7 @@ def test_blend_curve_runs_on_a_tiny_model(tmp_path, monkeypatch):
 
 
 def test_blend_curve_passes_previous_to_every_blend(tmp_path, monkeypatch):
-    curve = load_script("blend_curve", monkeypatch)
+    curve = load_benchmark("blend_curve", monkeypatch)
     real, seen = kvedit.blend, []
 
     def recording(*a, **kw):
@@ -374,7 +364,7 @@ def test_blend_curve_passes_previous_to_every_blend(tmp_path, monkeypatch):
 
 
 def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
-    curve = load_script("blend_curve", monkeypatch)
+    curve = load_benchmark("blend_curve", monkeypatch)
     args = ["--model", "tiny-llama", "--n-docs", "2", "--fractions", "0", "--rules", "default"]
     args += ["--max-new-tokens", "2", "--limit", "2", "--out", str(tmp_path)]
     real, calls = curve.run_example, []
@@ -410,7 +400,7 @@ def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
 
 
 def test_blend_curve_merges_runs_split_by_position_and_pairs_them(tmp_path, monkeypatch):
-    curve = load_script("blend_curve", monkeypatch)
+    curve = load_benchmark("blend_curve", monkeypatch)
     args = ["--model", "tiny-llama", "--n-docs", "2", "--fractions", "0", "--rules", "default"]
     args += ["--max-new-tokens", "2"]
     for name, positions in (("a", "0"), ("b", "1")):
@@ -439,8 +429,8 @@ def test_blend_curve_merges_runs_split_by_position_and_pairs_them(tmp_path, monk
 
 
 def test_reuse_benchmark_times_a_blend_with_the_rules_given(tmp_path, monkeypatch):
-    load_script("blend_curve", monkeypatch)  # what reuse.py imports
-    bench = load_script("reuse", monkeypatch)
+    load_benchmark("blend_curve", monkeypatch)  # what reuse.py imports
+    bench = load_benchmark("reuse", monkeypatch)
     out = tmp_path / "reuse.json"
     argv = ["reuse.py", "--model", "tiny-llama", "--lengths", "128", "--repeats", "1"]
     monkeypatch.setattr(sys, "argv", [*argv, "--rule", "leading=2:rescale=0.5", "--json", str(out)])
@@ -459,8 +449,8 @@ def test_reuse_benchmark_times_a_blend_with_the_rules_given(tmp_path, monkeypatc
 
 
 def test_blend_diagnosis_runs_on_a_tiny_model(tmp_path, monkeypatch):
-    load_script("blend_curve", monkeypatch)  # what blend_diagnosis imports, removed after
-    diagnosis = load_script("blend_diagnosis", monkeypatch)
+    load_benchmark("blend_curve", monkeypatch)  # what blend_diagnosis imports, removed after
+    diagnosis = load_benchmark("blend_diagnosis", monkeypatch)
     args = ["--model", "tiny-llama", "--n-docs", "2", "--recompute", "0"]  # EPIC
     args += ["--rule", "leading=2", "--max-new-tokens", "2", "--out", str(tmp_path)]
     assert diagnosis.main(args) == 0

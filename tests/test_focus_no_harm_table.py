@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "focus_no_harm.py"
+from helpers import load_benchmark
 
 
 def load(monkeypatch):
-    spec = importlib.util.spec_from_file_location("focus_no_harm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "focus_no_harm", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("focus_no_harm", monkeypatch)
 
 
 def results(rows: list[tuple[int, bool, bool, list[int]]], gold_only: list[bool] | None = None):
@@ -59,12 +52,7 @@ def test_the_lead_check_splits_the_edits_outcomes_by_whether_the_gold_passage_le
     import torch
     from safetensors.torch import save_file
 
-    spec = importlib.util.spec_from_file_location(
-        "focus_lead_check", SCRIPT.parent / "focus_lead_check.py"
-    )
-    check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "focus_lead_check", check)
-    spec.loader.exec_module(check)
+    check = load_benchmark("focus_lead_check", monkeypatch)
     led = torch.tensor([[0.1, 0.2, 0.7], [0.1, 0.1, 0.8]])  # [layers, passages]: 2 leads
     trails = torch.tensor([[0.5, 0.2, 0.3], [0.1, 0.6, 0.3]])  # 2 trails 0 and 1 on the mean
     tensors = {"0.real": led, "0.calib": led.clone(), "1.real": trails, "1.calib": trails.clone()}

@@ -3,21 +3,13 @@ passage, and the accuracy of answering unedited there."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from helpers import load_benchmark
 
 from kvedit.evals.schema import Example
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "focus_support_check.py"
-
 
 def load(monkeypatch):
-    spec = importlib.util.spec_from_file_location("focus_support_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "focus_support_check", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("focus_support_check", monkeypatch)
 
 
 def test_support_counts_the_answers_new_words_found_in_the_passage(monkeypatch):

@@ -4,12 +4,10 @@ step of the steered paths."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 import kvedit.triton as kt
 
@@ -17,14 +15,9 @@ pytestmark = pytest.mark.skipif(
     not kt.is_available(), reason="Triton missing, or neither CUDA nor TRITON_INTERPRET=1"
 )
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_e2e.py"
-
 
 def test_gpu_e2e_tiny_runs_and_checks_pass(tmp_path, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location("gpu_e2e", SCRIPT)
-    e2e = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_e2e", e2e)  # dataclasses look their module up
-    spec.loader.exec_module(e2e)
+    e2e = load_benchmark("gpu_e2e", monkeypatch)
     monkeypatch.setenv("KVEDIT_ATTENTION", "triton")
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--tiny", "--models", "llama3-8b", "--new-tokens", "2", "--json", str(out)])
