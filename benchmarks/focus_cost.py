@@ -3,7 +3,7 @@
 For each example: the capture of the documents (shared by every method), ``none`` (answer
 from the captured state), and ``auto`` split into its parts: scoring (two question-length
 passes: the question and its content-free calibration), the edit (one recompute of the last
-token) and the answer. Times are medians over the examples, in seconds, on this machine's
+token; none when focus abstains) and the answer. Times are medians over the examples, in seconds, on this machine's
 threads (``torch.get_num_threads()``).
 
 Usage: ``python benchmarks/focus_cost.py --task nq --examples 12 --out reports/benchmarks/focus_cost_nq.json``
@@ -49,7 +49,11 @@ def main() -> None:
         t.append(time.perf_counter())
         found = choose(state, q, ctx.doc_spans, query=ex.question)
         t.append(time.perf_counter())
-        edited = ops.emphasize(state, [found.passages[i] for i in found.chosen], found.strengths)
+        edited = (  # an abstention makes no edit and answers from the unedited state
+            ops.emphasize(state, [found.passages[i] for i in found.chosen], found.strengths)
+            if found.chosen
+            else state
+        )
         t.append(time.perf_counter())
         edited.generate(q, n)
         t.append(time.perf_counter())
@@ -59,6 +63,7 @@ def main() -> None:
                 "id": ex.id,
                 "prompt_tokens": len(state),
                 "question_tokens": len(state.encode(q)),
+                "abstained": not found.chosen,
                 "capture": t_capture,
                 "none": t_none,
                 "auto_score": t_score,
@@ -73,6 +78,7 @@ def main() -> None:
     summary["auto_over_none"] = summary["auto"] / summary["none"]
     summary["threads"] = torch.get_num_threads()
     summary["prompt_tokens"] = statistics.median(r["prompt_tokens"] for r in rows)
+    summary["abstained"] = sum(r["abstained"] for r in rows)
     print(json.dumps({k: round(v, 3) for k, v in summary.items()}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": summary, "examples": rows}, indent=1))
