@@ -13,8 +13,8 @@ compared with a full prefill of the same token ids:
   ``logits_to_keep=1`` (median of ``--repeats``); speed-up is full / blend.
 
 ``--previous TEXT`` caches every document after the first behind the prefix and ``TEXT``
-(``kvedit.blend``'s ``previous=``, for every rule). A rule is a blend spec's rule part, ``:``-separated: ``default`` (no rule), ``gradual=2``,
-``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.blend_rules``). The
+(``kvedit.blend``'s ``previous=``, for every rule). A rule is a blend spec's rule part,
+``:``-separated: ``default`` (no rule), ``gradual=2``, ``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.blend_rules``). The
 plot (``OUT/blend_curve.png``) has one line per rule, accuracy and speed-up against the
 fraction, the full prefill's accuracy dashed; ``OUT/blend_curve.json`` holds the rows and every
 answer, ``OUT/blend_curve.md`` a table. Each example's records are appended to
@@ -290,11 +290,18 @@ def paired_markdown(rows: Sequence[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-MERGE_KEYS = (
-    "model", "n_docs", "seed", "data", "rules", "fractions", "context", "prompt_format",
-    "max_new_tokens", "repeats", "previous", "source",
-)  # fmt: skip
-"""The settings every run joined by ``--merge`` must share."""
+MERGE_KEYS = (*(k for k in RESUME_KEYS if k != "positions"), "source")
+"""The settings every run joined by ``--merge`` must share: a resume's, and kvedit's source,
+but not the gold positions."""
+
+
+def differences(theirs: dict, ours: dict, keys, label: str) -> list[str]:
+    """``"key THEIRS (LABEL: OURS)"`` for each of ``keys`` whose values differ."""
+    return [
+        f"{k} {theirs.get(k)!r} ({label}: {ours.get(k)!r})"
+        for k in keys
+        if theirs.get(k) != ours.get(k)
+    ]
 
 
 def merged(paths: Sequence[str]) -> tuple[dict, list[dict]]:
@@ -316,11 +323,7 @@ def merged(paths: Sequence[str]) -> tuple[dict, list[dict]]:
             ) from e
         if settings is None:
             settings = theirs
-        differ = [
-            f"{k} {theirs.get(k)!r} (first run: {settings.get(k)!r})"
-            for k in MERGE_KEYS
-            if theirs.get(k) != settings.get(k)
-        ]
+        differ = differences(theirs, settings, MERGE_KEYS, "first run")
         if differ:
             raise InvalidInputError(
                 f"--merge: {path} differs from {paths[0]}: " + ", ".join(differ)
@@ -361,9 +364,7 @@ def resumed(out: Path, settings: dict) -> dict[str, list[dict]]:
     if not partial.exists() or not saved.exists():
         raise InvalidInputError(f"--resume: {out} holds no partial.jsonl with its settings")
     theirs = json.loads(saved.read_text())
-    differ = [
-        f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v
-    ]
+    differ = differences(theirs, settings, settings, "now")
     if differ:
         raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
     done: dict[str, list[dict]] = {}

@@ -21,8 +21,9 @@ order, from stored caches of each part:
    behind the prefix *and* ``TEXT``, a neutral passage: it is cached as a later passage rather
    than as the first one after the instruction, so the blend does not hold many "first
    passages" that draw the attention only the true first passage gets (part 1 is still cached
-   right after the prefix, which is exact). The store key then includes ``TEXT``. The blended token ids are the parts' ids concatenated, which can differ from
-   tokenizing the joined text at part boundaries.
+   right after the prefix, which is exact). The store key then includes ``TEXT``. The blended
+   token ids are the parts' ids concatenated, which can differ from tokenizing the joined text
+   at part boundaries.
 2. **Placing.** Every part was cached at some positions (``0..n_i-1`` alone, right after the
    prefix behind it); its keys are re-rotated to their positions in the blend, with each layer's own rotary
    frequencies (:mod:`kvedit.rope`). Values carry no position and are reused as they are.
@@ -199,7 +200,9 @@ def blend(
         if mover.kind == "refused":
             raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
 
-    previous_ids = encode(tokenizer, previous, special_tokens=False)[0] if previous else []
+    previous_ids, previous_offsets = (
+        encode(tokenizer, previous, special_tokens=False) if previous else ([], None)
+    )
     if previous is not None and not previous_ids:
         raise InvalidInputError("blend: previous tokenizes to nothing")
     states, reports = [], []
@@ -219,16 +222,13 @@ def blend(
         if state is None:
             if i == 0:
                 state = capture(model, tokenizer, text)
-            elif lead:
-                if behind_previous is None:
-                    _, prev_offsets = encode(tokenizer, previous, special_tokens=False)
-                    behind_previous = extend_ids(
-                        prefix, lead, prev_offsets + len(prefix.text), prefix.text + previous
-                    )
-                base = behind_previous
-                state = extend_ids(base, ids, offsets + len(base.text), base.text + text)
             elif behind:
-                state = extend_ids(prefix, ids, offsets + len(prefix.text), prefix.text + text)
+                if lead and behind_previous is None:
+                    behind_previous = extend_ids(
+                        prefix, lead, previous_offsets + len(prefix.text), prefix.text + previous
+                    )
+                base = behind_previous if lead else prefix
+                state = extend_ids(base, ids, offsets + len(base.text), base.text + text)
             else:
                 state = capture_passage(model, tokenizer, text)
             store.put(state)  # a plain capture (or a plain capture extended): storable
