@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from . import checks
 from .blend_rules import BlendRules, Narrowing, deviation_scores
 from .cache import LayerKV
 from .cache.adapter import dynamic_cache
@@ -200,19 +201,32 @@ def blend(
         if mover.kind == "refused":
             raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
 
+    # The blend, and each later part behind the prefix (and ``previous``), must fit the model:
+    # checked on the characters before tokenizing, then on the tokens, before any model work.
+    checks.context_fits(model, n_chars=sum(map(len, parts)), what="blend")
+    if previous:
+        checks.context_fits(model, n_chars=len(previous), what="blend's previous passage")
     previous_ids, previous_offsets = (
         encode(tokenizer, previous, special_tokens=False) if previous else ([], None)
     )
     if previous is not None and not previous_ids:
         raise InvalidInputError("blend: previous tokenizes to nothing")
+    encoded = [encode(tokenizer, text, special_tokens=i == 0) for i, text in enumerate(parts)]
+    for i, (ids, _) in enumerate(encoded):
+        if not ids:
+            raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
+    checks.context_fits(model, n_tokens=sum(len(ids) for ids, _ in encoded), what="blend")
+    if previous:
+        longest = max((len(ids) for ids, _ in encoded[2:]), default=0)
+        n_behind = len(encoded[0][0]) + len(previous_ids) + longest
+        checks.context_fits(
+            model, n_tokens=n_behind, what="prefix, previous passage and longest later part"
+        )
     states, reports = [], []
     prefix_ids: list[int] = []
     prefix: KVState | None = None
     behind_previous: KVState | None = None  # the prefix's state extended by ``previous``
-    for i, text in enumerate(parts):
-        ids, offsets = encode(tokenizer, text, special_tokens=i == 0)
-        if not ids:
-            raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
+    for i, (text, (ids, offsets)) in enumerate(zip(parts, encoded, strict=True)):
         behind = context == "prefix" and i > 0
         lead = previous_ids if behind and i > 1 else []  # part 1 reads right after the prefix
         key = store.key_for(model, tokenizer, prefix_ids + lead + ids if behind else ids)
