@@ -55,9 +55,13 @@ def capture(
             its length in characters, before tokenizing, when that already decides it).
     """
     text = checks.text("text", text)
-    checks.context_fits(model, n_chars=len(text), max_positions=max_positions)
+    checks.context_fits(
+        model, n_chars=len(text), max_positions=max_positions, keyword="max_positions"
+    )
     enc = tokenizer(text, return_offsets_mapping=True)
-    checks.context_fits(model, n_tokens=len(enc["input_ids"]), max_positions=max_positions)
+    checks.context_fits(
+        model, n_tokens=len(enc["input_ids"]), max_positions=max_positions, keyword="max_positions"
+    )
     offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
     return _capture(model, tokenizer, list(enc["input_ids"]), text, offsets)
 
@@ -83,9 +87,13 @@ def capture_tokens(
             )
         token_ids = token_ids.tolist()
     if hasattr(token_ids, "__len__"):
-        checks.context_fits(model, n_tokens=len(token_ids), max_positions=max_positions)
+        checks.context_fits(
+            model, n_tokens=len(token_ids), max_positions=max_positions, keyword="max_positions"
+        )
     ids = [checks.count("token id", t) for t in token_ids]
-    checks.context_fits(model, n_tokens=len(ids), max_positions=max_positions)
+    checks.context_fits(
+        model, n_tokens=len(ids), max_positions=max_positions, keyword="max_positions"
+    )
     text, offsets = token_offsets(tokenizer, ids)
     return _capture(model, tokenizer, ids, text, offsets)
 

@@ -435,6 +435,7 @@ def context_fits(
     reserve: int = 0,
     max_positions: int | None = None,
     what: str = "context",
+    keyword: str | None = None,
 ) -> None:
     """Refuse a context ``model`` cannot attend to: more tokens than its maximum positions
     (:func:`positions_limit`) minus ``reserve``, the room of what follows the context (a
@@ -446,9 +447,14 @@ def context_fits(
     be tokenized and checked again with ``n_tokens``. A model whose config states no maximum is
     not checked (unless ``max_positions`` or :data:`MAX_POSITIONS` gives one).
 
+    ``keyword`` names the caller's own override argument (``"max_positions"`` for
+    :func:`kvedit.capture`); the message offers it only then, so it never tells a caller to pass
+    a keyword its function does not take.
+
     Raises:
         InvalidInputError: the context does not fit. The message names both numbers and the
-            override (``max_positions=``, ``kvedit.checks.MAX_POSITIONS``, ``--max-positions``).
+            overrides (the caller's ``keyword``, ``kvedit.checks.MAX_POSITIONS``, the CLI's
+            ``--max-positions``).
     """
     limit = positions_limit(model, max_positions)
     if limit is None:
@@ -462,10 +468,9 @@ def context_fits(
         )
     else:
         budget = f"the model attends to at most {limit} positions"
-    hint = (
-        " (a model whose config understates its context: pass max_positions=, set "
-        "kvedit.checks.MAX_POSITIONS, or give the CLI --max-positions)"
-    )
+    overrides = [f"pass {keyword}="] if keyword else []
+    overrides += ["set kvedit.checks.MAX_POSITIONS", "or give the CLI --max-positions"]
+    hint = f" (a model whose config understates its context: {', '.join(overrides)})"
     if room <= 0:
         raise InvalidInputError(f"no room for a {what}: {budget}{hint}")
     if n_tokens is not None:

@@ -184,6 +184,8 @@ def test_capture_refuses_a_context_longer_than_the_model_attends_to(short_llama)
     n = len(tok(LONG)["input_ids"])
     with pytest.raises(InvalidInputError, match=f"is {n} tokens long .* at most 16 positions"):
         capture(model, tok, LONG)
+    with pytest.raises(InvalidInputError, match="pass max_positions=, set kvedit.checks"):
+        capture(model, tok, LONG)  # capture takes the keyword, so its message offers it
 
 
 def test_capture_tokens_refuses_too_many_ids(short_llama):
@@ -461,9 +463,12 @@ def test_blend_refuses_more_than_the_model_attends_to_before_any_work(
 
     model, tok = llama  # 4096 positions
     store_dir = tmp_path / "store"
-    with pytest.raises(InvalidInputError, match=problem):
+    with pytest.raises(InvalidInputError, match=problem) as refused:
         kvedit.blend(model, tok, parts, KVStore(store_dir), previous=previous)
     assert not store_dir.exists() or not any(store_dir.rglob("*.safetensors"))  # nothing stored
+    # blend takes no max_positions=, so its message must not offer one
+    assert "max_positions=" not in str(refused.value)
+    assert "kvedit.checks.MAX_POSITIONS" in str(refused.value)
 
 
 def test_focus_refuses_an_edit_that_is_not_a_function(llama):
