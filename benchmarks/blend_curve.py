@@ -202,27 +202,59 @@ def summarize(records: Sequence[dict]) -> list[dict]:
 
 
 def plot(rows: Sequence[dict], path: Path, title: str) -> None:
-    """Accuracy and speed-up against the recompute fraction, one line per rule."""
+    """Three panels, one line per rule: accuracy against time-to-first-token speed-up (each
+    point labelled with its recompute fraction; the full prefill is the star at 1x), then
+    accuracy and speed-up against the recompute fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
-    fig, (acc_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (curve_ax, acc_ax, speed_ax) = plt.subplots(1, 3, figsize=(16, 4.6))
     full = next(r for r in rows if r["rule"] is None)
     for rule in dict.fromkeys(r["rule"] for r in rows if r["rule"] is not None):
         line = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["recompute"])
         xs = [r["recompute"] for r in line]
+        (drawn,) = curve_ax.plot(
+            [r["speedup"] for r in line], [r["accuracy"] for r in line], marker="o", label=rule
+        )
+        for r in line:
+            curve_ax.annotate(
+                f"{r['recompute']:g}",
+                (r["speedup"], r["accuracy"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=drawn.get_color(),
+            )
         acc_ax.plot(xs, [r["accuracy"] for r in line], marker="o", label=rule)
         speed_ax.plot(xs, [r["speedup"] for r in line], marker="o", label=rule)
+    curve_ax.plot(
+        [1.0],
+        [full["accuracy"]],
+        marker="*",
+        markersize=12,
+        color="black",
+        linestyle="none",
+        label="full prefill",
+    )
     acc_ax.axhline(full["accuracy"], color="black", linestyle="--", label="full prefill")
     speed_ax.axhline(1.0, color="black", linestyle="--", label="full prefill")
+    curve_ax.set(
+        xlabel="time-to-first-token speed-up (x; labels: recompute fraction)",
+        ylabel="accuracy (best subspan EM)",
+    )
+    curve_ax.set_xscale("log")
     acc_ax.set(xlabel="recompute fraction", ylabel="accuracy (best subspan EM)", ylim=(-0.02, 1.02))
     speed_ax.set(xlabel="recompute fraction", ylabel="time-to-first-token speed-up (x)")
     speed_ax.set_yscale("log")
-    for ax in (acc_ax, speed_ax):
+    for axis in (curve_ax.xaxis, speed_ax.yaxis):  # 0.5, 2, 5 rather than 5x10^-1
+        axis.set_major_formatter(FormatStrFormatter("%g"))
+    speed_ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    for ax in (curve_ax, acc_ax, speed_ax):
         ax.grid(alpha=0.3)
-    acc_ax.legend(fontsize=8)
+    curve_ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
