@@ -130,7 +130,12 @@ def run_example(model, tok, example: Example, store, rules, fractions, args) -> 
     t_full, _ = timed(lambda: model(whole, logits_to_keep=1), args.repeats)
     full = extend_ids(empty_state(model, tok), ids, placed.offsets, placed.text)
     answer = full.generate(ctx.continuation, args.max_new_tokens)
-    base = {"id": example.id, "gold_index": example.gold_index, "tokens": len(ids)}
+    base = {
+        "id": example.id,
+        "example": example.digest(),  # the id does not say the distractors: --resume checks this
+        "gold_index": example.gold_index,
+        "tokens": len(ids),
+    }
     records = [{**base, "rule": None, "recompute": 1.0, "prediction": answer, "seconds": t_full}]
     records[0]["correct"] = score(example, answer)
     for label, rule in rules:
@@ -448,6 +453,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in RESUME_KEYS} | {"source": source_digest()}
     done = resumed(out, settings) if args.resume else {}
+    for example in examples:  # an id names the question and position, not the distractors
+        if any(r.get("example") != example.digest() for r in done.get(example.id, [])):
+            raise InvalidInputError(
+                f"--resume: {out}'s {example.id!r} is another example than this run's (its "
+                "distractors depend on --limit and --positions): run it again without --resume"
+            )
     atomic_write(out / "partial.settings.json", json.dumps(settings, sort_keys=True))
     partial = out / "partial.jsonl"
     atomic_write(partial, "".join(json.dumps(r) + "\n" for rs in done.values() for r in rs))

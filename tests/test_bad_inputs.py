@@ -92,6 +92,7 @@ CLI_CASES = [
     ("litm-unknown-method", ["eval", "litm", "--methods", "none,bogus"], 2, "unknown method"),
     ("litm-missing-reuse", ["eval", "litm", "--reuse", "gone.json"], 2, "gone.json: no such"),
     ("litm-reuse-methods-alone", ["eval", "litm", "--reuse-methods", "none"], 2, "needs --reuse"),
+    ("litm-reuse-unchecked-alone", ["eval", "litm", "--reuse-unchecked"], 2, "needs --reuse"),
     ("demo-trials-0", ["demo", "--trials", "0"], 2, "at least 1"),
     ("serve-empty-root", ["serve", "--root", ""], 2, "--root"),
     ("serve-port-text", ["serve", "--port", "http"], 2, "port number"),

@@ -391,6 +391,12 @@ def test_blend_curve_resumes_an_interrupted_run(tmp_path, monkeypatch):
         curve.main([*args, "--resume"])  # kvedit's code changed since
     settings.write_text(saved)
     monkeypatch.setattr(curve, "run_example", real)
+    keep = partial.read_text()  # the same id over other distractors (another --limit) is refused
+    partial.write_text("".join(json.dumps({**r, "example": "0" * 16}) + "\n" for r in kept))
+    with pytest.raises(InvalidInputError, match="another example than this run's"):
+        curve.main([*args, "--resume"])
+    settings.write_text(saved)
+    partial.write_text(keep)
     assert curve.main([*args, "--resume"]) == 0
     records = json.loads((tmp_path / "blend_curve.json").read_text())["records"]
     assert [r["prediction"] == "KEPT" for r in records] == [True, True, False, False]

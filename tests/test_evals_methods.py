@@ -569,7 +569,7 @@ def test_reuse_across_a_change_of_kvedit_source_takes_only_the_named_methods(tmp
     assert [r["prediction"] == "OLD-CODE" for r in got["examples"]] == [
         r["method"] == "none" for r in got["examples"]
     ]
-    assert got["extra"]["reused"] == {"from": str(earlier), "methods": ["none"]}
+    assert got["extra"]["reused"] == {"from": str(earlier), "methods": ["none"], "unchecked": False}
     with pytest.raises(InvalidInputError, match="--reuse-methods names methods"):
         litm.evaluate(methods=methods, out=tmp_path / "e", reuse_methods=["none"], **kwargs)
     # --resume across a change of source is refused too
@@ -580,6 +580,54 @@ def test_reuse_across_a_change_of_kvedit_source_takes_only_the_named_methods(tmp
     (out / "partial.settings.json").write_text(json.dumps(settings))
     with pytest.raises(InvalidInputError, match="kvedit's source"):
         litm.evaluate(methods=["none"], out=out, progress=False, resume=True, **kwargs)
+
+
+def test_reuse_and_resume_take_a_record_only_for_the_same_example(tmp_path, monkeypatch):
+    """An id names the question and the gold position, not the documents: a run with other
+    --n-docs asks other prompts under the same ids. Its answers must not be taken for them."""
+    from kvedit.evals import litm
+
+    kwargs = dict(model_name="tiny-llama", positions=[0, 3], trials=1, max_new_tokens=3)
+    litm.evaluate(methods=["none"], out=tmp_path / "a", progress=False, n_docs=4, **kwargs)
+    earlier = tmp_path / "a" / "results.json"
+    res = json.loads(earlier.read_text())
+    assert all(len(r["example"]) == 16 for r in res["examples"])
+    for r in res["examples"]:
+        r["prediction"] = "FROM-EARLIER"
+    earlier.write_text(json.dumps(res))
+    five = litm.build_examples("records", None, 5, [0, 3], 1, 0, None)
+    assert {e.id for e in five} == {r["id"] for r in res["examples"]}  # the same ids
+    with pytest.raises(InvalidInputError, match="another example than this run's.*--n-docs"):
+        litm.evaluate(
+            methods=["none"], out=tmp_path / "b", progress=False, reuse=earlier, n_docs=5,
+            **kwargs,
+        )  # fmt: skip
+    # a file from before records named their example: refused, unless the caller vouches
+    for r in res["examples"]:
+        del r["example"]
+    earlier.write_text(json.dumps(res))
+    with pytest.raises(InvalidInputError, match="name no example digest.*--reuse-unchecked"):
+        litm.evaluate(
+            methods=["none"], out=tmp_path / "c", progress=False, reuse=earlier, n_docs=4,
+            **kwargs,
+        )  # fmt: skip
+    litm.evaluate(
+        methods=["none"], out=tmp_path / "c", progress=False, reuse=earlier, n_docs=4,
+        reuse_unchecked=True, **kwargs,
+    )  # fmt: skip
+    got = json.loads((tmp_path / "c" / "results.json").read_text())
+    assert [r["prediction"] for r in got["examples"]] == ["FROM-EARLIER"] * 2
+    assert got["extra"]["reused"]["unchecked"] is True
+    # --resume: a partial record of another example is refused as well
+    out = tmp_path / "d"
+    _interrupted(litm, monkeypatch, methods=["none"], out=out, progress=False, n_docs=4, **kwargs)
+    partial = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
+    assert partial, "the interrupted run kept nothing to resume"
+    (out / "partial.jsonl").write_text(
+        "".join(json.dumps(dict(r, example="0" * 16)) + "\n" for r in partial)
+    )
+    with pytest.raises(InvalidInputError, match="--resume.*another example"):
+        litm.evaluate(methods=["none"], out=out, progress=False, resume=True, n_docs=4, **kwargs)
 
 
 def _settings_of(out, kwargs) -> dict:

@@ -97,6 +97,13 @@ def litm_parser(sub) -> None:
         "from the earlier run; needed when it ran other kvedit code, to say which answers the "
         "change left alone",
     )
+    p.add_argument(
+        "--reuse-unchecked",
+        action="store_true",
+        help="with --reuse of a file whose records name no example digest (older runs): take "
+        "its answers by id; you vouch that it ran the same examples (--n-docs, --trials, "
+        "--limit, --data)",
+    )
     p.set_defaults(run=_run_litm)
 
 
@@ -112,6 +119,8 @@ def _check_litm(args) -> None:
         raise UsageError(f"--reuse {reuse}: no such file")
     if getattr(args, "reuse_methods", None) is not None and reuse is None:
         raise UsageError("--reuse-methods needs --reuse (the run to take the methods from)")
+    if getattr(args, "reuse_unchecked", False) and reuse is None:
+        raise UsageError("--reuse-unchecked needs --reuse (the run to take the answers from)")
     examples = build_examples(
         task=args.task,
         data=args.data,

@@ -119,6 +119,7 @@ def result_record(
         prediction = plain_answer(prediction)
     record = {
         "id": example.id,
+        "example": example.digest(),  # what the id asked: --reuse and --resume match on it
         "method": spec,
         "gold_index": example.gold_index,
         "prediction": prediction,

@@ -164,6 +164,7 @@ def evaluate(
     engine: str = "transformers",
     batch: int = VLLM_BATCH,
     approximate: bool = False,
+    reuse_unchecked: bool = False,
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
@@ -182,7 +183,12 @@ def evaluate(
     :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine``
     decodes the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`;
     recorded as ``extra["engine"]``, with the engine's timings and ``seconds_per_example``);
-    ``--resume`` and ``--reuse`` never mix engines. ``approximate`` (vLLM only): serve states
+    ``--resume`` and ``--reuse`` never mix engines. Every record names its example's
+    :meth:`~kvedit.evals.schema.Example.digest`, and a record is taken only for the same id
+    *and* digest (:func:`matching_records`): an earlier run with other ``n_docs``, ``trials``,
+    ``limit`` or ``data`` asked other prompts under the same ids, and is refused. A ``reuse``
+    file made before records had digests is refused too, unless ``reuse_unchecked`` takes its
+    answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``). ``approximate`` (vLLM only): serve states
     vLLM realises only approximately, labelled in each record and in the summary's
     ``exact_share`` (recorded as ``extra["approximate"]``).
     """
@@ -196,6 +202,8 @@ def evaluate(
         raise InvalidInputError(
             "--reuse-methods names methods to take from --reuse, which is not given"
         )
+    if reuse_unchecked and reuse is None:
+        raise InvalidInputError("--reuse-unchecked is about --reuse, which is not given")
     reused = (
         reused_records(
             reuse,
@@ -211,6 +219,7 @@ def evaluate(
         if reuse is not None
         else {}
     )
+    reused = matching_records(reused, examples, f"--reuse {reuse}", unchecked=reuse_unchecked)
     model, tokenizer = load_model(model_name)
     check_prompt(tokenizer, prompt)  # before anything is written
     out = Path(out)
@@ -230,6 +239,7 @@ def evaluate(
     done = {}
     if resume and partial.exists():
         done = _resumable(partial, settings_path, settings)
+        done = matching_records(done, examples, f"--resume: {partial}")
     atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
     partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     done = {**reused, **done}
@@ -272,6 +282,7 @@ def evaluate(
         extra["reused"] = {
             "from": str(reuse),
             "methods": sorted({method for _, method in reused}),
+            "unchecked": bool(reuse_unchecked),
         }
     if engine == "vllm":
         extra["batch"] = batch
@@ -320,6 +331,48 @@ def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple
             if rec["method"] in same:
                 done[(rec["id"], rec["method"])] = rec
     return done
+
+
+def matching_records(
+    records: dict[tuple[str, str], dict],
+    examples: Sequence[Example],
+    origin: str,
+    *,
+    unchecked: bool = False,
+) -> dict[tuple[str, str], dict]:
+    """The ``(id, method) -> record`` pairs of ``records`` (from ``origin``, named in errors)
+    that answer one of ``examples``: the same id and the same example digest
+    (:meth:`~kvedit.evals.schema.Example.digest`). Records of ids this run does not ask are
+    left out.
+
+    Raises:
+        InvalidInputError: a record of one of this run's ids answered another example (its
+            digest differs: the earlier run had other ``n_docs``, ``trials``, ``limit`` or
+            ``data``), or names no digest (a file from before records had one) and
+            ``unchecked`` is false.
+    """
+    digests = {example.id: example.digest() for example in examples}
+    kept = {}
+    for key, record in records.items():
+        wanted = digests.get(key[0])
+        if wanted is None:
+            continue
+        theirs = record.get("example")
+        if theirs is None and not unchecked:
+            raise InvalidInputError(
+                f"{origin}: its records name no example digest (made before kvedit recorded "
+                f"one), so it cannot be checked that its {key[0]!r} is this run's (an id does "
+                "not say --n-docs, --trials, --limit or --data); rerun those methods, or pass "
+                "--reuse-unchecked to take its answers by id"
+            )
+        if theirs is not None and theirs != wanted:
+            raise InvalidInputError(
+                f"{origin}: its {key[0]!r} is another example than this run's (the same id over "
+                "other documents or another question: was it run with other --n-docs, "
+                "--trials, --limit or --data?)"
+            )
+        kept[key] = record
+    return kept
 
 
 def reused_records(
@@ -413,6 +466,7 @@ def main(args) -> int:
         engine=getattr(args, "engine", "transformers"),
         batch=getattr(args, "batch", VLLM_BATCH),
         approximate=getattr(args, "approximate", False),
+        reuse_unchecked=getattr(args, "reuse_unchecked", False),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")

@@ -10,6 +10,8 @@ documents (up to :meth:`~Example.documents_end`) and then edited before the ques
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -187,6 +189,18 @@ class Example:
             raise InvalidExampleError(f"example {self.id!r} has no gold document")
         gold = _DOCUMENT_LABEL.sub("Document [1]", self.documents[self.gold_index], count=1)
         return self.with_documents((gold,), 0, id=f"{self.id}-gold")
+
+    def digest(self) -> str:
+        """A short hash of what the example asks: everything but its id (16 hex digits).
+
+        Results are matched to examples by id *and* digest (``--reuse``, ``--resume``): an id
+        such as ``nq-s0-q8-p0`` names the question and the gold position, not the documents,
+        which depend on ``--n-docs``, ``--trials``, ``--limit`` and ``--data``.
+        """
+        data = self.to_dict()
+        del data["id"]
+        text = json.dumps(data, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- serialization ------------------------------------------------------------------------
 
