@@ -188,9 +188,9 @@ def evaluate(
     *and* digest (:func:`matching_records`): an earlier run with other ``n_docs``, ``trials``,
     ``limit`` or ``data`` asked other prompts under the same ids, and is refused. A ``reuse``
     file made before records had digests is refused too, unless ``reuse_unchecked`` takes its
-    answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``). ``approximate`` (vLLM only): serve states
-    vLLM realises only approximately, labelled in each record and in the summary's
-    ``exact_share`` (recorded as ``extra["approximate"]``).
+    answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``).
+    ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in
+    each record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
     """
     check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
     prompt = resolve_prompt(prompt, model_name)
