@@ -96,7 +96,7 @@ def collect(args) -> None:
     )
     tensors, rows = {}, []
     for i, ex in enumerate(examples):
-        ctx = ExampleContext(model, tok, ex)
+        ctx = ExampleContext(model, tok, ex, prompt_format=args.prompt)
         asks = [] if args.skip_relevant else [(ex.question, True)]
         for j in range(args.unrelated):
             asks.append((UNRELATED[(i * args.unrelated + j) % len(UNRELATED)], False))
@@ -172,6 +172,7 @@ def main() -> None:
     p.add_argument("--unrelated", type=int, default=2, help="unrelated questions per context")
     p.add_argument("--skip-relevant", action="store_true", help="only the unrelated questions")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompt", choices=["chat", "plain"], default="chat")
     p.add_argument("--out", default="runs/abstain.safetensors")
     p.add_argument("--analyze", nargs="*", default=None)
     p.add_argument("--smoothing", type=float, default=SCORE_SMOOTHING)

@@ -261,12 +261,21 @@ def passage_scores(
     smoothing: float = SCORE_SMOOTHING,
 ) -> torch.Tensor:
     """``[n_passages]``: ``log (share(question) + s) - log (share(content-free question) + s)``
-    averaged over ``layers`` (default: all), with ``s = smoothing`` (:data:`SCORE_SMOOTHING`)
-    times the mean calibration share of a passage on those layers (scale-free: the same
-    ``smoothing`` serves any number of passages). ``real`` and ``calib`` are
-    ``[layers, n_passages]`` shares."""
+    averaged over the ``layers`` (default: all) that hold the passage, with ``s = smoothing``
+    (:data:`SCORE_SMOOTHING`) times the mean calibration share of a held passage on those
+    layers (scale-free: the same ``smoothing`` serves any number of passages). ``real`` and
+    ``calib`` are ``[layers, n_passages]`` shares.
+
+    A layer holds a passage when either query gives it a share above 0: a sliding-window layer
+    (Gemma-3 keeps its last 512 tokens) gives the passages before its window 0 from both, which
+    says nothing about them. Averaging those zeros in shrank the scores of all but the last
+    passages several-fold on Gemma-3, so an early passage the question points at rarely stood
+    out (:func:`stands_out`); a passage no layer holds scores 0."""
     if layers is not None:
         real, calib = real[list(layers)], calib[list(layers)]
     real, calib = real.double(), calib.double()
-    eps = smoothing * max(float(calib.mean()), SHARE_EPS)
-    return (torch.log(real + eps) - torch.log(calib + eps)).mean(0).float()
+    held = (real > 0) | (calib > 0)
+    mean_share = float(calib[held].mean()) if bool(held.any()) else 0.0
+    eps = smoothing * max(mean_share, SHARE_EPS)
+    ratio = (torch.log(real + eps) - torch.log(calib + eps)) * held
+    return (ratio.sum(0) / held.sum(0).clamp(min=1)).float()

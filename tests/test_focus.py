@@ -21,6 +21,7 @@ from kvedit.focusing import (
 from kvedit.guard import AgreementGuard
 from kvedit.passages import split_passages
 from kvedit.readout import attention_share
+from kvedit.testing import TINY_SLIDING_WINDOW
 
 CONTEXT = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
 
@@ -135,6 +136,43 @@ def test_scores_cancel_positional_bias():
     real[:2, 1] *= 2.0  # ... and passage 1 in the lower ones
     assert int(passage_scores(real, calib, [2, 3]).argmax()) == 3
     assert int(passage_scores(real, calib, [0, 1]).argmax()) == 1
+
+
+def test_a_passage_is_scored_only_on_the_layers_that_hold_it():
+    # [6 layers, 3 passages]; passage 0 lies before the sliding windows of layers 0-4: both
+    # queries give it 0 there, and only the global layer 5 says anything about it.
+    calib = torch.full((6, 3), 0.2)
+    calib[:5, 0] = 0.0
+    real = calib.clone()
+    real[5, 0] = 0.6  # the question triples passage 0's share on the layer that holds it
+    real[:, 2] = 0.3  # ... and lifts passage 2 by half on every layer
+    scores = passage_scores(real, calib, smoothing=0.5)
+    eps = 0.5 * float(calib[calib > 0].mean())
+    expected0 = torch.log(torch.tensor(0.6 + eps)) - torch.log(torch.tensor(0.2 + eps))
+    expected2 = torch.log(torch.tensor(0.3 + eps)) - torch.log(torch.tensor(0.2 + eps))
+    torch.testing.assert_close(scores[0], expected0.float())
+    torch.testing.assert_close(scores[2], expected2.float())
+    assert int(scores.argmax()) == 0  # averaging the five zeros in would make it 2
+    # a passage that no layer holds says nothing: 0
+    calib[:, 1] = 0.0
+    real[:, 1] = 0.0
+    assert float(passage_scores(real, calib)[1]) == 0.0
+
+
+def test_sliding_window_layers_do_not_dilute_an_early_passage(gemma3):
+    model, tok = gemma3
+    lines = [f"Person{i}'s secret number is {1000 + 7 * i}." for i in range(12)]
+    state = _state(gemma3, "\n".join(lines))
+    assert len(state) > TINY_SLIDING_WINDOW + 10
+    question = "\n\nQuestion: What is Person0's secret number?"
+    ranges = [(state.text.index(line), state.text.index(line) + len(line)) for line in lines]
+    real, calib = passage_shares(state, question, ranges)
+    sliding = [i for i, layer in enumerate(state.layers) if layer.window is not None]
+    assert sliding and float(real[sliding, 0].abs().max()) == 0.0  # out of every window
+    glob = [i for i, layer in enumerate(state.layers) if layer.window is None]
+    eps = 0.5 * float(calib[(real > 0) | (calib > 0)].double().mean())
+    on_global = torch.log(real[glob, 0].double() + eps) - torch.log(calib[glob, 0].double() + eps)
+    torch.testing.assert_close(passage_scores(real, calib)[0], on_global.mean().float())
 
 
 def test_fixed_strength_without_a_target(llama):
