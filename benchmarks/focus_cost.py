@@ -3,7 +3,10 @@
 For each example: the capture of the documents (shared by every method), ``none`` (answer
 from the captured state), and ``auto`` split into its parts: scoring (two question-length
 passes: the question and its content-free calibration), the edit (one recompute of the last
-token; none when focus abstains) and the answer. Times are medians over the examples, in seconds, on this machine's
+token; none when focus abstains) and the answer: with an edit, the default answer guard
+(:data:`kvedit.focusing.DEFAULT_GUARD`) decodes the unedited answer and, unless that answer
+comes from the chosen passage, the edited one (two question-length passes and their decode
+steps); after an abstention, the unedited answer only. Times are medians over the examples, in seconds, on this machine's
 threads (``torch.get_num_threads()``).
 
 Usage: ``python benchmarks/focus_cost.py --task nq --examples 12 --out reports/benchmarks/focus_cost_nq.json``
@@ -22,7 +25,8 @@ import torch
 from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
-from kvedit.focusing import choose
+from kvedit.focusing import DEFAULT_GUARD, choose
+from kvedit.guard import SupportGuard
 from kvedit.models import load_model
 
 
@@ -55,7 +59,12 @@ def main() -> None:
             else state
         )
         t.append(time.perf_counter())
-        edited.generate(q, n)
+        if found.chosen:
+            evidence = [state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
+            guard = SupportGuard(DEFAULT_GUARD.threshold, n)
+            verdict = guard.decide(state, edited, q, evidence=evidence, query=ex.question)
+        else:
+            edited.generate(q, n)
         t.append(time.perf_counter())
         t_capture, t_none, t_score, t_edit, t_answer = (b - a for a, b in zip(t, t[1:]))
         rows.append(
@@ -64,6 +73,7 @@ def main() -> None:
                 "prompt_tokens": len(state),
                 "question_tokens": len(state.encode(q)),
                 "abstained": not found.chosen,
+                "guard_kept_edit": bool(found.chosen) and verdict.kept,
                 "capture": t_capture,
                 "none": t_none,
                 "auto_score": t_score,
@@ -79,6 +89,7 @@ def main() -> None:
     summary["threads"] = torch.get_num_threads()
     summary["prompt_tokens"] = statistics.median(r["prompt_tokens"] for r in rows)
     summary["abstained"] = sum(r["abstained"] for r in rows)
+    summary["guard_kept_edit"] = sum(r["guard_kept_edit"] for r in rows)
     print(json.dumps({k: round(v, 3) for k, v in summary.items()}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": summary, "examples": rows}, indent=1))

@@ -28,11 +28,16 @@ from kvedit.evals.methods import ExampleContext
 from kvedit.evals.schema import score
 from kvedit.focusing import focus
 from kvedit.models import load_model
+from kvedit.ops import emphasize
+from kvedit.readout import attention_share
 
 
 def collect(args) -> None:
     model, tok = load_model(args.model)
-    examples = build_examples(args.task, args.data, None, None, args.trials, args.seed, args.limit)
+    positions = None if args.positions is None else [int(x) for x in args.positions.split(",")]
+    examples = build_examples(
+        args.task, args.data, args.n_docs, positions, args.trials, args.seed, args.limit
+    )
     out = Path(args.out)
     done = set()
     if out.exists():
@@ -50,6 +55,26 @@ def collect(args) -> None:
             t2 = time.perf_counter()
             cross_edit = ctx.state.token_logprobs(ctx.continuation, edited.token_ids)
             cross_none = found.state.token_logprobs(ctx.continuation, none.token_ids)
+            variants = {}
+            if args.variants and found.chosen:
+                # per layer, every passage's share of the question's attention (unedited)
+                real = attention_share(ctx.state, ctx.continuation, list(found.passages)).per_layer
+                others = real.clone()
+                others[:, found.chosen] = -1.0
+                leads = (real[:, found.chosen].sum(-1) >= others.max(-1).values).tolist()
+                nolead = [
+                    0.0 if lead else s for s, lead in zip(found.strengths, leads, strict=True)
+                ]
+                spans = [found.passages[i] for i in found.chosen]
+                alt = emphasize(ctx.state, spans, nolead).answer(
+                    ctx.continuation, args.max_new_tokens
+                )
+                variants = {
+                    "shares": [[round(x, 5) for x in row] for row in real.tolist()],
+                    "leads": leads,
+                    "nolead": alt.text,
+                    "nolead_ok": bool(score(ex, alt.text)),
+                }
             rec = {
                 "id": ex.id,
                 "gold_index": ex.gold_index,
@@ -69,6 +94,7 @@ def collect(args) -> None:
                 "strengths": found.strengths,
                 "seconds_none": round(t1 - t0, 3),
                 "seconds_focus": round(t2 - t1, 3),
+                **variants,
             }
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -193,6 +219,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--n-docs", type=int, default=None)
+    p.add_argument("--positions", default=None, help="comma-separated gold positions")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also record every layer's shares and the answer with no bias on the layers "
+        "where the chosen passage already leads",
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", default="runs/gate.jsonl")

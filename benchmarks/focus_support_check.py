@@ -22,58 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Sequence
 
 from kvedit.evals.litm import build_examples
-
-STOP_WORDS = frozenset(
-    [
-        "a",
-        "an",
-        "and",
-        "are",
-        "as",
-        "at",
-        "be",
-        "by",
-        "document",
-        "for",
-        "from",
-        "in",
-        "is",
-        "it",
-        "its",
-        "of",
-        "on",
-        "that",
-        "the",
-        "this",
-        "to",
-        "was",
-        "were",
-        "with",
-        "answer",
-        "question",
-        "title",
-    ]
-)
-
-
-def content_words(text: str) -> list[str]:
-    """Lower-cased words of ``text`` longer than one character, stop words left out."""
-    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) > 1 and w not in STOP_WORDS]
+from kvedit.guard import answer_support
 
 
 def support(answer: str, passage: str, question: str) -> float:
-    """Share of ``answer``'s content words not in ``question`` that occur in ``passage``
-    (0 when it has none)."""
-    asked = set(content_words(question))
-    words = [w for w in content_words(answer) if w not in asked]
-    if not words:
-        return 0.0
-    present = set(content_words(passage))
-    return sum(w in present for w in words) / len(words)
+    """:func:`kvedit.guard.answer_support` of ``answer`` in one passage."""
+    return answer_support(answer, [passage], question)
 
 
 def check(records: Sequence[dict], examples: dict, threshold: float) -> dict:

@@ -14,7 +14,7 @@ from .cache.adapter import dynamic_cache
 from .capturing import capture, capture_tokens
 from .decoding import Answer, Decoder, eos_ids
 from .focusing import DEFAULT_GUARD, Focus, choose, focus, focus_text
-from .guard import AgreementGuard, Guard, Verdict
+from .guard import AgreementGuard, Guard, SupportGuard, Verdict
 from .models import load_model
 from .prefix_reuse import ReuseReport, reuse
 from .project import Projector
@@ -43,6 +43,7 @@ __all__ = [
     "Projector",
     "ReuseReport",
     "Steering",
+    "SupportGuard",
     "Verdict",
     "__version__",
     "attention_share",

@@ -4,8 +4,9 @@ The question is run on top of a captured state twice, as asked and with its dist
 removed (:func:`content_free_question`: a calibration query that keeps the question's form and
 position). Each passage's score is the log ratio of the attention shares the two give it
 (each smoothed by :data:`SCORE_SMOOTHING` times the mean share of a passage, so the same default
-serves 5 and 500 passages), averaged over layers: positional bias (lost in the middle, recency,
-the sink) appears in both and cancels, the question's content does not.
+serves 5 and 500 passages), averaged over the layers that hold the passage (a sliding-window
+layer holds only its last tokens): positional bias (lost in the middle, recency, the sink)
+appears in both and cancels, the question's content does not.
 
 Focus edits only when a passage stands out (:func:`stands_out`: its robust z-score among the
 candidates' scores reaches :data:`ABSTAIN_THRESHOLD`); otherwise it abstains (no edit). A
@@ -30,7 +31,7 @@ import torch
 from . import checks, ops
 from .capturing import capture
 from .errors import InvalidInputError, InvalidTypeError
-from .guard import AgreementGuard, Guard, Verdict
+from .guard import SUPPORT_THRESHOLD, Guard, SupportGuard, Verdict
 from .passages import Range, split_passages
 from .prompts import chat_prefix
 from .state import KVState
@@ -40,6 +41,7 @@ __all__ = [
     "DEFAULT_GUARD",
     "SCORE_SMOOTHING",
     "SHARE_EPS",
+    "SUPPORT_THRESHOLD",
     "Focus",
     "adaptive_strengths",
     "best_covered",
@@ -73,9 +75,10 @@ from .focus_scoring import (
     stands_out,
 )
 
-DEFAULT_GUARD = AgreementGuard()
-"""The answer guard ``focus(..., guard=DEFAULT_GUARD)`` applies (off by default: see
-:func:`focus`)."""
+DEFAULT_GUARD = SupportGuard()
+"""The answer guard :func:`focus` applies by default (:class:`kvedit.guard.SupportGuard` at
+:data:`SUPPORT_THRESHOLD`): no edit where the unedited answer already comes from the chosen
+passage."""
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Focus:
         eligible: the passages focus may choose: the candidates (not echoes) that hold the
             most of the question's distinctive words (:func:`best_covered`; all candidates
             when none holds any).
+        query: the asking part of :attr:`question` (its words are left out of a guard's
+            reading of the answer; ``None``: the whole question).
     """
 
     state: KVState
@@ -113,6 +118,7 @@ class Focus:
     echoes: list[int] = field(default_factory=list)
     best: int | None = None
     eligible: list[int] = field(default_factory=list)
+    query: str | None = None
 
     @property
     def kept(self) -> bool:
@@ -135,6 +141,9 @@ class Focus:
         if v is not None:
             said = {"agree": "same answer with and without it", "edit": "the edit's answer won"}
             said["original"] = "the unedited answer won"
+            if v.support is not None:
+                words = f"{v.support:.0%} of the unedited answer's words are in the passage"
+                said["supported"] = said["unsupported"] = words
             where = "" if v.step is None else f" at answer token {v.step}, margin {v.margin:.2f}"
             lines.append(f"edit {'kept' if v.kept else 'dropped'}: {said[v.reason]}{where}")
         return "\n".join(lines)
@@ -232,6 +241,7 @@ def choose(
         echoes,
         best,
         eligible.nonzero().flatten().tolist(),
+        query,
     )
 
 
@@ -262,7 +272,7 @@ def focus(
     region: Range | None = None,
     smoothing: float = SCORE_SMOOTHING,
     threshold: float | None = ABSTAIN_THRESHOLD,
-    guard: Guard | None = None,
+    guard: Guard | None = DEFAULT_GUARD,
     edit: Callable[[KVState, list[Range]], KVState] | None = None,
 ) -> Focus:
     """Emphasize the passages of ``state`` that ``question`` points at, unless that would
@@ -292,16 +302,18 @@ def focus(
             When none does, focus abstains: nothing is edited, :attr:`Focus.chosen` is empty,
             :attr:`Focus.state` is the input state and :meth:`Focus.explain` says why.
             ``None`` always emphasizes the ``top_k`` best (the former behaviour).
-        guard: an answer guard (:mod:`kvedit.guard`, e.g. :data:`DEFAULT_GUARD`): it compares
-            the answers with and without the edit and may drop it (then :attr:`Focus.state`
-            is the input state and :attr:`Focus.kept` is ``False``). Off by default: on the
-            tuning seeds every answer-confidence rule tried dropped more good edits than bad
-            ones on NQ (see ``reports/``). Focus's do-no-harm rules are in the choice and
-            the sizing instead: it abstains when no passage stands out (``threshold``), never
-            chooses a passage that only restates the question (:func:`echo_passages`),
-            smoothed scores keep the first and last passages from losing to their neighbours
-            (:data:`SCORE_SMOOTHING`), and a layer where the chosen passage already has
-            ``target`` of the attention gets no bias.
+        guard: an answer guard (:mod:`kvedit.guard`): it reads the answers with and without
+            the edit and may drop it (then :attr:`Focus.state` is the input state and
+            :attr:`Focus.kept` is ``False``). The default, :data:`DEFAULT_GUARD`
+            (:class:`~kvedit.guard.SupportGuard`), answers unedited where the unedited
+            answer's content words are in the chosen passage: the model already reads it, and
+            on NQ's last position the edit made it copy the passage's opening instead
+            (``reports/focus-tuning/README.md`` §6). ``None``: no guard. Focus's other
+            do-no-harm rules are in the choice and the sizing: it abstains when no passage
+            stands out (``threshold``), never chooses a passage that only restates the
+            question (:func:`echo_passages`), smoothed scores keep the first and last passages
+            from losing to their neighbours (:data:`SCORE_SMOOTHING`), and a layer where the
+            chosen passage already has ``target`` of the attention gets no bias.
         edit: another edit of the chosen passages instead of the sized emphasis, called as
             ``edit(state, spans)`` with the chosen passages' character ranges, returning the
             edited state: ``kvedit.ops.reread``, ``functools.partial(kvedit.ops.duplicate,
@@ -361,7 +373,10 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     original = found.state
     found.state = edited
     if guard is not None:
-        found.verdict = guard.decide(original, edited, found.question)
+        evidence = [original.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
+        found.verdict = guard.decide(
+            original, edited, found.question, evidence=evidence, query=found.query
+        )
         found.state = edited if found.verdict.kept else original
     return found
 

@@ -14,10 +14,18 @@ neighbour's number is very unlikely to a model that was reading the right record
 is dropped; a right number the model had lost in the middle keeps some probability without the
 edit, so that edit is kept. Both distributions at that step are computed anyway, so the rule
 costs one extra question pass (the unedited answer) and one decode step per agreeing token.
+
+:class:`SupportGuard` reads the unedited answer instead: when most of its content words are in
+the passages the edit would raise (:func:`answer_support`), the model is already reading them.
+The edit can add no evidence there, only disturb the answer (on NQ it made the model copy the
+passage's opening sentence), so the unedited state answers. It costs the unedited answer (one
+question pass and its decode steps) before the edited one.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,9 +33,18 @@ import torch
 
 from . import checks
 from .decoding import Answer, Decoder
+from .errors import InvalidInputError
 from .state import KVState
 
-__all__ = ["AgreementGuard", "Guard", "Verdict"]
+__all__ = [
+    "SUPPORT_THRESHOLD",
+    "AgreementGuard",
+    "Guard",
+    "SupportGuard",
+    "Verdict",
+    "answer_support",
+    "content_words",
+]
 
 
 @dataclass(frozen=True)
@@ -37,11 +54,14 @@ class Verdict:
     Attributes:
         kept: whether the edited state should answer.
         reason: ``"agree"`` (same greedy answer), ``"edit"`` or ``"original"`` (the token that
-            won where they first differ).
+            won where they first differ); for :class:`SupportGuard`, ``"supported"`` (the
+            unedited answer comes from the edited passages) or ``"unsupported"``.
         step: the answer token where the two first differ (``None`` when they agree).
         margin: at ``step``, the joint log-probability of the edited state's token minus that
             of the original's (``0.0`` when they agree).
         answer: the greedy answer of the chosen state (up to the guard's ``max_new_tokens``).
+        support: for :class:`SupportGuard`, the share of the unedited answer's content words
+            found in the edited passages (``None`` for other guards).
     """
 
     kept: bool
@@ -49,12 +69,24 @@ class Verdict:
     step: int | None
     margin: float
     answer: Answer
+    support: float | None = None
 
 
 class Guard(Protocol):
-    """Decides whether ``edited`` (an edit of ``original``) should answer ``continuation``."""
+    """Decides whether ``edited`` (an edit of ``original``) should answer ``continuation``.
 
-    def decide(self, original: KVState, edited: KVState, continuation: str) -> Verdict: ...
+    ``evidence`` holds the texts of the passages the edit raises and ``query`` the asking part
+    of ``continuation`` (without the chat template); a guard may ignore both."""
+
+    def decide(
+        self,
+        original: KVState,
+        edited: KVState,
+        continuation: str,
+        *,
+        evidence: Sequence[str] = (),
+        query: str | None = None,
+    ) -> Verdict: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +111,16 @@ class AgreementGuard:
         )
 
     @torch.no_grad()
-    def decide(self, original: KVState, edited: KVState, continuation: str) -> Verdict:
+    def decide(
+        self,
+        original: KVState,
+        edited: KVState,
+        continuation: str,
+        *,
+        evidence: Sequence[str] = (),
+        query: str | None = None,
+    ) -> Verdict:
+        """The verdict for ``edited`` (``evidence`` and ``query`` are not used)."""
         base, edit = original.decoder(continuation), edited.decoder(continuation)
         tokens: list[int] = []
         base_lps: list[float] = []  # each state's log-probs of the shared tokens
@@ -106,6 +147,116 @@ class AgreementGuard:
                 base.push(a)
                 edit.push(a)
         return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, edit_lps, False))
+
+
+STOP_WORDS = frozenset(
+    [
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "by",
+        "document",
+        "for",
+        "from",
+        "in",
+        "is",
+        "it",
+        "its",
+        "of",
+        "on",
+        "that",
+        "the",
+        "this",
+        "to",
+        "was",
+        "were",
+        "with",
+        "answer",
+        "question",
+        "title",
+    ]
+)
+"""Words :func:`content_words` leaves out: they say nothing about where an answer came from."""
+
+
+def content_words(text: str) -> list[str]:
+    """The lower-cased words (letters and digits) of ``text`` longer than one character, with
+    :data:`STOP_WORDS` left out."""
+    return [w for w in re.findall(r"[^\W_]+", text.lower()) if len(w) > 1 and w not in STOP_WORDS]
+
+
+def answer_support(answer: str, evidence: Sequence[str], question: str) -> float:
+    """The share of ``answer``'s :func:`content_words` that are not in ``question`` and occur
+    in ``evidence`` (passages' texts); 0 when the answer has no such word."""
+    asked = set(content_words(question))
+    words = [w for w in content_words(answer) if w not in asked]
+    if not words:
+        return 0.0
+    present = {w for text in evidence for w in content_words(text)}
+    return sum(w in present for w in words) / len(words)
+
+
+SUPPORT_THRESHOLD = 0.75
+"""The support (share of the unedited answer's content words found in the chosen passage) at
+which :class:`SupportGuard` answers unedited; chosen on tuning seeds
+(``reports/focus-tuning/README.md`` §6)."""
+
+
+@dataclass(frozen=True)
+class SupportGuard:
+    """Keep the edit unless the unedited answer already comes from the edited passages.
+
+    The unedited state answers first (greedy). When at least ``threshold`` of that answer's
+    content words (:func:`answer_support`: words not in the question) occur in the passages the
+    edit raises, the unedited state answers; otherwise the edited one does. An answer with no
+    such word (an empty answer, or one that only repeats the question) keeps the edit.
+
+    Attributes:
+        threshold: the support (a share in ``[0, 1]``) at which the unedited answer stands.
+            Chosen on tuning seeds (``reports/focus-tuning/README.md`` §6).
+        max_new_tokens: the longest answer decoded, unedited and edited.
+        read: the part of an answer the caller reads (``None``: all of it). A base model
+            asked in a plain prompt runs on past its answer into the next question; the
+            eval reads only its first line (:func:`kvedit.evals.prompts.plain_answer`), and
+            so must the guard.
+    """
+
+    threshold: float = SUPPORT_THRESHOLD
+    max_new_tokens: int = 32
+    read: Callable[[str], str] | None = None
+
+    def __post_init__(self) -> None:
+        threshold = checks.real("threshold", self.threshold)
+        if not 0.0 <= threshold <= 1.0:
+            raise InvalidInputError(f"threshold must be a share in [0, 1], not {threshold!r}")
+        object.__setattr__(self, "threshold", threshold)
+        object.__setattr__(
+            self, "max_new_tokens", checks.count("max_new_tokens", self.max_new_tokens, minimum=1)
+        )
+
+    @torch.no_grad()
+    def decide(
+        self,
+        original: KVState,
+        edited: KVState,
+        continuation: str,
+        *,
+        evidence: Sequence[str] = (),
+        query: str | None = None,
+    ) -> Verdict:
+        """The verdict for ``edited``: the unedited answer's support in ``evidence``, with
+        the words of ``query`` (default: ``continuation``) left out."""
+        unedited = original.answer(continuation, self.max_new_tokens)
+        text = unedited.text if self.read is None else self.read(unedited.text)
+        share = answer_support(text, evidence, continuation if query is None else query)
+        if share >= self.threshold:
+            return Verdict(False, "supported", None, 0.0, unedited, share)
+        answer = edited.answer(continuation, self.max_new_tokens)
+        return Verdict(True, "unsupported", None, 0.0, answer, share)
 
 
 def _finish(

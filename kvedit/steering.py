@@ -30,7 +30,8 @@ from transformers import PreTrainedModel
 
 from . import checks
 from .errors import InvalidInputError, InvalidTypeError
-from .focusing import ABSTAIN_THRESHOLD, content_question
+from .focusing import ABSTAIN_THRESHOLD, DEFAULT_GUARD, content_question
+from .guard import Guard
 from .runtime import activate
 from .spans import Spans, as_span_list
 from .strengths import strength_for_share, strength_from_pasta_alpha
@@ -161,7 +162,7 @@ def steer(
     question: str | None = None,
     passages=None,
     top_k: int = 1,
-    guard=None,
+    guard: Guard | None = DEFAULT_GUARD,
     threshold: float | None = ABSTAIN_THRESHOLD,
 ) -> Steering:
     """Steer ``model``'s attention toward ``emphasize`` and away from ``suppress``.
@@ -192,8 +193,8 @@ def steer(
             time. ``plan.found`` holds the latest :class:`~kvedit.focus.Focus`.
         question: with ``focus``, the question's text as it appears in the prompt.
         passages, top_k, guard, threshold: with ``focus``, as :func:`kvedit.focus` takes them
-            (a guard that drops the edit, or a threshold no passage reaches, leaves the prompt
-            unsteered).
+            (the default guard is :data:`kvedit.focusing.DEFAULT_GUARD`; a guard that drops
+            the edit, or a threshold no passage reaches, leaves the prompt unsteered).
 
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).

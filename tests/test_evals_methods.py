@@ -777,11 +777,34 @@ def test_plain_answers_end_at_their_first_line(llama):
 
 
 def test_auto_refuses_a_guard_without_a_cache_edit_and_zero_smoothing():
-    with pytest.raises(InvalidInputError, match="not with edit='steer'"):
+    with pytest.raises(
+        InvalidInputError, match="needs a cache edit to compare: with edit='steer' use guard=none"
+    ):
         parse_spec("auto:edit=steer:guard=True")
     with pytest.raises(InvalidInputError, match="smoothing"):
         parse_spec("auto:smoothing=0.0")
-    assert parse_spec("auto:guard=True").params.guard is True
+    assert parse_spec("auto:guard=True").params.guard == "agreement"
+    assert parse_spec("auto:guard=False").params.guard == "none"
+    assert parse_spec("auto").params.guard == "support"
+    assert parse_spec("auto:guard=none:edit=steer").params.guard == "none"
+    with pytest.raises(InvalidInputError, match="guard must be one of support, agreement, none"):
+        parse_spec("auto:guard=maybe")
+    with pytest.raises(InvalidInputError, match="support"):
+        parse_spec("auto:support=1.5")
+
+
+def test_the_support_guard_reads_a_plain_prompts_answer_as_the_eval_does(llama):
+    from kvedit.evals.methods.focus import guard_of
+    from kvedit.evals.prompts import plain_answer
+
+    model, tok = llama
+    ex = small_examples()[0]
+    params = parse_spec("auto").params
+    chat = guard_of(params, ExampleContext(model, tok, ex, max_new_tokens=6))
+    plain = guard_of(params, ExampleContext(model, tok, ex, 6, prompt_format="plain"))
+    assert chat.read is None and plain.read is plain_answer
+    assert (chat.threshold, chat.max_new_tokens) == (params.support, 6)
+    assert guard_of(parse_spec("auto:guard=none").params, None) is None
 
 
 def test_reread_with_a_guard_answers_from_the_state_the_guard_keeps(llama, monkeypatch):
@@ -795,5 +818,5 @@ def test_reread_with_a_guard_answers_from_the_state_the_guard_keeps(llama, monke
     assert reread != none, "the edit must change the answer for this test"
     for margin, expected in ((-1e9, reread), (1e9, none)):
         guard = AgreementGuard(margin, max_new_tokens=32)
-        monkeypatch.setattr(example_focus_module, "DEFAULT_GUARD", guard)
+        monkeypatch.setattr(example_focus_module, "AGREEMENT_GUARD", guard)
         assert parse_spec("reread:guard=True:threshold=None").predict(ctx) == expected

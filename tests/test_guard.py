@@ -119,3 +119,53 @@ def test_token_logprobs_and_capture_tokens_refuse_bad_ids(llama):
     assert torch.equal(capture_tokens(model, tok, ids).last_logits, state.last_logits)
     with pytest.raises(InvalidInputError, match="one sequence"):
         capture_tokens(model, tok, ids.repeat(2, 1))
+
+
+def test_answer_support_counts_the_answers_own_words_found_in_the_evidence():
+    from kvedit.guard import answer_support, content_words
+
+    assert content_words("The answer is: Paris, in 1889!") == ["paris", "1889"]
+    question = "Where was the tower built?"
+    # "tower" and "built" are the question's words: only "paris" and "1889" count
+    assert answer_support("The tower was built in Paris in 1889.", ["Paris, 1889."], question) == 1
+    assert answer_support("Built in Paris in 1890.", ["It rose in Paris in 1889."], question) == 0.5
+    assert answer_support("The tower was built.", ["anything"], question) == 0.0  # no own word
+    assert answer_support("Paris", [], question) == 0.0
+    assert answer_support("Paris", ["Lyon.", "Paris."], question) == 1.0  # any passage
+
+
+def test_support_guard_answers_unedited_where_the_answer_comes_from_the_passage(llama):
+    from kvedit.guard import SupportGuard
+
+    state, edited = _guard_case(llama, 8.0)
+    unedited = state.answer(QUESTION, 6)
+    assert unedited.text.strip() and edited.answer(QUESTION, 6).text != unedited.text
+    guard = SupportGuard(max_new_tokens=6)
+    # the unedited answer's own words, as the passage the edit raises
+    drop = guard.decide(state, edited, QUESTION, evidence=[unedited.text], query="")
+    assert not drop.kept and drop.reason == "supported" and drop.support == 1.0
+    assert drop.answer == unedited
+    keep = guard.decide(state, edited, QUESTION, evidence=["zzz"], query="")
+    assert keep.kept and keep.reason == "unsupported" and keep.support == 0.0
+    assert keep.answer == edited.answer(QUESTION, 6)
+    # the guard reads the answer as the caller does: here, nothing of it (no support)
+    unread = SupportGuard(max_new_tokens=6, read=lambda text: "")
+    assert unread.decide(state, edited, QUESTION, evidence=[unedited.text], query="").kept
+    with pytest.raises(InvalidInputError, match="threshold"):
+        SupportGuard(threshold=1.5)
+
+
+def test_focus_passes_the_chosen_passages_to_the_guard(llama):
+    state = _state(llama)
+    seen = []
+
+    class Recorder:
+        def decide(self, original, edited, continuation, *, evidence=(), query=None):
+            seen.append((list(evidence), query))
+            return AgreementGuard(max_new_tokens=4).decide(original, edited, continuation)
+
+    found = kvedit.focus(state, QUESTION, guard=Recorder(), threshold=None, query="Bo's number?")
+    assert seen == [
+        ([state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)], "Bo's number?")
+    ]
+    assert kvedit.focus(state, QUESTION, threshold=None).verdict.support is not None  # default

@@ -14,10 +14,13 @@ from kvedit.evals.methods.edits import EditParams
 from kvedit.evals.methods.focus import example_focus, focused_answer, focused_state
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.focusing import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, Focus
+from kvedit.focusing import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, SUPPORT_THRESHOLD, Focus
 from kvedit.state import KVState
 
-__all__ = ["Auto", "AutoParams", "auto_hit_rate"]
+__all__ = ["GUARDS", "Auto", "AutoParams", "auto_hit_rate"]
+
+GUARDS = ("support", "agreement", "none")
+"""The answer guards ``auto``'s ``guard`` names (:class:`AutoParams`)."""
 
 
 # Chosen on seed 1 of `records` (benchmarks/auto_retrieval.py and a strength sweep); reported on
@@ -39,10 +42,15 @@ class AutoParams(EditParams):
         target: The attention share each layer's bias lifts the chosen documents to, in
             ``(0, 1)``; ``None`` adds ``strength`` everywhere instead. Only ``emphasize``
             uses it.
-        guard: Apply :data:`kvedit.focusing.DEFAULT_GUARD` (:class:`kvedit.guard.AgreementGuard`):
-            keep the edit only where, at the first answer token where the answers with and
-            without it differ, the edit's token is the likelier under both states. Off by
-            default (it hurt NQ on the tuning seed). Not with ``edit="steer"``.
+        guard: The answer guard (:mod:`kvedit.guard`): ``"support"`` (the default of a cache
+            edit, :class:`~kvedit.guard.SupportGuard`: answer unedited where at least ``support`` of
+            the unedited answer's content words are in the chosen document), ``"agreement"``
+            or ``True`` (:class:`~kvedit.guard.AgreementGuard`: keep the edit only where, at
+            the first answer token where the answers differ, the edit's token is the likelier
+            under both states; it hurt NQ on the tuning seed), ``"none"`` or ``False`` (no
+            guard; the default, and the only one, of ``edit="steer"``).
+        support: :class:`~kvedit.guard.SupportGuard`'s threshold
+            (:data:`kvedit.focusing.SUPPORT_THRESHOLD`).
         smoothing: The share added to both sides of each score's log ratio, as a fraction
             of the mean share of a document (:data:`kvedit.focusing.SCORE_SMOOTHING`;
             recorded, so results made with another value are never reused for this one).
@@ -56,7 +64,8 @@ class AutoParams(EditParams):
     top_k: int = 1
     layers: tuple[float, float] = (0.0, 1.0)
     target: float | None = 0.2
-    guard: bool = False
+    guard: bool | str = "default"
+    support: float = SUPPORT_THRESHOLD
     smoothing: float = SCORE_SMOOTHING
     threshold: float | None = ABSTAIN_THRESHOLD
 
@@ -67,10 +76,18 @@ class AutoParams(EditParams):
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, minimum=1))
         smoothing = check_fraction("smoothing", self.smoothing, open_low=True)
         object.__setattr__(self, "smoothing", smoothing)
-        if not isinstance(self.guard, bool):
-            raise InvalidInputError(f"guard must be True or False, not {self.guard!r}")
-        if self.guard and self.edit == "steer":
-            raise InvalidInputError("guard needs a cache edit to compare: not with edit='steer'")
+        default = "none" if self.edit == "steer" else "support"
+        guard = {True: "agreement", False: "none", "default": default}.get(self.guard, self.guard)
+        if guard not in GUARDS:
+            raise InvalidInputError(
+                f"guard must be one of {', '.join(GUARDS)} (or True/False), not {self.guard!r}"
+            )
+        object.__setattr__(self, "guard", guard)
+        object.__setattr__(self, "support", check_fraction("support", self.support))
+        if guard != "none" and self.edit == "steer":
+            raise InvalidInputError(
+                f"guard {guard!r} needs a cache edit to compare: with edit='steer' use guard=none"
+            )
         layers = self.layers
         if isinstance(layers, str) or not isinstance(layers, Sequence) or len(layers) != 2:
             raise InvalidInputError(f"layers must be a pair (lo, hi), not {layers!r}")

@@ -17,8 +17,9 @@ from typing import Any
 import kvedit
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
-from kvedit.focusing import ABSTAIN_THRESHOLD, DEFAULT_GUARD, Focus
-from kvedit.guard import AgreementGuard
+from kvedit.evals.prompts import plain_answer
+from kvedit.focusing import ABSTAIN_THRESHOLD, Focus
+from kvedit.guard import AgreementGuard, Guard, SupportGuard
 from kvedit.state import KVState
 
 __all__ = ["example_focus", "focus_args", "focused_answer", "focused_state", "layer_slice"]
@@ -30,11 +31,19 @@ def layer_slice(layers: tuple[float, float], n_layers: int) -> slice:
     return slice(int(lo * n_layers), max(int(lo * n_layers) + 1, int(hi * n_layers)))
 
 
-def guard_of(params, ctx: ExampleContext) -> AgreementGuard | None:
-    """The guard ``params.guard`` asks for, answering up to ``ctx.max_new_tokens`` tokens."""
-    if not params.guard:
-        return None
-    return AgreementGuard(DEFAULT_GUARD.margin, ctx.max_new_tokens)
+AGREEMENT_GUARD = AgreementGuard()
+"""The :class:`~kvedit.guard.AgreementGuard` whose margin ``guard=agreement`` uses."""
+
+
+def guard_of(params, ctx: ExampleContext) -> Guard | None:
+    """The guard ``params.guard`` names (``"support"``, ``"agreement"`` or ``"none"``),
+    answering up to ``ctx.max_new_tokens`` tokens."""
+    if params.guard == "support":  # it reads the answer as the eval scores it
+        read = plain_answer if ctx.prompt_format == "plain" else None
+        return SupportGuard(params.support, ctx.max_new_tokens, read)
+    if params.guard == "agreement":
+        return AgreementGuard(AGREEMENT_GUARD.margin, ctx.max_new_tokens)
+    return None
 
 
 def focus_args(ctx: ExampleContext, params) -> dict[str, Any]:

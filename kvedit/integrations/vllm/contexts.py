@@ -184,7 +184,7 @@ def publish_context(
         state = found.state
     else:
         state = capture(model, tokenizer, prefix)
-    if focus_on is not None:
+    if focus_on is not None and found.kept:  # a guard that dropped the edit chose nothing
         chosen = [state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
     if emphasize:
         state = ops.emphasize(state, list(emphasize), strength)
