@@ -10,8 +10,9 @@ answers exactly, without decoding again; ``--check FILE`` compares them with a r
 run's records and fails on any difference.
 
 Prints, per gold position, ``none``, unguarded ``auto`` and the replay (accuracy, questions won
-and lost against ``none``), and with ``--out`` writes the replayed records (method
-``auto:replayed``) and the summary as JSON.
+and lost against ``none``). ``--out DIR`` writes ``DIR/results.json`` in the eval's shape (the
+source's records with each ``auto`` record replaced by its replay, marked ``"replayed"``), so
+``benchmarks/focus_no_harm.py`` reads it like a run.
 
 Usage::
 
@@ -55,7 +56,8 @@ def replay(results: dict, examples: dict, support: float) -> list[dict]:
         out.append(
             {
                 "id": r["id"],
-                "method": "auto:replayed",
+                "method": "auto",
+                "replayed": True,
                 "gold_index": r["gold_index"],
                 "prediction": source["prediction"],
                 "correct": source["correct"],
@@ -141,18 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     means = {k: sum(r[k] for r in table.values()) / len(table) for k in ("none", "auto", "guarded")}
     print("mean", " ".join(f"{k} {v:.3f}" for k, v in means.items()))
     if args.out:
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "support": args.support,
-                    "by_position": table,
-                    "mean": means,
-                    "source": args.results,
-                    "examples": records,
-                },
-                indent=1,
-            )
-        )
+        kept = [r for r in results["examples"] if r["method"] != "auto"]
+        extra = {**results.get("extra", {}), "replayed_from": args.results}
+        extra["replay"] = {"support": args.support, "by_position": table, "mean": means}
+        out = {k: v for k, v in results.items() if k not in ("examples", "extra", "methods")}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = Path(args.out) / "results.json"
+        path.write_text(json.dumps({**out, "examples": kept + records, "extra": extra}, indent=1))
     if args.check and check(records, args.check):
         return 1
     return 0

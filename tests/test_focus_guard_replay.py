@@ -77,3 +77,30 @@ def test_harm_check_rules_answer_from_the_variant_they_name(monkeypatch):
     assert all(rule(abstained, EX) is True for rule in m.RULES.values())  # unedited answers
     text = m.table([base, {**base, "gold_index": 0}], {"e0": EX})
     assert "support>=0.75" in text and "(examples per position: 0: 1 1: 1)" in text
+
+
+def test_out_writes_a_run_that_the_no_harm_table_reads(monkeypatch, tmp_path):
+    from kvedit.evals.jsonl import write_jsonl
+
+    m = load_benchmark("focus_guard_replay", monkeypatch)
+    table = load_benchmark("focus_no_harm", monkeypatch)
+    data = write_jsonl([EX], tmp_path / "data.jsonl")
+    results = {
+        "model": "m",
+        "task": "custom",
+        "examples": [
+            _rec("none", "Bob's code is 22.", True),
+            _rec("auto", "The answer is", False, chosen=[1]),
+            _rec("gold_only", "22", True),
+        ],
+        "extra": {"seed": 0},
+    }
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(results))
+    assert m.main([str(src), "--data", str(data), "--out", str(tmp_path / "replay")]) == 0
+    written = json.loads((tmp_path / "replay" / "results.json").read_text())
+    auto = [r for r in written["examples"] if r["method"] == "auto"]
+    assert len(auto) == 1 and auto[0]["replayed"] and auto[0]["correct"]  # unedited answer
+    assert written["extra"]["replayed_from"] == str(src) and written["extra"]["seed"] == 0
+    row = table.positions(written)[0]
+    assert (row.none, row.auto, row.lost) == (1.0, 1.0, 0)
