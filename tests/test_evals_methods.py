@@ -70,7 +70,8 @@ AUTO_DEFAULTS = {
     "top_k": 1,
     "layers": [0.0, 1.0],
     "target": 0.2,
-    "guard": False,
+    "guard": "support",
+    "support": 0.75,
     "smoothing": 0.5,
     "threshold": 2.5,
 }
