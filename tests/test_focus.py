@@ -12,7 +12,6 @@ from kvedit import ops
 from kvedit.errors import EmptySelectionError, InvalidInputError, InvalidTypeError
 from kvedit.evals.tasks import records_examples
 from kvedit.focusing import (
-    DEFAULT_GUARD,
     adaptive_strengths,
     content_free_question,
     passage_scores,
@@ -190,7 +189,7 @@ def test_explain_is_a_readable_table(llama):
         llama, "Intro.\n\n" + "A very long record that goes on and on and on and on.\nShort."
     )
     question = "\n\nQuestion: Short?"
-    found = kvedit.focus(state, question, top_k=2, threshold=None)
+    found = kvedit.focus(state, question, top_k=2, threshold=None, guard=None)
     text = found.explain()
     lines = text.splitlines()
     assert len(lines) == 1 + len(found.passages) and "score" in lines[0]
@@ -219,9 +218,15 @@ def test_explain_is_a_readable_table(llama):
         assert torch.equal(guarded.state.last_logits, answers.last_logits)
         assert guarded.generate(8) == answers.generate(question, 8)
     # an edit that leaves the answer as it was is kept, and explain says so
-    agreed = kvedit.focus(state, question, top_k=2, guard=DEFAULT_GUARD, threshold=None)
+    agreed = kvedit.focus(state, question, top_k=2, guard=AgreementGuard(), threshold=None)
     assert agreed.verdict.reason == "agree" and agreed.kept
     assert agreed.explain().splitlines()[-1] == "edit kept: same answer with and without it"
+    # the default guard (SupportGuard) says how much of the unedited answer the passage holds
+    default = kvedit.focus(state, question, top_k=2, threshold=None)
+    assert isinstance(default.verdict.support, float)
+    said = f"{default.verdict.support:.0%} of the unedited answer's words are in the passage"
+    verdict = "kept" if default.kept else "dropped"
+    assert default.explain().splitlines()[-1] == f"edit {verdict}: {said}"
     assert torch.equal(agreed.state.last_logits, found.state.last_logits)
 
 
