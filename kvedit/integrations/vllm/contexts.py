@@ -40,7 +40,8 @@ from ...capturing import capture
 from ...decoding import eos_ids
 from ...errors import InvalidInputError
 from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
-from ...focusing import QUESTION_MARK, focus, focus_text
+from ...focusing import DEFAULT_GUARD, QUESTION_MARK, focus, focus_text
+from ...guard import Guard
 from ...prompts import chat_prefix
 from .publishing import kv_transfer_params, publish_stock
 
@@ -139,6 +140,7 @@ def publish_context(
     prompt: str = "chat",
     served_model_name: str = "",
     approximate: bool = False,
+    guard: Guard | None = DEFAULT_GUARD,
 ) -> PublishedPrompt:
     """Capture ``context``, edit it, publish it under ``root``; returns what to send.
 
@@ -154,6 +156,9 @@ def publish_context(
             model name).
         approximate: publish an edit vLLM realises only approximately, labelled (see
             :mod:`~kvedit.integrations.vllm.servable`).
+        guard: with ``focus_on``, the answer guard :func:`kvedit.focus` applies (default
+            :data:`kvedit.focusing.DEFAULT_GUARD`: no edit where the unedited answer already
+            comes from the chosen passage; then nothing is chosen); ``None``: none.
 
     Raises:
         InvalidInputError: empty context, a question differing from ``focus_on``, a context
@@ -176,11 +181,11 @@ def publish_context(
     prefix, continuation = _prefix(tokenizer, context, question or PLACEHOLDER, prompt)
     chosen: list[str] = []
     if focus_on is not None and prompt == "chat":
-        found = focus_text(model, tokenizer, context, focus_on)
+        found = focus_text(model, tokenizer, context, focus_on, guard=guard)
         state = found.state
     elif focus_on is not None:
         state = capture(model, tokenizer, prefix)
-        found = focus(state, continuation, region=(0, len(context)), query=focus_on)
+        found = focus(state, continuation, region=(0, len(context)), query=focus_on, guard=guard)
         state = found.state
     else:
         state = capture(model, tokenizer, prefix)
