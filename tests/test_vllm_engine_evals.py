@@ -1,6 +1,6 @@
 """``kvedit eval litm --engine vllm`` answers as the transformers engine does.
 
-One run (one engine start), with ``approximate=True`` (``--approximate``): ``auto`` and
+One run (one engine start), with ``approximate=True`` (``--approximate``): ``auto`` (unguarded) and
 ``oracle`` emphasize by per-layer or non-``log(r + 1)`` strengths, which vLLM realises only
 approximately; their records and the summary say so. ``oracle:edit=scale_keys`` keeps the
 plain state's token ids: its file is told from ``none``'s by its digest.
@@ -15,7 +15,8 @@ import pytest
 from kvedit.evals.litm import build_examples, evaluate, run
 
 pytestmark = pytest.mark.real
-METHODS = ["none", "oracle:edit=scale_keys:factor=0.5", "auto", "oracle"]
+AUTO = "auto:guard=none"  # always its edit (the support guard may answer unedited: exact)
+METHODS = ["none", "oracle:edit=scale_keys:factor=0.5", AUTO, "oracle"]
 SETTINGS = dict(task="records", n_docs=10, positions=[0, 6], trials=1, seed=0)
 
 
@@ -74,7 +75,7 @@ def test_the_run_records_the_engine(results):
     assert extra["engine"] == "vllm" and extra["batch"] == 2 and extra["approximate"] is True
     assert extra["engine_start_seconds"] > 0 and extra["serve_seconds"] > 0
     assert 0 < extra["seconds_per_example_after_start"] < extra["seconds_per_example"]
-    auto = [r for r in results["examples"] if r["method"] == "auto"]
+    auto = [r for r in results["examples"] if r["method"] == AUTO]
     assert all(len(r["chosen"]) == 1 for r in auto)
 
 
@@ -88,4 +89,4 @@ def test_approximations_are_labelled_in_the_records_and_the_summary(results):
         mine = [r["exact"] for r in records if r["method"] == method]
         assert stats["exact_share"] == pytest.approx(sum(mine) / len(mine))
     assert results["methods"]["none"]["exact_share"] == 1.0
-    assert results["methods"]["auto"]["exact_share"] < 1.0  # per-layer strengths
+    assert results["methods"][AUTO]["exact_share"] < 1.0  # per-layer strengths
