@@ -60,9 +60,13 @@ def main() -> None:
         )
         t.append(time.perf_counter())
         if found.chosen:
-            evidence = [state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
+            texts = [state.text[a:b] for a, b in found.passages]
+            evidence = [texts[i] for i in found.chosen]
+            others = [t for i, t in enumerate(texts) if i not in found.chosen]
             guard = SupportGuard(DEFAULT_GUARD.threshold, n)
-            verdict = guard.decide(state, edited, q, evidence=evidence, query=ex.question)
+            verdict = guard.decide(
+                state, edited, q, evidence=evidence, others=others, query=ex.question
+            )
         else:
             edited.generate(q, n)
         t.append(time.perf_counter())

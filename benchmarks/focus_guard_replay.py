@@ -3,8 +3,9 @@
 :class:`kvedit.guard.SupportGuard` chooses between two answers the run already holds: the
 unedited one (``none``'s prediction: the same greedy decode of the same state) and the edited
 one (``auto``'s, made with ``guard=none``, or by kvedit before the guard). It keeps the
-unedited answer where at least ``--support`` of its content words (not in the question) occur
-in the document ``auto`` chose (the record's ``chosen``). Where the model, the scoring and the
+unedited answer where at least ``--support`` of its telling words (not in the question, not
+shared by most other documents: :func:`kvedit.guard.answer_support`) occur in the document
+``auto`` chose (the record's ``chosen``). Where the model, the scoring and the
 edit are unchanged (SmolLM2: no sliding-window layers), this gives the guarded ``auto``'s
 answers exactly, without decoding again; ``--check FILE`` compares them with a real guarded
 run's records and fails on any difference.
@@ -13,6 +14,9 @@ Prints, per gold position, ``none``, unguarded ``auto`` and the replay (accuracy
 and lost against ``none``). ``--out DIR`` writes ``DIR/results.json`` in the eval's shape (the
 source's records with each ``auto`` record replaced by its replay, marked ``"replayed"``), so
 ``benchmarks/focus_no_harm.py`` reads it like a run.
+
+A source whose ``auto`` was guarded by session 13's rule (``--source-guard 0.75``) replays
+too where every verdict that changes goes from the edit to the unedited answer.
 
 Usage::
 
@@ -32,8 +36,15 @@ from kvedit.evals.litm import build_examples
 from kvedit.guard import SUPPORT_THRESHOLD, answer_support
 
 
-def replay(results: dict, examples: dict, support: float) -> list[dict]:
-    """The guarded ``auto`` record of every example with a ``none`` and an ``auto`` record."""
+def replay(
+    results: dict, examples: dict, support: float, source_guard: float | None = None
+) -> list[dict]:
+    """The guarded ``auto`` record of every example with a ``none`` and an ``auto`` record.
+
+    ``source_guard``: the source's ``auto`` was itself guarded by the rule before shared words
+    were left out (:func:`answer_support` without ``others``) at this threshold, so where that
+    rule kept the unedited answer the record holds ``none``'s answer, not the edit's; an
+    example whose replay needs the edited answer there is refused."""
     none = {r["id"]: r for r in results["examples"] if r["method"] == "none"}
     out = []
     for r in results["examples"]:
@@ -48,10 +59,19 @@ def replay(results: dict, examples: dict, support: float) -> list[dict]:
         share = None
         keep_unedited = False
         if chosen:
-            share = answer_support(
-                unedited["prediction"], [ex.documents[i] for i in chosen], ex.question
-            )
+            evidence = [ex.documents[i] for i in chosen]
+            others = [d for i, d in enumerate(ex.documents) if i not in chosen]
+            share = answer_support(unedited["prediction"], evidence, ex.question, others)
             keep_unedited = share >= support
+        if chosen and source_guard is not None:
+            old = answer_support(unedited["prediction"], evidence, ex.question) >= source_guard
+            if old and r["prediction"] != unedited["prediction"]:
+                raise SystemExit(f"{r['id']}: the source's guard kept no unedited answer here")
+            if old and not keep_unedited:
+                raise SystemExit(
+                    f"{r['id']}: the replay needs the edited answer, which the source's guard "
+                    "did not decode (run auto for real)"
+                )
         source = unedited if keep_unedited else r
         out.append(
             {
@@ -121,6 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--positions", default=None)
     parser.add_argument("--trials", type=int, default=None)
     parser.add_argument("--support", type=float, default=SUPPORT_THRESHOLD)
+    parser.add_argument(
+        "--source-guard",
+        type=float,
+        default=None,
+        help="the source's auto ran with the support guard before shared words were left out, "
+        "at this threshold (0.75: session 13's runs)",
+    )
     parser.add_argument("--check", default=None, help="a guarded run's results.json")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -128,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     built = build_examples(args.task, args.data, args.n_docs, positions, args.trials, args.seed)
     examples = {ex.id: ex for ex in built}
     results = json.loads(Path(args.results).read_text())
-    records = replay(results, examples, args.support)
+    records = replay(results, examples, args.support, args.source_guard)
     table = summary(records)
     print(
         f"{'pos':>4} {'n':>4} {'none':>6} {'auto':>6} {'w/l':>7} {'guarded':>8} {'w/l':>7} kept-unedited"
@@ -146,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = [r for r in results["examples"] if r["method"] != "auto"]
         extra = {**results.get("extra", {}), "replayed_from": args.results}
         extra["replay"] = {"support": args.support, "by_position": table, "mean": means}
+        if args.source_guard is not None:
+            extra["replay"]["source_guard"] = args.source_guard
         out = {k: v for k, v in results.items() if k not in ("examples", "extra", "methods")}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         path = Path(args.out) / "results.json"

@@ -10,7 +10,10 @@ questions won / lost against the unedited answer of:
 - ``skip-lead``: no edit where the chosen passage leads on most layers;
 - ``support>=t``: no edit where at least ``t`` of the unedited answer's content words are in
   the chosen passage (``benchmarks/focus_support_check.py``; t = 0.5, 0.75, 1);
-- ``nolead+support>=0.75``: both.
+- ``nolead+support>=0.75``: both;
+- ``telling>=t``: ``support>=t`` without the words found in more than half of the other
+  passages (:func:`kvedit.guard.answer_support` with ``others``, the library's rule since
+  §8 of ``reports/focus-tuning/README.md``; t = 0.4, 0.5, 0.6, 0.75).
 
 Every rule reads the question, the passages, the model's attention and its own answers, never
 the gold label (which only scores them here).
@@ -31,6 +34,7 @@ from collections.abc import Callable, Sequence
 from focus_support_check import support
 
 from kvedit.evals.litm import build_examples
+from kvedit.guard import answer_support
 
 Rule = Callable[[dict, object], bool]
 """Whether a rule answers with the edit (``True``) or unedited (``False``)."""
@@ -43,6 +47,13 @@ def _edit_ok(record: dict, variant: str) -> bool:
 def _supported(record: dict, example, threshold: float = 0.75) -> bool:
     passage = example.documents[record["chosen"][0]]
     return support(record["none"], passage, example.question) >= threshold
+
+
+def _told(record: dict, example, threshold: float) -> bool:
+    chosen = record["chosen"]
+    evidence = [example.documents[i] for i in chosen]
+    others = [d for i, d in enumerate(example.documents) if i not in chosen]
+    return answer_support(record["none"], evidence, example.question, others) >= threshold
 
 
 RULES: dict[str, Callable[[dict, object], bool]] = {
@@ -62,6 +73,12 @@ RULES: dict[str, Callable[[dict, object], bool]] = {
     "nolead+support>=0.75": lambda r, ex: (
         r["none_ok"] if r["chosen"] and _supported(r, ex) else _edit_ok(r, "nolead")
     ),
+    **{
+        f"telling>={t}": lambda r, ex, t=t: (
+            r["none_ok"] if r["chosen"] and _told(r, ex, t) else _edit_ok(r, "edit")
+        )
+        for t in (0.4, 0.5, 0.6, 0.75)
+    },
 }
 
 

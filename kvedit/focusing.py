@@ -142,7 +142,7 @@ class Focus:
             said = {"agree": "same answer with and without it", "edit": "the edit's answer won"}
             said["original"] = "the unedited answer won"
             if v.support is not None:
-                words = f"{v.support:.0%} of the unedited answer's words are in the passage"
+                words = f"{v.support:.0%} of the unedited answer's telling words are in the passage"
                 said["supported"] = said["unsupported"] = words
             where = "" if v.step is None else f" at answer token {v.step}, margin {v.margin:.2f}"
             lines.append(f"edit {'kept' if v.kept else 'dropped'}: {said[v.reason]}{where}")
@@ -305,10 +305,11 @@ def focus(
         guard: an answer guard (:mod:`kvedit.guard`): it reads the answers with and without
             the edit and may drop it (then :attr:`Focus.state` is the input state and
             :attr:`Focus.kept` is ``False``). The default, :data:`DEFAULT_GUARD`
-            (:class:`~kvedit.guard.SupportGuard`), answers unedited where the unedited
-            answer's content words are in the chosen passage: the model already reads it, and
+            (:class:`~kvedit.guard.SupportGuard`), answers unedited where at least half of the
+            unedited answer's telling words (neither the question's nor shared by most other
+            passages) are in the chosen passage: the model already reads it, and
             on NQ's last position the edit made it copy the passage's opening instead
-            (``reports/focus-tuning/README.md`` §6). ``None``: no guard. Focus's other
+            (``reports/focus-tuning/README.md`` §6, §8). ``None``: no guard. Focus's other
             do-no-harm rules are in the choice and the sizing: it abstains when no passage
             stands out (``threshold``), never chooses a passage that only restates the
             question (:func:`echo_passages`), smoothed scores keep the first and last passages
@@ -373,9 +374,11 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     original = found.state
     found.state = edited
     if guard is not None:
-        evidence = [original.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
+        texts = [original.text[a:b] for a, b in found.passages]
+        evidence = [texts[i] for i in found.chosen]
+        others = [t for i, t in enumerate(texts) if i not in found.chosen]
         found.verdict = guard.decide(
-            original, edited, found.question, evidence=evidence, query=found.query
+            original, edited, found.question, evidence=evidence, others=others, query=found.query
         )
         found.state = edited if found.verdict.kept else original
     return found

@@ -15,8 +15,9 @@ is dropped; a right number the model had lost in the middle keeps some probabili
 edit, so that edit is kept. Both distributions at that step are computed anyway, so the rule
 costs one extra question pass (the unedited answer) and one decode step per agreeing token.
 
-:class:`SupportGuard` reads the unedited answer instead: when most of its content words are in
-the passages the edit would raise (:func:`answer_support`), the model is already reading them.
+:class:`SupportGuard` reads the unedited answer instead: when at least half of its telling words
+are in the passages the edit would raise (:func:`answer_support`: words neither the question's
+nor shared by most other passages), the model is already reading them.
 The edit can add no evidence there, only disturb the answer (on NQ it made the model copy the
 passage's opening sentence), so the unedited state answers. It costs the unedited answer (one
 question pass and its decode steps) before the edited one.
@@ -37,6 +38,7 @@ from .errors import InvalidInputError
 from .state import KVState
 
 __all__ = [
+    "COMMON_SHARE",
     "SUPPORT_THRESHOLD",
     "AgreementGuard",
     "Guard",
@@ -60,8 +62,8 @@ class Verdict:
         margin: at ``step``, the joint log-probability of the edited state's token minus that
             of the original's (``0.0`` when they agree).
         answer: the greedy answer of the chosen state (up to the guard's ``max_new_tokens``).
-        support: for :class:`SupportGuard`, the share of the unedited answer's content words
-            found in the edited passages (``None`` for other guards).
+        support: for :class:`SupportGuard`, the share of the unedited answer's telling words
+            (:func:`answer_support`) found in the edited passages (``None`` for other guards).
     """
 
     kept: bool
@@ -75,8 +77,9 @@ class Verdict:
 class Guard(Protocol):
     """Decides whether ``edited`` (an edit of ``original``) should answer ``continuation``.
 
-    ``evidence`` holds the texts of the passages the edit raises and ``query`` the asking part
-    of ``continuation`` (without the chat template); a guard may ignore both."""
+    ``evidence`` holds the texts of the passages the edit raises, ``others`` those of the
+    context's other passages, and ``query`` the asking part of ``continuation`` (without the
+    chat template); a guard may ignore all three."""
 
     def decide(
         self,
@@ -85,6 +88,7 @@ class Guard(Protocol):
         continuation: str,
         *,
         evidence: Sequence[str] = (),
+        others: Sequence[str] = (),
         query: str | None = None,
     ) -> Verdict: ...
 
@@ -118,6 +122,7 @@ class AgreementGuard:
         continuation: str,
         *,
         evidence: Sequence[str] = (),
+        others: Sequence[str] = (),
         query: str | None = None,
     ) -> Verdict:
         """The verdict for ``edited`` (``evidence`` and ``query`` are not used)."""
@@ -189,21 +194,43 @@ def content_words(text: str) -> list[str]:
     return [w for w in re.findall(r"[^\W_]+", text.lower()) if len(w) > 1 and w not in STOP_WORDS]
 
 
-def answer_support(answer: str, evidence: Sequence[str], question: str) -> float:
-    """The share of ``answer``'s :func:`content_words` that are not in ``question`` and occur
-    in ``evidence`` (passages' texts); 0 when the answer has no such word."""
+COMMON_SHARE = 0.5
+"""A word found in more than this share of the other passages is shared context (a template's
+"assignment", the topic's "winner"), not a sign of which passage an answer came from:
+:func:`answer_support` leaves it out. Chosen on tuning seeds (``reports/focus-tuning/README.md``
+§8; any share from 0.25 to 0.75 decided alike there)."""
+
+
+def answer_support(
+    answer: str,
+    evidence: Sequence[str],
+    question: str,
+    others: Sequence[str] = (),
+    shared: float = COMMON_SHARE,
+) -> float:
+    """The share of ``answer``'s telling words that occur in ``evidence`` (the texts of the
+    passages an edit raises); 0 when the answer has no telling word.
+
+    The telling words are its :func:`content_words` that are not in ``question`` and not found
+    in more than ``shared`` (default :data:`COMMON_SHARE`; 1 leaves none out) of ``others``
+    (the context's other passages; none left out when ``others`` is empty). A word the answer invents, found in no passage, counts
+    against it."""
     asked = set(content_words(question))
     words = [w for w in content_words(answer) if w not in asked]
+    if others:
+        seen = [set(content_words(text)) for text in others]
+        limit = shared * len(seen)
+        words = [w for w in words if sum(w in s for s in seen) <= limit]
     if not words:
         return 0.0
     present = {w for text in evidence for w in content_words(text)}
     return sum(w in present for w in words) / len(words)
 
 
-SUPPORT_THRESHOLD = 0.75
-"""The support (share of the unedited answer's content words found in the chosen passage) at
+SUPPORT_THRESHOLD = 0.5
+"""The support (share of the unedited answer's telling words found in the chosen passage) at
 which :class:`SupportGuard` answers unedited; chosen on tuning seeds
-(``reports/focus-tuning/README.md`` §6)."""
+(``reports/focus-tuning/README.md`` §6 and §8: 0.75 before shared words were left out)."""
 
 
 @dataclass(frozen=True)
@@ -211,14 +238,17 @@ class SupportGuard:
     """Keep the edit unless the unedited answer already comes from the edited passages.
 
     The unedited state answers first (greedy). When at least ``threshold`` of that answer's
-    content words (:func:`answer_support`: words not in the question) occur in the passages the
-    edit raises, the unedited state answers; otherwise the edited one does. An answer with no
+    telling words (:func:`answer_support`: words neither in the question nor shared by most
+    other passages) occur in the passages the edit raises, the unedited state answers;
+    otherwise the edited one does. An answer with no
     such word (an empty answer, or one that only repeats the question) keeps the edit.
 
     Attributes:
         threshold: the support (a share in ``[0, 1]``) at which the unedited answer stands.
             Chosen on tuning seeds (``reports/focus-tuning/README.md`` §6).
         max_new_tokens: the longest answer decoded, unedited and edited.
+        shared: a word found in more than this share of the other passages is left out of
+            the support (:data:`COMMON_SHARE`; 1 leaves none out, the rule before).
         read: the part of an answer the caller reads (``None``: all of it). A base model
             asked in a plain prompt runs on past its answer into the next question; the
             eval reads only its first line (:func:`kvedit.evals.prompts.plain_answer`), and
@@ -228,6 +258,7 @@ class SupportGuard:
     threshold: float = SUPPORT_THRESHOLD
     max_new_tokens: int = 32
     read: Callable[[str], str] | None = None
+    shared: float = COMMON_SHARE
 
     def __post_init__(self) -> None:
         threshold = checks.real("threshold", self.threshold)
@@ -237,6 +268,10 @@ class SupportGuard:
         object.__setattr__(
             self, "max_new_tokens", checks.count("max_new_tokens", self.max_new_tokens, minimum=1)
         )
+        shared = checks.real("shared", self.shared)
+        if not 0.0 <= shared <= 1.0:
+            raise InvalidInputError(f"shared must be a share in [0, 1], not {shared!r}")
+        object.__setattr__(self, "shared", shared)
 
     @torch.no_grad()
     def decide(
@@ -246,13 +281,16 @@ class SupportGuard:
         continuation: str,
         *,
         evidence: Sequence[str] = (),
+        others: Sequence[str] = (),
         query: str | None = None,
     ) -> Verdict:
         """The verdict for ``edited``: the unedited answer's support in ``evidence``, with
-        the words of ``query`` (default: ``continuation``) left out."""
+        the words of ``query`` (default: ``continuation``) and those most of ``others`` share
+        left out."""
         unedited = original.answer(continuation, self.max_new_tokens)
         text = unedited.text if self.read is None else self.read(unedited.text)
-        share = answer_support(text, evidence, continuation if query is None else query)
+        asked = continuation if query is None else query
+        share = answer_support(text, evidence, asked, others, self.shared)
         if share >= self.threshold:
             return Verdict(False, "supported", None, 0.0, unedited, share)
         answer = edited.answer(continuation, self.max_new_tokens)

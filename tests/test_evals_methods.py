@@ -71,7 +71,8 @@ AUTO_DEFAULTS = {
     "layers": [0.0, 1.0],
     "target": 0.2,
     "guard": "support",
-    "support": 0.75,
+    "support": 0.5,
+    "shared": 0.5,
     "smoothing": 0.5,
     "threshold": 2.5,
 }
@@ -188,10 +189,13 @@ def test_runner_scores_every_method_and_is_deterministic(llama):
             chosen = rec["chosen"]
             assert len(chosen) <= 1 and all(0 <= i < len(ex.documents) for i in chosen)
             if chosen:
+                # the default guard's verdict is recorded: the edit stood, on this support
+                assert rec["kept"] is True and 0.0 <= rec["support"] < 0.5, rec
                 assert rec["prediction"] != unedited, f"{spec} answered {ex.id} without an edit"
                 edited.add(spec)
             else:
                 assert rec["prediction"] == unedited
+                assert "kept" not in rec and "support" not in rec
     assert edited == {"auto:strength=3:threshold=None", "reread:threshold=None"}, (
         "each must edit some example for this test"
     )
@@ -805,6 +809,9 @@ def test_the_support_guard_reads_a_plain_prompts_answer_as_the_eval_does(llama):
     plain = guard_of(params, ExampleContext(model, tok, ex, 6, prompt_format="plain"))
     assert chat.read is None and plain.read is plain_answer
     assert (chat.threshold, chat.max_new_tokens) == (params.support, 6)
+    assert chat.shared == params.shared == 0.5
+    ctx = ExampleContext(model, tok, ex, max_new_tokens=6)
+    assert guard_of(parse_spec("auto:shared=1").params, ctx).shared == 1.0
     assert guard_of(parse_spec("auto:guard=none").params, None) is None
 
 

@@ -224,7 +224,9 @@ def test_explain_is_a_readable_table(llama):
     # the default guard (SupportGuard) says how much of the unedited answer the passage holds
     default = kvedit.focus(state, question, top_k=2, threshold=None)
     assert isinstance(default.verdict.support, float)
-    said = f"{default.verdict.support:.0%} of the unedited answer's words are in the passage"
+    said = (
+        f"{default.verdict.support:.0%} of the unedited answer's telling words are in the passage"
+    )
     verdict = "kept" if default.kept else "dropped"
     assert default.explain().splitlines()[-1] == f"edit {verdict}: {said}"
     assert torch.equal(agreed.state.last_logits, found.state.last_logits)

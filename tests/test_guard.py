@@ -134,6 +134,22 @@ def test_answer_support_counts_the_answers_own_words_found_in_the_evidence():
     assert answer_support("Paris", ["Lyon.", "Paris."], question) == 1.0  # any passage
 
 
+def test_answer_support_leaves_out_words_most_other_passages_share():
+    from kvedit.guard import COMMON_SHARE, answer_support
+
+    question = "Which locker code does Yuki have?"
+    passage = "Locker assignment: Yuki was given locker code 63800."
+    others = [f"Locker assignment: P{i} was given locker code {1000 + i}." for i in range(4)]
+    wrong = "Locker assignment: 12637"  # a code from no passage, in the template's words
+    assert answer_support(wrong, [passage], question) == 0.5  # "assignment" looks like support
+    assert answer_support(wrong, [passage], question, others) == 0.0  # shared: left out
+    assert answer_support("Yuki has code 63800.", [passage], question, others) == 0.5  # "has"
+    # a word in exactly half the other passages is not shared by most: it still counts
+    half = others[:2] + ["Nothing here.", "Nor here."]
+    assert COMMON_SHARE == 0.5
+    assert answer_support(wrong, [passage], question, half) == 0.5
+
+
 def test_support_guard_answers_unedited_where_the_answer_comes_from_the_passage(llama):
     from kvedit.guard import SupportGuard
 
@@ -153,6 +169,8 @@ def test_support_guard_answers_unedited_where_the_answer_comes_from_the_passage(
     assert unread.decide(state, edited, QUESTION, evidence=[unedited.text], query="").kept
     with pytest.raises(InvalidInputError, match="threshold"):
         SupportGuard(threshold=1.5)
+    with pytest.raises(InvalidInputError, match="shared must be a share"):
+        SupportGuard(shared=-0.1)
 
 
 def test_focus_passes_the_chosen_passages_to_the_guard(llama):
@@ -160,12 +178,14 @@ def test_focus_passes_the_chosen_passages_to_the_guard(llama):
     seen = []
 
     class Recorder:
-        def decide(self, original, edited, continuation, *, evidence=(), query=None):
-            seen.append((list(evidence), query))
+        def decide(self, original, edited, continuation, *, evidence=(), others=(), query=None):
+            seen.append((list(evidence), list(others), query))
             return AgreementGuard(max_new_tokens=4).decide(original, edited, continuation)
 
     found = kvedit.focus(state, QUESTION, guard=Recorder(), threshold=None, query="Bo's number?")
-    assert seen == [
-        ([state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)], "Bo's number?")
-    ]
+    texts = [state.text[a:b] for a, b in found.passages]
+    chosen = [texts[i] for i in found.chosen]
+    rest = [t for i, t in enumerate(texts) if i not in found.chosen]
+    assert len(rest) == len(texts) - 1 > 0
+    assert seen == [(chosen, rest, "Bo's number?")]
     assert kvedit.focus(state, QUESTION, threshold=None).verdict.support is not None  # default

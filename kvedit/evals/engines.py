@@ -95,8 +95,9 @@ def check_engine(engine: str, methods: Sequence[Method], batch: int = VLLM_BATCH
     return engine
 
 
-RECORDED_NOTES = ("auto_choice", "cache_bytes")
-"""What a method leaves in ``ctx.notes`` that goes into its record (``chosen``, ``bytes``)."""
+RECORDED_NOTES = ("auto_choice", "auto_verdict", "cache_bytes")
+"""What a method leaves in ``ctx.notes`` that goes into its record (``chosen``, ``kept`` and
+``support``, ``bytes``)."""
 
 
 def take_recorded(notes: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +130,11 @@ def result_record(
     chosen = notes.get("auto_choice")  # the documents auto/reread chose
     if chosen is not None:
         record["chosen"] = [int(i) for i in chosen]
+    verdict = notes.get("auto_verdict")  # the guard's decision on that edit
+    if verdict is not None:
+        record["kept"] = bool(verdict.kept)  # False: the unedited state answered
+        if verdict.support is not None:
+            record["support"] = round(float(verdict.support), 4)
     cache_bytes = notes.get("cache_bytes")  # a compression method's bytes
     if cache_bytes is not None:
         record["bytes"] = round(float(cache_bytes), 4)

@@ -104,7 +104,8 @@ def run(
     """Answer every example with every method. Returns one result record per pair.
 
     Records: ``{"id", "method", "gold_index", "prediction", "correct", "seconds"}``, and
-    ``"chosen"`` (document indices) for methods that choose documents (``auto``). With the
+    ``"chosen"`` (document indices) for methods that choose documents (``auto``), with
+    ``"kept"`` (whether the edit answered) and ``"support"`` where a guard decided. With the
     ``"plain"`` format, a prediction is the generation's first line
     (:func:`~kvedit.evals.prompts.plain_answer`). ``seconds`` is the method's own time: the
     capture of the documents, shared by every method, is made before. Methods that

@@ -15,6 +15,7 @@ from kvedit.evals.methods.focus import example_focus, focused_answer, focused_st
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
 from kvedit.focusing import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, SUPPORT_THRESHOLD, Focus
+from kvedit.guard import COMMON_SHARE
 from kvedit.state import KVState
 
 __all__ = ["GUARDS", "Auto", "AutoParams", "auto_hit_rate"]
@@ -44,13 +45,17 @@ class AutoParams(EditParams):
             uses it.
         guard: The answer guard (:mod:`kvedit.guard`): ``"support"`` (the default of a cache
             edit, :class:`~kvedit.guard.SupportGuard`: answer unedited where at least ``support`` of
-            the unedited answer's content words are in the chosen document), ``"agreement"``
+            the unedited answer's telling words are in the chosen document), ``"agreement"``
             or ``True`` (:class:`~kvedit.guard.AgreementGuard`: keep the edit only where, at
             the first answer token where the answers differ, the edit's token is the likelier
             under both states; it hurt NQ on the tuning seed), ``"none"`` or ``False`` (no
             guard; the default, and the only one, of ``edit="steer"``).
         support: :class:`~kvedit.guard.SupportGuard`'s threshold
             (:data:`kvedit.focusing.SUPPORT_THRESHOLD`).
+        shared: :class:`~kvedit.guard.SupportGuard`'s share of the other documents a word
+            may be found in and still count as support (:data:`kvedit.guard.COMMON_SHARE`;
+            1: none left out, session 13's rule). Recorded, so runs made before are never
+            reused for this rule.
         smoothing: The share added to both sides of each score's log ratio, as a fraction
             of the mean share of a document (:data:`kvedit.focusing.SCORE_SMOOTHING`;
             recorded, so results made with another value are never reused for this one).
@@ -66,6 +71,7 @@ class AutoParams(EditParams):
     target: float | None = 0.2
     guard: bool | str = "default"
     support: float = SUPPORT_THRESHOLD
+    shared: float = COMMON_SHARE
     smoothing: float = SCORE_SMOOTHING
     threshold: float | None = ABSTAIN_THRESHOLD
 
@@ -84,6 +90,7 @@ class AutoParams(EditParams):
             )
         object.__setattr__(self, "guard", guard)
         object.__setattr__(self, "support", check_fraction("support", self.support))
+        object.__setattr__(self, "shared", check_fraction("shared", self.shared))
         if guard != "none" and self.edit == "steer":
             raise InvalidInputError(
                 f"guard {guard!r} needs a cache edit to compare: with edit='steer' use guard=none"

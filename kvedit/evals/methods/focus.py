@@ -40,7 +40,7 @@ def guard_of(params, ctx: ExampleContext) -> Guard | None:
     answering up to ``ctx.max_new_tokens`` tokens."""
     if params.guard == "support":  # it reads the answer as the eval scores it
         read = plain_answer if ctx.prompt_format == "plain" else None
-        return SupportGuard(params.support, ctx.max_new_tokens, read)
+        return SupportGuard(params.support, ctx.max_new_tokens, read, params.shared)
     if params.guard == "agreement":
         return AgreementGuard(AGREEMENT_GUARD.margin, ctx.max_new_tokens)
     return None
