@@ -13,7 +13,8 @@ questions won / lost against the unedited answer of:
 - ``nolead+support>=0.75``: both;
 - ``telling>=t``: ``support>=t`` without the words found in more than half of the other
   passages (:func:`kvedit.guard.answer_support` with ``others``, the library's rule since
-  §8 of ``reports/focus-tuning/README.md``; t = 0.4, 0.5, 0.6, 0.75).
+  §8 of ``reports/focus-tuning/README.md``; t = 0.4, 0.5, 0.6, 0.75; ``--shared`` sets
+  "more than half", :data:`kvedit.guard.COMMON_SHARE`).
 
 Every rule reads the question, the passages, the model's attention and its own answers, never
 the gold label (which only scores them here).
@@ -34,7 +35,7 @@ from collections.abc import Callable, Sequence
 from focus_support_check import support
 
 from kvedit.evals.litm import build_examples
-from kvedit.guard import answer_support
+from kvedit.guard import COMMON_SHARE, answer_support
 
 Rule = Callable[[dict, object], bool]
 """Whether a rule answers with the edit (``True``) or unedited (``False``)."""
@@ -49,11 +50,16 @@ def _supported(record: dict, example, threshold: float = 0.75) -> bool:
     return support(record["none"], passage, example.question) >= threshold
 
 
+SHARED = [COMMON_SHARE]
+"""The share of the other passages a word may be in and still tell (``--shared``)."""
+
+
 def _told(record: dict, example, threshold: float) -> bool:
     chosen = record["chosen"]
     evidence = [example.documents[i] for i in chosen]
     others = [d for i, d in enumerate(example.documents) if i not in chosen]
-    return answer_support(record["none"], evidence, example.question, others) >= threshold
+    share = answer_support(record["none"], evidence, example.question, others, SHARED[0])
+    return share >= threshold
 
 
 RULES: dict[str, Callable[[dict, object], bool]] = {
@@ -119,7 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n-docs", type=int, default=None)
     parser.add_argument("--positions", default=None)
     parser.add_argument("--trials", type=int, default=None)
+    parser.add_argument(
+        "--shared", type=float, default=COMMON_SHARE, help="the telling rules' shared share"
+    )
     args = parser.parse_args(argv)
+    SHARED[0] = args.shared
     positions = None if args.positions is None else [int(x) for x in args.positions.split(",")]
     examples = {
         ex.id: ex

@@ -20,6 +20,13 @@ Usage::
 
 Writes ``rows.jsonl`` (one line per question, appended as it goes; ``--resume`` keeps it),
 ``results.json`` and ``results.md`` under ``--out``.
+
+``--replay-guard`` runs no model: it reads ``--out``'s ``rows.jsonl`` (made by a version of
+focus without the answer guard, whose ``auto`` is the edited answer) and answers each edited
+question as :data:`kvedit.DEFAULT_GUARD` would, from the two answers the row holds: unedited
+(``none``) where the guard's support rule (:func:`kvedit.guard.answer_support`, read on the
+row's ``none``, which is ``--max-new-tokens`` long where the guard reads 32 tokens) keeps
+it, edited otherwise. It writes ``results-guarded.json`` and ``results-guarded.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import kvedit
 from kvedit.focusing import QUESTION_MARK, adaptive_strengths
+from kvedit.guard import answer_support
 from kvedit.readout import attention_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,6 +114,32 @@ def run_context(model, tok, n: int, seed: int, unrelated: list[str], max_new: in
     return rows
 
 
+def guarded_rows(rows: list[dict]) -> list[dict]:
+    """``rows`` with each edited question's ``auto`` answered as the default guard would
+    (see the module docstring); ``"kept"`` says whether the edit stood."""
+    guard = kvedit.DEFAULT_GUARD
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r["edited"]:
+            _, records, _, _ = context_of(r["n"], r["seed"])
+            passages = [INSTRUCTION, *records]  # focus's passages: the instruction, each record
+            chosen = r["chosen"]
+            evidence = [passages[i] for i in chosen]
+            others = [t for i, t in enumerate(passages) if i not in chosen]
+            support = answer_support(r["none"], evidence, r["question"], others, guard.shared)
+            r["kept"] = support < guard.threshold
+            r["support"] = support
+            if not r["kept"]:
+                r["auto"] = r["none"]
+                if r["position"] == "unrelated":
+                    r["changed"] = False
+                else:
+                    r["auto_ok"] = r["none_ok"]
+        out.append(r)
+    return out
+
+
 def summarize(rows: list[dict]) -> dict:
     cells, unrel = {}, {}
     for r in rows:
@@ -119,6 +153,7 @@ def summarize(rows: list[dict]) -> dict:
         c["examples"] += 1
         for k in ("hit", "edited", "none_ok", "auto_ok", "oracle_ok"):
             c[k] = c.get(k, 0) + r[k]
+        c["lost"] = c.get("lost", 0) + (r["none_ok"] and not r["auto_ok"])
     for c in cells.values():
         for k in ("hit", "edited", "none_ok", "auto_ok", "oracle_ok"):
             c[k] = c[k] / c["examples"]
@@ -132,13 +167,13 @@ def markdown(summary: dict, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "| passages / gold | examples | top-1 hit | focus edits | none | auto | oracle |",
-        "|---|---|---|---|---|---|---|",
+        "| passages / gold | examples | top-1 hit | focus edits | none | auto | oracle | lost |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, c in summary["cells"].items():
         lines.append(
             f"| {key} | {c['examples']} | {c['hit']:.2f} | {c['edited']:.2f} | "
-            f"{c['none_ok']:.2f} | {c['auto_ok']:.2f} | {c['oracle_ok']:.2f} |"
+            f"{c['none_ok']:.2f} | {c['auto_ok']:.2f} | {c['oracle_ok']:.2f} | {c['lost']} |"
         )
     u = summary["unrelated"]
     lines += ["", "Unrelated general-knowledge questions over the same contexts:", ""]
@@ -164,10 +199,25 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--out", default="reports/focus-scale")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--replay-guard", action="store_true", help="see the module docstring")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "rows.jsonl"
+    if args.replay_guard:
+        rows = guarded_rows([json.loads(x) for x in path.read_text().splitlines()])
+        summary = summarize(rows)
+        kept = sum(r.get("kept") is False for r in rows)
+        command = "python benchmarks/focus_scale.py " + " ".join(sys.argv[1:])
+        (out / "results-guarded.json").write_text(
+            json.dumps({"command": command, "unedited_kept": kept, **summary}, indent=1) + "\n"
+        )
+        (out / "results-guarded.md").write_text(
+            markdown(summary, command)
+            + f"\nThe guard kept the unedited answer on {kept} edited questions.\n"
+        )
+        print((out / "results-guarded.md").read_text())
+        return
     rows = (
         [json.loads(x) for x in path.read_text().splitlines()]
         if args.resume and path.exists()
