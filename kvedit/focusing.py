@@ -31,7 +31,7 @@ import torch
 from . import checks, ops
 from .capturing import capture
 from .errors import InvalidInputError, InvalidTypeError
-from .guard import SUPPORT_THRESHOLD, Guard, SupportGuard, Verdict
+from .guard import SUPPORT_THRESHOLD, Guard, SupportGuard, Verdict, check_guard
 from .passages import Range, split_passages
 from .prompts import chat_prefix
 from .state import KVState
@@ -324,7 +324,8 @@ def focus(
     Raises:
         InvalidInputError: the question (or ``query``) has no content (only whitespace or
             punctuation), or a bad argument.
-        InvalidTypeError: ``edit`` is not callable, or returned no state.
+        InvalidTypeError: ``edit`` is not callable, or returned no state; ``guard`` has no
+            ``decide``.
 
     Returns:
         A :class:`Focus`: the state that answers, the passages, their scores, the chosen ones,
@@ -336,6 +337,7 @@ def focus(
     """
     if edit is not None and not callable(edit):
         raise InvalidTypeError(f"edit must be a function (state, spans) -> state, not {edit!r}")
+    guard = check_guard(guard)
     found = choose(
         state,
         question,

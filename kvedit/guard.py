@@ -34,7 +34,7 @@ import torch
 
 from . import checks
 from .decoding import Answer, Decoder
-from .errors import InvalidInputError
+from .errors import InvalidInputError, InvalidTypeError
 from .state import KVState
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "SupportGuard",
     "Verdict",
     "answer_support",
+    "check_guard",
     "content_words",
 ]
 
@@ -91,6 +92,18 @@ class Guard(Protocol):
         others: Sequence[str] = (),
         query: str | None = None,
     ) -> Verdict: ...
+
+
+def check_guard(guard: object) -> Guard | None:
+    """``guard`` itself when it is ``None`` or has a callable ``decide`` (the :class:`Guard`
+    protocol); anything else is refused with :class:`~kvedit.errors.InvalidTypeError` before
+    any work is done."""
+    if guard is not None and not callable(getattr(guard, "decide", None)):
+        raise InvalidTypeError(
+            "guard must have a decide(original, edited, continuation, *, evidence, others, "
+            f"query) method (kvedit.guard.Guard), or be None, not {guard!r}"
+        )
+    return guard  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ import torch
 from transformers import PreTrainedModel
 
 from . import checks
-from .errors import InvalidInputError, InvalidTypeError
+from .errors import InvalidInputError
 from .focusing import ABSTAIN_THRESHOLD, DEFAULT_GUARD, content_question
-from .guard import Guard
+from .guard import Guard, check_guard
 from .runtime import activate
 from .spans import Spans, as_span_list
 from .strengths import strength_for_share, strength_from_pasta_alpha
@@ -247,10 +247,7 @@ def _focus_steering(model, tokenizer, question, passages, top_k, guard, threshol
         raise InvalidInputError("steer(focus=True) needs question=: the question's text")
     question = content_question("question", question)
     top_k = checks.count("top_k", top_k, minimum=1)
-    if guard is not None and not callable(getattr(guard, "decide", None)):
-        raise InvalidTypeError(
-            f"guard must have a decide(original, edited, question), not {guard!r}"
-        )
+    guard = check_guard(guard)
     if threshold is not None:
         threshold = checks.real("threshold", threshold)
     request = FocusRequest(question, passages, top_k, guard, threshold)

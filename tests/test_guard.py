@@ -189,3 +189,20 @@ def test_focus_passes_the_chosen_passages_to_the_guard(llama):
     assert len(rest) == len(texts) - 1 > 0
     assert seen == [(chosen, rest, "Bo's number?")]
     assert kvedit.focus(state, QUESTION, threshold=None).verdict.support is not None  # default
+
+
+def test_a_guard_without_decide_is_refused_before_any_work(llama, monkeypatch):
+    from kvedit import focusing
+    from kvedit.errors import InvalidTypeError
+    from kvedit.guard import check_guard
+
+    state = _state(llama)
+    model, tok = llama
+    # focus refuses before it scores anything
+    monkeypatch.setattr(focusing, "choose", lambda *a, **k: pytest.fail("scored"))
+    with pytest.raises(InvalidTypeError, match="guard must have a decide"):
+        kvedit.focus(state, QUESTION, guard="support")
+    with pytest.raises(InvalidTypeError, match="guard must have a decide"):
+        kvedit.steer(model, tok, focus=True, question="Bo's number?", guard=object())
+    guard = AgreementGuard()
+    assert check_guard(guard) is guard and check_guard(None) is None

@@ -161,6 +161,22 @@ def test_publish_cli_refuses_a_request_file_without_a_question(tmp_path, capsys)
     assert "kvedit publish: error: --request needs" in capsys.readouterr().err
 
 
+def test_publish_cli_guard_none_keeps_focus_edit(example, tmp_path, capsys):
+    ex, context = example
+    path = tmp_path / "context.txt"
+    path.write_text(context)
+    args = ["publish", "--root", str(tmp_path / "pub"), "--context", str(path)]
+    args += ["--focus", ex.question, "--approximate", "--max-tokens", "5"]
+    assert cli_main(args) == 0  # the default guard: the unedited answer is the gold's
+    assert json.loads(capsys.readouterr().out)["chosen"] == []
+    assert cli_main([*args, "--guard", "none"]) == 0
+    (chosen,) = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen.strip() == ex.gold_document
+    question = ["--question", ex.question]
+    assert cli_main([*args[:5], *question, "--guard", "none"]) == 2
+    assert "--guard needs --focus" in capsys.readouterr().err
+
+
 def test_serve_command_configures_the_connector(smollm2, tmp_path):
     model, _ = smollm2
     argv = serve_command("smollm2-135m-instruct", tmp_path / "root", port=8123, cpu=True)

@@ -91,6 +91,14 @@ def publish_parser(sub) -> None:
         metavar="QUESTION",
         help="emphasize the passage QUESTION points at (kvedit.focus); also the question",
     )
+    p.add_argument(
+        "--guard",
+        default=None,
+        choices=["support", "none"],
+        help="with --focus, the answer guard: support (the default, kvedit.DEFAULT_GUARD: no "
+        "edit where the unedited answer already comes from the chosen passage) or none (the "
+        "edit always stands)",
+    )
     p.add_argument("--emphasize", action="append", default=[], metavar="TEXT")
     p.add_argument("--suppress", action="append", default=[], metavar="TEXT")
     p.add_argument("--duplicate", action="append", default=[], metavar="TEXT")
@@ -137,11 +145,14 @@ def _run_publish(args) -> int:
     from ..atomic import atomic_write
     from ..errors import InvalidInputError
     from ..evals.litm import resolve_prompt
+    from ..focusing import DEFAULT_GUARD
     from ..integrations.vllm.contexts import publish_context
     from ..models import load_model
 
     if args.request and args.question is None and args.focus is None:
         raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
+    if args.guard is not None and args.focus is None:
+        raise InvalidInputError("--guard needs --focus: only focus's edit is guarded")
     set_max_positions(args)
     context = read_input(args.context, "--context")
     prompt = resolve_prompt(args.prompt, args.model)
@@ -161,6 +172,7 @@ def _run_publish(args) -> int:
         suppress_strength=args.suppress_strength,
         copies=args.copies,
         approximate=args.approximate,
+        guard=None if args.guard == "none" else DEFAULT_GUARD,
         prompt=prompt,
         served_model_name=args.served_model_name or args.model,
     )
