@@ -396,6 +396,7 @@ def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
     """
     context = checks.text("context", context, allow_empty=False)
     question = content_question("question", question)
+    check_guard(kw.get("guard"))  # before the capture
     if QUESTION_MARK in context:
         raise InvalidInputError(
             f"context must not contain {QUESTION_MARK!r}: the prompt is cut there"

@@ -204,5 +204,8 @@ def test_a_guard_without_decide_is_refused_before_any_work(llama, monkeypatch):
         kvedit.focus(state, QUESTION, guard="support")
     with pytest.raises(InvalidTypeError, match="guard must have a decide"):
         kvedit.steer(model, tok, focus=True, question="Bo's number?", guard=object())
+    monkeypatch.setattr(focusing, "capture", lambda *a, **k: pytest.fail("captured"))
+    with pytest.raises(InvalidTypeError, match="guard must have a decide"):
+        kvedit.focus_text(model, tok, "Bo's number is 7.", "Bo's number?", guard=print)
     guard = AgreementGuard()
     assert check_guard(guard) is guard and check_guard(None) is None

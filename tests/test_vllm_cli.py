@@ -128,6 +128,18 @@ def test_what_vllm_cannot_serve_is_refused_and_nothing_written(
     assert not list((tmp_path / "root").glob("*.safetensors"))
 
 
+def test_publish_refuses_a_guard_without_decide_before_capturing(example, tmp_path, monkeypatch):
+    from kvedit.errors import InvalidTypeError
+    from kvedit.integrations.vllm import contexts
+
+    _, context = example
+    monkeypatch.setattr(contexts, "capture", lambda *a, **k: pytest.fail("captured"))
+    monkeypatch.setattr(contexts, "focus_text", lambda *a, **k: pytest.fail("focused"))
+    with pytest.raises(InvalidTypeError, match="guard must have a decide"):
+        publish_context(None, None, context, tmp_path, focus_on="Who?", guard="none")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_context_with_the_question_mark_is_refused(smollm2, tmp_path):
     model, tok = smollm2
     with pytest.raises(InvalidInputError, match="must not contain"):

@@ -41,7 +41,7 @@ from ...decoding import eos_ids
 from ...errors import InvalidInputError
 from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from ...focusing import DEFAULT_GUARD, QUESTION_MARK, focus, focus_text
-from ...guard import Guard
+from ...guard import Guard, check_guard
 from ...prompts import chat_prefix
 from .publishing import kv_transfer_params, publish_stock
 
@@ -166,6 +166,7 @@ def publish_context(
             realises only approximately (without ``approximate``) or not at all (nothing is
             published then).
         SpanNotFoundError: a span is not in the context.
+        InvalidTypeError: ``guard`` has no ``decide``.
     """
     if not isinstance(context, str) or not context.strip():
         raise InvalidInputError("the context is empty")
@@ -177,6 +178,7 @@ def publish_context(
         )
     if focus_on is not None and question is not None and focus_on != question:
         raise InvalidInputError("--focus and --question name different questions")
+    check_guard(guard)
     question = focus_on if focus_on is not None else question
     prefix, continuation = _prefix(tokenizer, context, question or PLACEHOLDER, prompt)
     chosen: list[str] = []
