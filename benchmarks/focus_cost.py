@@ -15,6 +15,7 @@ Usage: ``python benchmarks/focus_cost.py --task nq --examples 12 --out reports/b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -26,7 +27,7 @@ from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
 from kvedit.focusing import DEFAULT_GUARD, choose
-from kvedit.guard import SupportGuard
+from kvedit.guard import evidence_and_others
 from kvedit.models import load_model
 
 
@@ -61,9 +62,8 @@ def main() -> None:
         t.append(time.perf_counter())
         if found.chosen:
             texts = [state.text[a:b] for a, b in found.passages]
-            evidence = [texts[i] for i in found.chosen]
-            others = [t for i, t in enumerate(texts) if i not in found.chosen]
-            guard = SupportGuard(DEFAULT_GUARD.threshold, n)
+            evidence, others = evidence_and_others(texts, found.chosen)
+            guard = dataclasses.replace(DEFAULT_GUARD, max_new_tokens=n)
             verdict = guard.decide(
                 state, edited, q, evidence=evidence, others=others, query=ex.question
             )

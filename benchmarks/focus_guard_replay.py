@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvedit.evals.litm import build_examples
-from kvedit.guard import SUPPORT_THRESHOLD, answer_support
+from kvedit.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
 
 
 def replay(
@@ -59,8 +59,7 @@ def replay(
         share = None
         keep_unedited = False
         if chosen:
-            evidence = [ex.documents[i] for i in chosen]
-            others = [d for i, d in enumerate(ex.documents) if i not in chosen]
+            evidence, others = evidence_and_others(ex.documents, chosen)
             share = answer_support(unedited["prediction"], evidence, ex.question, others)
             keep_unedited = share >= support
         if chosen and source_guard is not None:

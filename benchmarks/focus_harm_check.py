@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from focus_support_check import support
 
 from kvedit.evals.litm import build_examples
-from kvedit.guard import COMMON_SHARE, answer_support
+from kvedit.guard import COMMON_SHARE, answer_support, evidence_and_others
 
 Rule = Callable[[dict, object], bool]
 """Whether a rule answers with the edit (``True``) or unedited (``False``)."""
@@ -50,45 +50,45 @@ def _supported(record: dict, example, threshold: float = 0.75) -> bool:
     return support(record["none"], passage, example.question) >= threshold
 
 
-SHARED = [COMMON_SHARE]
-"""The share of the other passages a word may be in and still tell (``--shared``)."""
-
-
-def _told(record: dict, example, threshold: float) -> bool:
-    chosen = record["chosen"]
-    evidence = [example.documents[i] for i in chosen]
-    others = [d for i, d in enumerate(example.documents) if i not in chosen]
-    share = answer_support(record["none"], evidence, example.question, others, SHARED[0])
+def _told(record: dict, example, threshold: float, shared: float) -> bool:
+    evidence, others = evidence_and_others(example.documents, record["chosen"])
+    share = answer_support(record["none"], evidence, example.question, others, shared)
     return share >= threshold
 
 
-RULES: dict[str, Callable[[dict, object], bool]] = {
-    "auto": lambda r, ex: _edit_ok(r, "edit"),
-    "nolead": lambda r, ex: _edit_ok(r, "nolead"),
-    "skip-lead": lambda r, ex: (
-        r["none_ok"]
-        if r["chosen"] and sum(r["leads"]) > len(r["leads"]) / 2
-        else _edit_ok(r, "edit")
-    ),
-    **{
-        f"support>={t}": lambda r, ex, t=t: (
-            r["none_ok"] if r["chosen"] and _supported(r, ex, t) else _edit_ok(r, "edit")
-        )
-        for t in (0.5, 0.75, 1.0)
-    },
-    "nolead+support>=0.75": lambda r, ex: (
-        r["none_ok"] if r["chosen"] and _supported(r, ex) else _edit_ok(r, "nolead")
-    ),
-    **{
-        f"telling>={t}": lambda r, ex, t=t: (
-            r["none_ok"] if r["chosen"] and _told(r, ex, t) else _edit_ok(r, "edit")
-        )
-        for t in (0.4, 0.5, 0.6, 0.75)
-    },
-}
+def rules(shared: float = COMMON_SHARE) -> dict[str, Rule]:
+    """The rules compared, by name; ``shared`` is the ``telling`` rules' share (``--shared``)."""
+    return {
+        "auto": lambda r, ex: _edit_ok(r, "edit"),
+        "nolead": lambda r, ex: _edit_ok(r, "nolead"),
+        "skip-lead": lambda r, ex: (
+            r["none_ok"]
+            if r["chosen"] and sum(r["leads"]) > len(r["leads"]) / 2
+            else _edit_ok(r, "edit")
+        ),
+        **{
+            f"support>={t}": lambda r, ex, t=t: (
+                r["none_ok"] if r["chosen"] and _supported(r, ex, t) else _edit_ok(r, "edit")
+            )
+            for t in (0.5, 0.75, 1.0)
+        },
+        "nolead+support>=0.75": lambda r, ex: (
+            r["none_ok"] if r["chosen"] and _supported(r, ex) else _edit_ok(r, "nolead")
+        ),
+        **{
+            f"telling>={t}": lambda r, ex, t=t: (
+                r["none_ok"] if r["chosen"] and _told(r, ex, t, shared) else _edit_ok(r, "edit")
+            )
+            for t in (0.4, 0.5, 0.6, 0.75)
+        },
+    }
 
 
-def table(records: Sequence[dict], examples: dict) -> str:
+RULES = rules()
+"""The rules at the default share (:data:`kvedit.guard.COMMON_SHARE`)."""
+
+
+def table(records: Sequence[dict], examples: dict, shared: float = COMMON_SHARE) -> str:
     by: dict[int, list[dict]] = defaultdict(list)
     for r in records:
         by[r["gold_index"]].append(r)
@@ -102,7 +102,7 @@ def table(records: Sequence[dict], examples: dict) -> str:
             f"  {sum(r['none_ok'] for r in by[p]) / len(by[p]):>11.3f}      " for p in positions
         ),
     ]
-    for name, rule in RULES.items():
+    for name, rule in rules(shared).items():
         cells, accs, lost_all = [], [], 0
         for p in positions:
             ok = [bool(rule(r, examples[r["id"]])) for r in by[p]]
@@ -129,7 +129,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shared", type=float, default=COMMON_SHARE, help="the telling rules' shared share"
     )
     args = parser.parse_args(argv)
-    SHARED[0] = args.shared
     positions = None if args.positions is None else [int(x) for x in args.positions.split(",")]
     examples = {
         ex.id: ex
@@ -142,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [r["id"] for r in records if r["id"] not in examples]
     if missing:
         parser.error(f"{len(missing)} answers name no example of these flags (first: {missing[0]})")
-    print(table(records, examples))
+    print(table(records, examples, args.shared))
     return 0
 
 

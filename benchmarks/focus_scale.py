@@ -41,7 +41,7 @@ from pathlib import Path
 
 import kvedit
 from kvedit.focusing import QUESTION_MARK, adaptive_strengths
-from kvedit.guard import answer_support
+from kvedit.guard import answer_support, evidence_and_others
 from kvedit.readout import attention_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -124,9 +124,7 @@ def guarded_rows(rows: list[dict]) -> list[dict]:
         if r["edited"]:
             _, records, _, _ = context_of(r["n"], r["seed"])
             passages = [INSTRUCTION, *records]  # focus's passages: the instruction, each record
-            chosen = r["chosen"]
-            evidence = [passages[i] for i in chosen]
-            others = [t for i, t in enumerate(passages) if i not in chosen]
+            evidence, others = evidence_and_others(passages, r["chosen"])
             support = answer_support(r["none"], evidence, r["question"], others, guard.shared)
             r["kept"] = support < guard.threshold
             r["support"] = support

@@ -143,6 +143,15 @@ def real(name: str, value, *, cap: float | None = None) -> float:
     return number
 
 
+def share(name: str, value) -> float:
+    """A share in ``[0, 1]``, as a float (:func:`real`, then the range:
+    :class:`InvalidInputError` outside it)."""
+    number = real(name, value)
+    if not 0.0 <= number <= 1.0:
+        raise InvalidInputError(f"{name} must be a share in [0, 1], not {number!r}")
+    return number
+
+
 def strength(name: str, value) -> float:
     """A bias strength in nats, as a float.
 

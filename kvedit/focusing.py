@@ -31,7 +31,14 @@ import torch
 from . import checks, ops
 from .capturing import capture
 from .errors import InvalidInputError, InvalidTypeError
-from .guard import SUPPORT_THRESHOLD, Guard, SupportGuard, Verdict, check_guard
+from .guard import (
+    SUPPORT_THRESHOLD,
+    Guard,
+    SupportGuard,
+    Verdict,
+    check_guard,
+    evidence_and_others,
+)
 from .passages import Range, split_passages
 from .prompts import chat_prefix
 from .state import KVState
@@ -377,8 +384,7 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     found.state = edited
     if guard is not None:
         texts = [original.text[a:b] for a, b in found.passages]
-        evidence = [texts[i] for i in found.chosen]
-        others = [t for i, t in enumerate(texts) if i not in found.chosen]
+        evidence, others = evidence_and_others(texts, found.chosen)
         found.verdict = guard.decide(
             original, edited, found.question, evidence=evidence, others=others, query=found.query
         )

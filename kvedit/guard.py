@@ -34,7 +34,7 @@ import torch
 
 from . import checks
 from .decoding import Answer, Decoder
-from .errors import InvalidInputError, InvalidTypeError
+from .errors import InvalidTypeError
 from .state import KVState
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "answer_support",
     "check_guard",
     "content_words",
+    "evidence_and_others",
 ]
 
 
@@ -207,6 +208,13 @@ def content_words(text: str) -> list[str]:
     return [w for w in re.findall(r"[^\W_]+", text.lower()) if len(w) > 1 and w not in STOP_WORDS]
 
 
+def evidence_and_others(texts: Sequence[str], chosen: Sequence[int]) -> tuple[list[str], list[str]]:
+    """``texts`` (every passage's text) split into the ``chosen`` ones, in ``chosen``'s order
+    (a guard's ``evidence``), and the rest, in passage order (its ``others``)."""
+    picked = set(chosen)
+    return [texts[i] for i in chosen], [t for i, t in enumerate(texts) if i not in picked]
+
+
 COMMON_SHARE = 0.5
 """A word found in more than this share of the other passages is shared context (a template's
 "assignment", the topic's "winner"), not a sign of which passage an answer came from:
@@ -226,8 +234,8 @@ def answer_support(
 
     The telling words are its :func:`content_words` that are not in ``question`` and not found
     in more than ``shared`` (default :data:`COMMON_SHARE`; 1 leaves none out) of ``others``
-    (the context's other passages; none left out when ``others`` is empty). A word the answer invents, found in no passage, counts
-    against it."""
+    (the context's other passages; none left out when ``others`` is empty). A word the answer
+    invents, found in no passage, counts against it."""
     asked = set(content_words(question))
     words = [w for w in content_words(answer) if w not in asked]
     if others:
@@ -274,17 +282,11 @@ class SupportGuard:
     shared: float = COMMON_SHARE
 
     def __post_init__(self) -> None:
-        threshold = checks.real("threshold", self.threshold)
-        if not 0.0 <= threshold <= 1.0:
-            raise InvalidInputError(f"threshold must be a share in [0, 1], not {threshold!r}")
-        object.__setattr__(self, "threshold", threshold)
+        object.__setattr__(self, "threshold", checks.share("threshold", self.threshold))
         object.__setattr__(
             self, "max_new_tokens", checks.count("max_new_tokens", self.max_new_tokens, minimum=1)
         )
-        shared = checks.real("shared", self.shared)
-        if not 0.0 <= shared <= 1.0:
-            raise InvalidInputError(f"shared must be a share in [0, 1], not {shared!r}")
-        object.__setattr__(self, "shared", shared)
+        object.__setattr__(self, "shared", checks.share("shared", self.shared))
 
     @torch.no_grad()
     def decide(

@@ -60,6 +60,18 @@ CLI_CASES = [
     ("publish-port-0", ["publish", "--context", "context.txt", "--port", "0"], 2, "1..65535"),
     ("publish-max-tokens-0", ["publish", "--context", "x", "--max-tokens", "0"], 2, "at least 1"),
     (
+        "publish-guard-without-focus",
+        ["publish", "--context", "context.txt", "--guard", "none"],
+        2,
+        "--guard needs --focus",
+    ),
+    (
+        "publish-unknown-guard",
+        ["publish", "--context", "context.txt", "--focus", "q", "--guard", "maybe"],
+        2,
+        "invalid choice: 'maybe'",
+    ),
+    (
         "publish-request-without-question",
         ["publish", "--context", "context.txt", "--request", "r.json"],
         2,

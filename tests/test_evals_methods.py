@@ -796,6 +796,8 @@ def test_auto_refuses_a_guard_without_a_cache_edit_and_zero_smoothing():
         parse_spec("auto:guard=maybe")
     with pytest.raises(InvalidInputError, match="support"):
         parse_spec("auto:support=1.5")
+    with pytest.raises(InvalidInputError, match="shared must be in"):
+        parse_spec("auto:shared=1.5")
 
 
 def test_the_support_guard_reads_a_plain_prompts_answer_as_the_eval_does(llama):

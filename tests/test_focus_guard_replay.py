@@ -104,3 +104,47 @@ def test_out_writes_a_run_that_the_no_harm_table_reads(monkeypatch, tmp_path):
     assert written["extra"]["replayed_from"] == str(src) and written["extra"]["seed"] == 0
     row = table.positions(written)[0]
     assert (row.none, row.auto, row.lost) == (1.0, 1.0, 0)
+
+
+LOCKERS = Example(
+    id="l0", instruction="", separator="\n", question="Which code does Bob have?",
+    documents=("Locker assignment: Ann was given code 11.",
+               "Locker assignment: Bob was given code 22."),
+    answers=("22",), gold_index=1,
+)  # fmt: skip
+
+
+def test_replay_of_a_guarded_source_refuses_what_it_cannot_know(monkeypatch):
+    m = load_benchmark("focus_guard_replay", monkeypatch)
+    # session 13's rule kept this unedited answer (all its words are in passage 1); today's
+    # leaves out the words passage 0 shares too, so the edit would answer: never decoded
+    unedited = "Locker assignment given"
+    results = {
+        "examples": [
+            _rec("none", unedited, False, ex=LOCKERS),
+            _rec("auto", unedited, False, ex=LOCKERS, chosen=[1]),
+        ]
+    }
+    examples = {"l0": LOCKERS}
+    assert m.replay(results, examples, 0.5)[0]["kept"]  # an unguarded source: the edit's
+    with pytest.raises(SystemExit, match="needs the edited answer"):
+        m.replay(results, examples, 0.5, source_guard=0.75)
+    results["examples"][1]["prediction"] = "22"  # not what the old guard kept
+    with pytest.raises(SystemExit, match="kept no unedited answer"):
+        m.replay(results, examples, 0.5, source_guard=0.75)
+    # where both rules keep the unedited answer, the guarded source replays
+    both = {"examples": [_rec("none", "Bob's code is 22.", True),
+                         _rec("auto", "Bob's code is 22.", True, chosen=[1])]}  # fmt: skip
+    (out,) = m.replay(both, {"e0": EX}, 0.5, source_guard=0.75)
+    assert not out["kept"] and out["prediction"] == "Bob's code is 22."
+
+
+def test_harm_check_telling_rules_leave_out_shared_words(monkeypatch):
+    m = load_benchmark("focus_harm_check", monkeypatch)
+    rec = {"id": "l0", "gold_index": 1, "chosen": [1], "none": "Locker assignment: 12637",
+           "none_ok": False, "edit_ok": True, "nolead_ok": True, "leads": [True]}  # fmt: skip
+    # "locker" and "assignment" are in the other passage: only the invented code tells
+    assert m.RULES["telling>=0.5"](rec, LOCKERS) is True  # the edit answers
+    assert m.rules(1.0)["telling>=0.5"](rec, LOCKERS) is False  # nothing left out: unedited
+    assert m.RULES["support>=0.5"](rec, LOCKERS) is False  # the rule before
+    assert "telling>=0.5" in m.table([rec], {"l0": LOCKERS}, shared=1.0)
