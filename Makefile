@@ -40,7 +40,7 @@ test: lint
 # The highlight app in headless Chromium (Debian's chromium + chromium-driver, via Selenium).
 # `make test` skips that test where Chromium is absent; this target installs it and requires it.
 test-browser: browser-deps
-	KVEDIT_REQUIRE_BROWSER=1 $(PY) -m pytest -q tests/test_app_browser.py
+	KVEDIT_REQUIRE_BROWSER=1 $(PY) -m pytest -q tests/apps/test_app_browser.py
 	@echo "screenshots: runs/screenshots/"
 
 browser-deps: $(VENV)/.kvedit-browser
@@ -83,12 +83,12 @@ check-vllm-cuda:
 	$(PY) -m pip install --dry-run -q -e ".[vllm-cuda]"
 
 test-vllm: vllm-setup check-vllm-env
-	$(VLLM_PY) -m pytest -q tests/test_bad_inputs.py tests/test_vllm_stock.py tests/test_vllm_cli.py tests/test_vllm_engine*.py
+	$(VLLM_PY) -m pytest -q tests/test_bad_inputs.py tests/integrations/vllm/test_vllm_stock.py tests/integrations/vllm/test_vllm_cli.py tests/integrations/vllm/test_vllm_engine*.py
 
 # Pipeline parallelism on CPU (two workers, ~2 min): left out of test-vllm to keep CI short.
 test-vllm-pipeline: vllm-setup check-vllm-env
 	KVEDIT_TEST_PIPELINE=1 $(VLLM_PY) -m pytest -q \
-		tests/test_vllm_engine_parallel.py::test_pipeline_parallel_2_serves_each_stage_its_layers
+		tests/integrations/vllm/test_vllm_engine_parallel.py::test_pipeline_parallel_2_serves_each_stage_its_layers
 
 app: setup
 	$(VENV)/bin/kvedit app

@@ -18,8 +18,8 @@ import torch
 import kvedit
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext, content_free_question
-from kvedit.observer import observed_attention
-from kvedit.readout import span_shares
+from kvedit.focusing.readout import span_shares
+from kvedit.states.observer import observed_attention
 
 
 def readings(ctx: ExampleContext, continuation: str) -> dict[str, torch.Tensor]:

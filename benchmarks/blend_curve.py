@@ -14,7 +14,7 @@ compared with a full prefill of the same token ids:
 
 ``--previous TEXT`` caches every document after the first behind the prefix and ``TEXT``
 (``kvedit.blend``'s ``previous=``, for every rule). A rule is a blend spec's rule part,
-``:``-separated: ``default`` (no rule), ``gradual=2``, ``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.blend_rules``). The
+``:``-separated: ``default`` (no rule), ``gradual=2``, ``leading=4``, ``rescale=0.8``, ``gradual=2:leading=4`` ... (see ``kvedit.reusing.blend_rules``). The
 plot (``OUT/blend_curve.png``) has one line per rule, accuracy and speed-up against the
 fraction, the full prefill's accuracy dashed; ``OUT/blend_curve.json`` holds the rows and every
 answer, ``OUT/blend_curve.md`` a table. Each example's records are appended to
@@ -50,8 +50,6 @@ import torch
 
 import kvedit
 from kvedit.atomic import atomic_write
-from kvedit.blend_rules import BLEND_RULES
-from kvedit.capturing import empty_state, extend_ids
 from kvedit.errors import InvalidInputError
 from kvedit.evals.litm import interleave_positions, resolve_prompt
 from kvedit.evals.methods.blend import BlendParams, document_parts
@@ -59,6 +57,8 @@ from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import from_text
 from kvedit.evals.schema import Example, score
 from kvedit.evals.tasks import nq_examples
+from kvedit.reusing.blend_rules import BLEND_RULES
+from kvedit.states.capturing import empty_state, extend_ids
 from kvedit.version import source_digest
 
 DEFAULT_RULES = "default,gradual=2,leading=4,rescale=0.8,gradual=2:leading=4"

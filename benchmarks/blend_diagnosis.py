@@ -9,7 +9,7 @@ the same token ids are prefilled in full. For both states:
 * attention: the share of the question's attention (averaged over its tokens and the heads,
   the stored bias included: ``kvedit.attention_share``) on each part, per layer;
 * deviation: per token and layer, ``|dK|^2 / mean |K|^2 + |dV|^2 / mean |V|^2`` of the blend's
-  entries against the prefill's (``kvedit.blend_rules.deviation_scores``, the means over the
+  entries against the prefill's (``kvedit.reusing.blend_rules.deviation_scores``, the means over the
   layer's prefill entries; null where a sliding layer holds no entry), and its mean per part;
 * the greedy answers, scored, and how many tokens of each part the blend recomputed.
 
@@ -37,14 +37,14 @@ from pathlib import Path
 import torch
 
 import kvedit
-from kvedit.blend_rules import deviation_scores
-from kvedit.capturing import empty_state, extend_ids
 from kvedit.evals.litm import resolve_prompt
 from kvedit.evals.methods.blend import document_parts
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.schema import Example, score
 from kvedit.evals.tasks import nq_examples
-from kvedit.state import KVState
+from kvedit.reusing.blend_rules import deviation_scores
+from kvedit.states.capturing import empty_state, extend_ids
+from kvedit.states.state import KVState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blend_curve import parse_rule  # noqa: E402

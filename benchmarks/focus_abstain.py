@@ -1,10 +1,10 @@
 """When should focus abstain? Attention shares of relevant and unrelated questions, and rules.
 
 For each example of a task the per-layer attention shares of its documents are read
-(:func:`kvedit.focusing.passage_shares`) for its own question and for general-knowledge
+(:func:`kvedit.focusing.choice.passage_shares`) for its own question and for general-knowledge
 questions that no document answers (:data:`UNRELATED`, a few per context), and saved
 (``--out``, safetensors). ``--analyze`` then scores them with the library's
-:func:`kvedit.focusing.passage_scores` and reports, per abstain threshold, the top-1 hit rate of
+:func:`kvedit.focusing.choice.passage_scores` and reports, per abstain threshold, the top-1 hit rate of
 relevant questions (an abstention counts as a miss) and how often an unrelated question
 would be edited. Tune on tuning seeds (records 1, lockers 3, NQ 1), report on others.
 
@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
-from kvedit.focusing import (
+from kvedit.focusing.choice import (
     ABSTAIN_THRESHOLD,
     SCORE_SMOOTHING,
     content_free_question,

@@ -4,7 +4,7 @@ For each example: the capture of the documents (shared by every method), ``none`
 from the captured state), and ``auto`` split into its parts: scoring (two question-length
 passes: the question and its content-free calibration), the edit (one recompute of the last
 token; none when focus abstains) and the answer: with an edit, the default answer guard
-(:data:`kvedit.focusing.DEFAULT_GUARD`) decodes the unedited answer and, unless that answer
+(:data:`kvedit.focusing.choice.DEFAULT_GUARD`) decodes the unedited answer and, unless that answer
 comes from the chosen passage, the edited one (two question-length passes and their decode
 steps); after an abstention, the unedited answer only. Times are medians over the examples, in seconds, on this machine's
 threads (``torch.get_num_threads()``).
@@ -26,8 +26,8 @@ import torch
 from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
-from kvedit.focusing import DEFAULT_GUARD, choose
-from kvedit.guard import evidence_and_others
+from kvedit.focusing.choice import DEFAULT_GUARD, choose
+from kvedit.focusing.guard import evidence_and_others
 from kvedit.models import load_model
 
 

@@ -1,4 +1,4 @@
-"""Does choosing among the best-covered passages (:func:`kvedit.focusing.best_covered`) keep
+"""Does choosing among the best-covered passages (:func:`kvedit.focusing.choice.best_covered`) keep
 focus's hit rate and abstention on the tuning seeds? Scores stored shares offline (no model):
 records seed 1, lockers seed 3, NQ-10 seed 1 (``reports/focus-tuning/shares-*``), 32 unrelated
 questions over NQ seed 1 (``reports/focus-scale/tuning/unrel-nq-s1.safetensors``) and,
@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from kvedit.evals.litm import build_examples
-from kvedit.focus_scoring import (
+from kvedit.focusing.scoring import (
     ABSTAIN_THRESHOLD,
     best_covered,
     echo_passages,

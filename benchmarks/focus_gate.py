@@ -26,10 +26,10 @@ from pathlib import Path
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
 from kvedit.evals.schema import score
-from kvedit.focusing import focus
+from kvedit.focusing.choice import focus
+from kvedit.focusing.readout import attention_share
 from kvedit.models import load_model
 from kvedit.ops import emphasize
-from kvedit.readout import attention_share
 
 
 def collect(args) -> None:

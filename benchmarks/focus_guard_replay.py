@@ -1,10 +1,10 @@
 """Replay focus's support guard on an eval run that answered ``none`` and unguarded ``auto``.
 
-:class:`kvedit.guard.SupportGuard` chooses between two answers the run already holds: the
+:class:`kvedit.focusing.guard.SupportGuard` chooses between two answers the run already holds: the
 unedited one (``none``'s prediction: the same greedy decode of the same state) and the edited
 one (``auto``'s, made with ``guard=none``, or by kvedit before the guard). It keeps the
 unedited answer where at least ``--support`` of its telling words (not in the question, not
-shared by most other documents: :func:`kvedit.guard.answer_support`) occur in the document
+shared by most other documents: :func:`kvedit.focusing.guard.answer_support`) occur in the document
 ``auto`` chose (the record's ``chosen``). Where the model, the scoring and the
 edit are unchanged (SmolLM2: no sliding-window layers), this gives the guarded ``auto``'s
 answers exactly, without decoding again; ``--check FILE`` compares them with a real guarded
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvedit.evals.litm import build_examples
-from kvedit.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
+from kvedit.focusing.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
 
 
 def replay(

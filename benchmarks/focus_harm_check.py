@@ -12,9 +12,9 @@ questions won / lost against the unedited answer of:
   the chosen passage (``benchmarks/focus_support_check.py``; t = 0.5, 0.75, 1);
 - ``nolead+support>=0.75``: both;
 - ``telling>=t``: ``support>=t`` without the words found in more than half of the other
-  passages (:func:`kvedit.guard.answer_support` with ``others``, the library's rule since
+  passages (:func:`kvedit.focusing.guard.answer_support` with ``others``, the library's rule since
   §8 of ``reports/focus-tuning/README.md``; t = 0.4, 0.5, 0.6, 0.75; ``--shared`` sets
-  "more than half", :data:`kvedit.guard.COMMON_SHARE`).
+  "more than half", :data:`kvedit.focusing.guard.COMMON_SHARE`).
 
 Every rule reads the question, the passages, the model's attention and its own answers, never
 the gold label (which only scores them here).
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from focus_support_check import support
 
 from kvedit.evals.litm import build_examples
-from kvedit.guard import COMMON_SHARE, answer_support, evidence_and_others
+from kvedit.focusing.guard import COMMON_SHARE, answer_support, evidence_and_others
 
 Rule = Callable[[dict, object], bool]
 """Whether a rule answers with the edit (``True``) or unedited (``False``)."""
@@ -85,7 +85,7 @@ def rules(shared: float = COMMON_SHARE) -> dict[str, Rule]:
 
 
 RULES = rules()
-"""The rules at the default share (:data:`kvedit.guard.COMMON_SHARE`)."""
+"""The rules at the default share (:data:`kvedit.focusing.guard.COMMON_SHARE`)."""
 
 
 def table(records: Sequence[dict], examples: dict, shared: float = COMMON_SHARE) -> str:

@@ -24,7 +24,7 @@ Writes ``rows.jsonl`` (one line per question, appended as it goes; ``--resume`` 
 ``--replay-guard`` runs no model: it reads ``--out``'s ``rows.jsonl`` (made by a version of
 focus without the answer guard, whose ``auto`` is the edited answer) and answers each edited
 question as :data:`kvedit.DEFAULT_GUARD` would, from the two answers the row holds: unedited
-(``none``) where the guard's support rule (:func:`kvedit.guard.answer_support`, read on the
+(``none``) where the guard's support rule (:func:`kvedit.focusing.guard.answer_support`, read on the
 row's ``none``, which is ``--max-new-tokens`` long where the guard reads 32 tokens) keeps
 it, edited otherwise. It writes ``results-guarded.json`` and ``results-guarded.md``.
 """
@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 
 import kvedit
-from kvedit.focusing import QUESTION_MARK, adaptive_strengths
-from kvedit.guard import answer_support, evidence_and_others
-from kvedit.readout import attention_share
+from kvedit.focusing.choice import QUESTION_MARK, adaptive_strengths
+from kvedit.focusing.guard import answer_support, evidence_and_others
+from kvedit.focusing.readout import attention_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from focus_abstain import UNRELATED  # noqa: E402

@@ -4,7 +4,7 @@ every record once, then score them offline with variants.
 The contexts are :mod:`focus_scale`'s synthetic records, on seeds below 100 (the scale
 benchmark reports seeds 100 and up). Each context is asked about the records at fifths of
 its length (first, 1/4, middle, 3/4, last). ``--collect`` saves ``real`` and ``calib``
-(as :func:`kvedit.focusing.passage_shares`, but per head: ``[layers, heads, passages]``) per question to a
+(as :func:`kvedit.focusing.choice.passage_shares`, but per head: ``[layers, heads, passages]``) per question to a
 safetensors file; ``--analyze`` prints the top-1 hit rate and the gold's robust z of each
 scoring variant per size.
 
@@ -29,7 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import kvedit
-from kvedit.focus_scoring import (
+from kvedit.focusing.choice import QUESTION_MARK
+from kvedit.focusing.passages import split_passages
+from kvedit.focusing.readout import span_shares
+from kvedit.focusing.scoring import (
     ABSTAIN_THRESHOLD,
     SCORE_SMOOTHING,
     SHARE_EPS,
@@ -38,11 +41,8 @@ from kvedit.focus_scoring import (
     passage_scores,
     stands_out,
 )
-from kvedit.focusing import QUESTION_MARK
-from kvedit.observer import Observer
-from kvedit.passages import split_passages
-from kvedit.passes import run_model
-from kvedit.readout import span_shares
+from kvedit.states.observer import Observer
+from kvedit.states.passes import run_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from focus_scale import context_of  # noqa: E402

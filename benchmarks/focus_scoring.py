@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
-from kvedit.focusing import passage_shares
+from kvedit.focusing.choice import passage_shares
 from kvedit.models import load_model
 
 

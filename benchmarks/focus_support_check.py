@@ -25,11 +25,11 @@ import json
 from collections.abc import Sequence
 
 from kvedit.evals.litm import build_examples
-from kvedit.guard import answer_support
+from kvedit.focusing.guard import answer_support
 
 
 def support(answer: str, passage: str, question: str) -> float:
-    """:func:`kvedit.guard.answer_support` of ``answer`` in one passage."""
+    """:func:`kvedit.focusing.guard.answer_support` of ``answer`` in one passage."""
     return answer_support(answer, [passage], question)
 
 

@@ -46,8 +46,8 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
 
 start=$SECONDS
 timeout 130 "$py" -m pytest -q -p no:cacheprovider \
-    tests/test_triton_attention.py tests/test_triton_rerotate.py tests/test_triton_decode.py \
-    tests/test_triton_configs.py \
+    tests/triton/test_triton_attention.py tests/triton/test_triton_rerotate.py tests/triton/test_triton_decode.py \
+    tests/triton/test_triton_configs.py \
     --junitxml="$out_dir/triton_tests.xml" 2>&1 | tee "$out_dir/triton_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: exit $tests_rc after $((SECONDS - start)) s" | tee -a "$out_dir/triton_tests.log"

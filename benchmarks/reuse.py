@@ -18,7 +18,7 @@ tokens, followed by a short question. Each number is the median of ``--repeats``
   ``kvedit.blend(..., recompute=--recompute)`` and the question's forward, vs a prefill of the
   same token ids. ``agree`` says whether the first answer token is the prefill's; ``|dlogit|``
   is the largest difference of the first answer token's logits. ``--rule`` adds blend rules
-  (``rescale=0.7``, ``leading=8:rescale=0.6``: ``kvedit.blend_rules``; default none).
+  (``rescale=0.7``, ``leading=8:rescale=0.6``: ``kvedit.reusing.blend_rules``; default none).
 
 Usage: ``python benchmarks/reuse.py [--lengths 512,2048,4096] [--repeats 5] [--rule RULE]
 [--json out.json]``

@@ -4,7 +4,7 @@ throughput (SmolLM2-135M, float32, vLLM CPU).
 A prompt is a long context (exactly N tokens of concatenated NQ-Open documents) followed by a
 short question. Three modes, each in its own subprocess (its own engine):
 
-* ``injected``: the context is captured once by kvedit (``kvedit.capturing.capture_tokens``,
+* ``injected``: the context is captured once by kvedit (``kvedit.states.capturing.capture_tokens``,
   float32, outside the timed region; capture and publish times reported), published with
   ``kvedit.integrations.vllm.publish`` and served by ``kvedit.integrations.vllm.engine``'s KV
   connector; vLLM computes only the question. Every request must report
@@ -208,8 +208,8 @@ def _timed_generate(llm: Any, prompts: list[dict], params: Any) -> tuple[list[An
 
 def _publish(model: Any, tok: Any, ids: list[int], root: Path) -> dict[str, Any]:
     """Capture and publish one context; the publisher's one-off costs."""
-    from kvedit.capturing import capture_tokens
     from kvedit.integrations.vllm import files, publish_stock
+    from kvedit.states.capturing import capture_tokens
 
     t = time.perf_counter()
     state = capture_tokens(model, tok, ids)

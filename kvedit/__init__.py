@@ -8,22 +8,22 @@ merging), ``kvedit.errors``, ``kvedit.store``, ``kvedit.project`` and ``kvedit.t
 from __future__ import annotations
 
 from . import compress, errors, integrations, ops, testing
-from .blending import BlendReport, blend
 from .cache import LayerKV
 from .cache.adapter import dynamic_cache
-from .capturing import capture, capture_tokens
-from .decoding import Answer, Decoder, eos_ids
-from .focusing import DEFAULT_GUARD, Focus, choose, focus, focus_text
-from .guard import AgreementGuard, Guard, SupportGuard, Verdict
+from .focusing.choice import DEFAULT_GUARD, Focus, choose, focus, focus_text
+from .focusing.guard import AgreementGuard, Guard, SupportGuard, Verdict
+from .focusing.readout import AttentionShare, attention_share
 from .models import load_model
-from .prefix_reuse import ReuseReport, reuse
 from .project import Projector
 from .prompts import chat_prefix, templated_prompt
-from .readout import AttentionShare, attention_share
+from .reusing.blending import BlendReport, blend
+from .reusing.prefix import ReuseReport, reuse
 from .runtime import ModelSpec, prepare, unprepare
-from .state import KVState
-from .statefiles.read import load_state
-from .steering import Steering, steer, strength_for_share, strength_from_pasta_alpha
+from .states.capturing import capture, capture_tokens
+from .states.decoding import Answer, Decoder, eos_ids
+from .states.files.read import load_state
+from .states.state import KVState
+from .steering.session import Steering, steer, strength_for_share, strength_from_pasta_alpha
 from .store import KVStore
 from .version import __version__
 

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from kvedit import checks
-from kvedit.capturing import capture, capture_tokens
 from kvedit.cli import EXIT_FAILURE, EXIT_USAGE
 from kvedit.cli import main as cli_main
 from kvedit.errors import InvalidExampleError, InvalidInputError, InvalidTypeError, KVEditError
 from kvedit.evals.jsonl import load_jsonl
-from kvedit.focusing import best_covered, stands_out
+from kvedit.focusing.choice import best_covered, stands_out
+from kvedit.states.capturing import capture, capture_tokens
 
 GOOD_LINE = (
     '{"id": "a", "instruction": "Answer.", "documents": ["x"], "separator": "\\n", '
@@ -253,7 +253,7 @@ def test_room_for_the_question_and_answer_is_kept(short_llama):
     ids=["list", "none", "bytes", "empty"],
 )
 def test_steering_generate_takes_one_prompt(llama, prompt, error):
-    from kvedit.steering import steer
+    from kvedit.steering.session import steer
 
     model, tok = llama
     with pytest.raises(error, match="prompt"):
@@ -261,7 +261,7 @@ def test_steering_generate_takes_one_prompt(llama, prompt, error):
 
 
 def test_steering_generate_refuses_a_prompt_without_room_to_answer(short_llama):
-    from kvedit.steering import steer
+    from kvedit.steering.session import steer
 
     model, tok = short_llama
     with pytest.raises(InvalidInputError, match="kept for what follows"):

@@ -92,21 +92,21 @@ def unresolved(dotted: set[str], froms: set[tuple[str, str]]) -> list[str]:
 def test_the_walker_finds_names_in_blocks_and_spans():
     text = (
         "Use `kvedit.ops.emphasize` or `kvedit/ops/bias.py`.\n\n```python\nimport kvedit\n"
-        "from kvedit.focusing import (choose,\n    Focus as F)\nkvedit.capture(m, t, x)\n```\n"
+        "from kvedit.focusing.choice import (choose,\n    Focus as F)\nkvedit.capture(m, t, x)\n```\n"
     )
     dotted, froms = mentions(text)
     assert dotted == {"kvedit.ops.emphasize", "kvedit.capture"}
-    assert froms == {("kvedit.focusing", "choose"), ("kvedit.focusing", "Focus")}
+    assert froms == {("kvedit.focusing.choice", "choose"), ("kvedit.focusing.choice", "Focus")}
 
 
 def test_a_wrong_or_deprecated_path_is_reported():
     bad = unresolved(
-        {"kvedit.focus.choose", "kvedit.state.templated_prompt", "kvedit.choose"},
+        {"kvedit.focus.choose", "kvedit.states.state.templated_prompt", "kvedit.choose"},
         {("kvedit.focus", "choose"), ("kvedit.prompts", "templated_prompt")},
     )
     assert len(bad) == 3, bad
     assert any(b.startswith("kvedit.focus.choose") for b in bad)
-    assert any(b.startswith("kvedit.state.templated_prompt") for b in bad)
+    assert any(b.startswith("kvedit.states.state.templated_prompt") for b in bad)
     assert any(b.startswith("from kvedit.focus import choose") for b in bad)
 
 

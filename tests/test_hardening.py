@@ -448,7 +448,7 @@ def test_atomic_write_fsyncs_file_and_directory(tmp_path, monkeypatch):
 
 def test_aliases_are_the_one_writer():
     import kvedit.evals.tasks as tasks
-    import kvedit.statefiles.write as write
+    import kvedit.states.files.write as write
     from kvedit.evals import report
 
     assert write.atomic_write is atomic_write

@@ -19,7 +19,7 @@ from .parse import PromptSplit, Range
 if TYPE_CHECKING:
     import torch
 
-    from kvedit.state import KVState
+    from kvedit.states.state import KVState
 
 __all__ = [
     "GroupShare",

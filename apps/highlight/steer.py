@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kvedit
-from kvedit.passages import split_passages
+from kvedit.focusing.passages import split_passages
 from kvedit.spans import tokens_in_ranges
 
 from .parse import (
@@ -93,7 +93,7 @@ class Highlighter:
         tokenizer: PreTrainedTokenizerBase,
         model_name: str,
         limits: Limits | None = None,
-        focus_threshold: float | None = kvedit.focusing.ABSTAIN_THRESHOLD,
+        focus_threshold: float | None = kvedit.focusing.choice.ABSTAIN_THRESHOLD,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -140,7 +140,7 @@ class Highlighter:
         """Auto-highlight: pick the ``top_k`` passages of the context the question points at.
 
         The context is captured in the same chat-templated prompt as :meth:`run` and cut into
-        passages (:func:`kvedit.passages.split_passages`, default rule, inside the context
+        passages (:func:`kvedit.focusing.passages.split_passages`, default rule, inside the context
         only: paragraphs, the lines of multi-line ones; sentences when that gives a single
         passage). :func:`kvedit.choose` scores them (the attention the question gives
         each, against a content-free version of the question) without editing the cache;

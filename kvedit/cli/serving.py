@@ -145,7 +145,7 @@ def _run_publish(args) -> int:
     from ..atomic import atomic_write
     from ..errors import InvalidInputError
     from ..evals.litm import resolve_prompt
-    from ..focusing import DEFAULT_GUARD
+    from ..focusing.choice import DEFAULT_GUARD
     from ..integrations.vllm.contexts import publish_context
     from ..models import load_model
 

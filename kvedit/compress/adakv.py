@@ -19,7 +19,7 @@ import torch
 
 from .. import checks
 from ..errors import InvalidInputError, InvalidTypeError
-from ..state import KVState
+from ..states.state import KVState
 from .scorers.base import Scorer
 
 __all__ = ["AdaKV", "adaptive_budgets"]

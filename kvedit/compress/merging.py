@@ -42,9 +42,9 @@ from ..cache import LayerKV, MergedLayerKV
 from ..cache.directions import SharedDirections, new_uid, pack_directions
 from ..cache.packed import BITS
 from ..errors import InvalidInputError
-from ..passes import recompute_last
 from ..provenance import Step
-from ..state import KVState
+from ..states.passes import recompute_last
+from ..states.state import KVState
 from .quantization import quantize
 
 __all__ = ["merge_layers", "merge_plan", "minicache", "slerp"]

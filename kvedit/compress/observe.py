@@ -1,7 +1,7 @@
 """Attention read-outs that score cache entries: what some queries give each stored entry.
 
 Every helper runs tokens over (part of) a state with the one attention observer
-(:func:`kvedit.observer.observed_attention`) and returns, per layer, the attention
+(:func:`kvedit.states.observer.observed_attention`) and returns, per layer, the attention
 ``[batch, heads, n]`` (query heads; ``n`` the layer's entries) summed over the observing
 queries. The state is never modified.
 
@@ -21,8 +21,8 @@ import torch
 
 from ..cache import LayerKV
 from ..errors import InvalidInputError
-from ..observer import observed_attention
-from ..state import KVState
+from ..states.observer import observed_attention
+from ..states.state import KVState
 
 __all__ = [
     "accumulated_attention",

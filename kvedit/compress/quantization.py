@@ -25,9 +25,9 @@ from __future__ import annotations
 from ..cache import QuantizedLayerKV
 from ..cache.packed import BITS, PackedKV
 from ..errors import InvalidInputError
-from ..passes import last_input_entries, recompute_last
 from ..provenance import Step
-from ..state import KVState
+from ..states.passes import last_input_entries, recompute_last
+from ..states.state import KVState
 
 __all__ = ["quantize"]
 
@@ -39,7 +39,7 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
         state: the state (not modified); a quantized state is re-quantized from its values.
         bits: 2, 4 or 8.
         residual: the most recent entries (at least this many, and always the last input's,
-            which :func:`~kvedit.passes.recompute_last` reruns) kept in full precision.
+            which :func:`~kvedit.states.passes.recompute_last` reruns) kept in full precision.
         group: tokens per key scale group; channels per value scale group (capped at the head
             dimension, which it must then divide).
 

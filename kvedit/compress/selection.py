@@ -13,7 +13,7 @@ Which entries a head keeps, in order of precedence:
 1. *Protected* entries, always, even past the budget: the tokens of ``protect`` (spans of the
    state's text), the tokens that carry a positive stored bias on any layer (emphasized or
    focus-chosen passages; unless ``protect_bias=False``), and the last token (which
-   :func:`~kvedit.passes.recompute_last` needs).
+   :func:`~kvedit.states.passes.recompute_last` needs).
 2. Entries the scorer scored ``+inf`` (e.g. SnapKV's recent window), the latest first.
 3. The best finite scores.
 
@@ -45,10 +45,10 @@ import torch
 from .. import checks
 from ..cache import LayerKV
 from ..errors import EmptySelectionError, InvalidInputError, InvalidTypeError
-from ..passes import recompute_last
 from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState
+from ..states.passes import recompute_last
+from ..states.state import KVState
 from .masking import live_entries, masked_union
 from .scorers.base import Scorer, make_scorer
 from .scorers.snapkv import SnapKV
@@ -196,7 +196,7 @@ def protected_tokens(
 ) -> torch.Tensor:
     """Sorted token indices ``LongTensor[k]`` no head may drop: the tokens of ``protect``, the
     text tokens with a positive stored bias on some layer (with ``protect_bias``), the last
-    token and the last input's token (what :func:`~kvedit.passes.recompute_last` reruns)."""
+    token and the last input's token (what :func:`~kvedit.states.passes.recompute_last` reruns)."""
     parts = [torch.tensor([len(state) - 1, state.last_input.token_index], dtype=torch.long)]
     if protect is not None:
         spans = state.token_indices(protect)

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from ..atomic import atomic_write
-from ..capturing import capture
 from ..models import load_model
 from ..project import Projector
+from ..states.capturing import capture
 from .metrics import bootstrap_ci
 from .tasks import load_nq
 

@@ -18,7 +18,7 @@ from ..cache import LayerKV
 from ..errors import InvalidInputError
 from ..provenance import Step
 from ..spans import Spans
-from ..state import KVState
+from ..states.state import KVState
 from .entries import edit_entries
 
 __all__ = ["emphasize", "suppress"]

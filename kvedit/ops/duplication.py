@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import checks
-from ..passes import recompute_last
 from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState
+from ..states.passes import recompute_last
+from ..states.state import KVState
 from .entries import layer_set, span_tokens
 
 __all__ = ["duplicate"]

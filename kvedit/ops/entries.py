@@ -14,10 +14,10 @@ import torch
 from .. import checks
 from ..cache import LayerKV
 from ..errors import EmptySelectionError
-from ..passes import last_input_entries, recompute_last
 from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState
+from ..states.passes import last_input_entries, recompute_last
+from ..states.state import KVState
 
 __all__ = ["edit_entries", "layer_set", "span_tokens"]
 
@@ -46,7 +46,7 @@ def edit_entries(
 ) -> KVState:
     """A new state with ``edit(i, layer, entries)`` applied to every chosen layer ``i`` holding a
     token of ``spans`` (``entries``: the layer's entry indices of those tokens, on its device),
-    then the last input recomputed over the edited cache (:func:`~kvedit.passes.recompute_last`),
+    then the last input recomputed over the edited cache (:func:`~kvedit.states.passes.recompute_last`),
     so the edit reaches the next token, and ``step`` recorded in the history (with the tokens
     and layers it touched). Every reading of a span token is edited: the text token's entries
     and its re-read copies. Layers holding none of the tokens (e.g. sliding-window layers past

@@ -16,7 +16,7 @@ from .. import checks
 from ..cache import LayerKV
 from ..provenance import Step
 from ..spans import Spans
-from ..state import KVState
+from ..states.state import KVState
 from .entries import edit_entries
 
 __all__ = ["scale_keys"]

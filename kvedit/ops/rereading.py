@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelNotAttachedError
-from ..passes import run_model
 from ..provenance import Step, token_ranges
 from ..spans import Spans
-from ..state import KVState, LastInput
+from ..states.passes import run_model
+from ..states.state import KVState, LastInput
 from .entries import span_tokens
 
 __all__ = ["reread"]

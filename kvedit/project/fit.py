@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import checks
-from ..capturing import capture
 from ..errors import InvalidInputError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..runtime import layer_windows
+from ..states.capturing import capture
 from .align import align_tokens, depth_matched_layers, special_token_mask
 from .features import Features, kv_rows, stacked_inv_freq
 from .ridge import DEFAULT_LAMBDAS, LayerFit, solve

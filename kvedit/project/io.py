@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from ..atomic import atomic_write
 from ..errors import CorruptCacheError
-from ..statefiles.format import crc32_of
-from ..statefiles.read import read_verified
+from ..states.files.format import crc32_of
+from ..states.files.read import read_verified
 from ..version import __version__
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from .. import checks
 from ..cache import LayerKV
 from ..errors import CacheMismatchError, InvalidInputError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
-from ..passes import run_model
 from ..provenance import History, Origin
-from ..state import KVState, LastInput
+from ..states.passes import run_model
+from ..states.state import KVState, LastInput
 from .align import align_tokens, special_token_mask
 from .features import Features, rotate
 from .fit import fit_fields

@@ -7,8 +7,8 @@ One concern per module:
   stored, whose model made an entry.
 - :mod:`~kvedit.store.lock`: the write lock (``filelock``) serialising writers.
 - :mod:`~kvedit.store.disk`: the disk tier: file layout, index, eviction, crash recovery.
-- :mod:`~kvedit.store.memory`: the in-memory tier in front of it.
-- :mod:`~kvedit.store.prefix`: longest stored prefix of a prompt (:class:`PrefixMatch`).
+- :mod:`~kvedit.store.ram`: the in-memory tier in front of it.
+- :mod:`~kvedit.store.matching`: longest stored prefix of a prompt (:class:`PrefixMatch`).
 - :mod:`~kvedit.store.store`: :class:`KVStore`, which composes them.
 """
 
@@ -24,7 +24,7 @@ from .keys import (
     content_key,
     tail_key,
 )
-from .prefix import PrefixMatch
+from .matching import PrefixMatch
 from .records import EntryMeta
 from .store import KVStore
 

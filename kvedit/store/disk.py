@@ -44,9 +44,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..atomic import atomic_write, is_temp_name
 from ..errors import CorruptCacheError, InvalidInputError, StoreUnavailableError
-from ..state import KVState
-from ..statefiles.read import read_state_file, state_from_parts
-from ..statefiles.write import save_state
+from ..states.files.read import read_state_file, state_from_parts
+from ..states.files.write import save_state
+from ..states.state import KVState
 from .keys import CHUNK_TOKENS, STORE_FORMAT, STORE_VERSION, content_key, is_key
 from .lock import StoreLock
 from .records import EntryMeta

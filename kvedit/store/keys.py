@@ -10,7 +10,7 @@ with another size) with chained hashes, as LMCache does::
 
 ``H`` is SHA-256 over length-prefixed parts, cut to 32 lowercase hex digits; ids are hashed as
 int64. Every entry is indexed under the chain hashes of its full chunks, so the longest stored
-prefix of a new prompt is found by hashing the prompt's chunks (:mod:`kvedit.store.prefix`).
+prefix of a new prompt is found by hashing the prompt's chunks (:mod:`kvedit.store.matching`).
 """
 
 from __future__ import annotations

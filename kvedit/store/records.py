@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from ..cache import LAYER_CLASSES
 from ..errors import CacheMismatchError, NotACaptureError
-from ..state import KVState
+from ..states.state import KVState
 from .keys import STORE_FORMAT, chain_root, chunk_hashes, is_key, tail_key
 
 __all__ = ["EntryMeta", "check_fingerprints", "check_storable", "storable_problem"]

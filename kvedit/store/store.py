@@ -1,11 +1,11 @@
 """KVStore: the content-addressed, two-tier store of captured states, built from its parts.
 
 Entries live on disk under ``root`` (:mod:`kvedit.store.disk`, LRU by bytes up to
-``max_bytes``); an optional in-memory tier in front (:mod:`kvedit.store.memory`, LRU up to
+``max_bytes``); an optional in-memory tier in front (:mod:`kvedit.store.ram`, LRU up to
 ``memory_bytes``) keeps recently used states ready. ``pin`` keeps an entry in both tiers and
 exempts it from expiry; ``put(..., ttl=s)`` makes it expire after ``s`` seconds. Keys are
 chained hashes of the token ids (:mod:`kvedit.store.keys`), so the longest stored prefix of a
-prompt is found chunk by chunk (:mod:`kvedit.store.prefix`). Passages (texts cached on their
+prompt is found chunk by chunk (:mod:`kvedit.store.matching`). Passages (texts cached on their
 own, see :func:`~kvedit.reuse.capture_passage`) are entries like any other, keyed by their ids,
 which is what :func:`~kvedit.blend` looks them up by.
 
@@ -28,14 +28,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import checks
-from ..capturing import encode
 from ..errors import EntryNotFoundError, InvalidInputError, InvalidTypeError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
-from ..state import KVState
+from ..states.capturing import encode
+from ..states.state import KVState
 from .disk import DiskTier
 from .keys import chain_root, check_key, chunk_hashes, content_key
-from .memory import MemoryTier
-from .prefix import PrefixMatch, as_prefix, candidates
+from .matching import PrefixMatch, as_prefix, candidates
+from .ram import MemoryTier
 from .records import EntryMeta, check_fingerprints, check_storable, storable_problem
 
 __all__ = ["KVStore"]

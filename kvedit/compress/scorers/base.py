@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from ...errors import InvalidInputError
-from ...state import KVState
+from ...states.state import KVState
 
 __all__ = ["SCORERS", "Scorer", "make_scorer", "register_scorer"]
 

@@ -20,7 +20,7 @@ import torch
 
 from ... import checks
 from ...errors import UnsupportedModelError
-from ...state import KVState
+from ...states.state import KVState
 from ..observe import accumulated_attention, to_kv_heads
 from .base import Scorer, register_scorer
 

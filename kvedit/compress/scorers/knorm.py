@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...state import KVState
+from ...states.state import KVState
 from .base import Scorer, register_scorer
 
 __all__ = ["KNorm"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ... import checks
 from ...errors import InvalidInputError
-from ...state import KVState
+from ...states.state import KVState
 from ..observe import question_attention, to_kv_heads, window_attention
 from .base import Scorer, register_scorer
 

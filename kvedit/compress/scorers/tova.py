@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...state import KVState
+from ...states.state import KVState
 from ..observe import window_attention
 from .base import Scorer, register_scorer
 

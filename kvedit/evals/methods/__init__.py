@@ -62,7 +62,6 @@ from kvedit.evals.methods.repeat import RepeatQuestion
 from kvedit.evals.methods.reread import Reread, RereadParams
 from kvedit.evals.methods.select import Select, SelectParams
 from kvedit.evals.methods.snapkv import SnapKV, SnapKVParams
-from kvedit.focusing import adaptive_strengths, content_free_question  # moved there
 
 __all__ = [
     "EDITS",
@@ -90,10 +89,8 @@ __all__ = [
     "SelectParams",
     "SnapKV",
     "SnapKVParams",
-    "adaptive_strengths",
     "apply_edit",
     "auto_hit_rate",
-    "content_free_question",
     "document_parts",
     "example_focus",
     "parse_spec",

@@ -14,9 +14,9 @@ from kvedit.evals.methods.edits import EditParams
 from kvedit.evals.methods.focus import example_focus, focused_answer, focused_state
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.focusing import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, SUPPORT_THRESHOLD, Focus
-from kvedit.guard import COMMON_SHARE
-from kvedit.state import KVState
+from kvedit.focusing.choice import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, SUPPORT_THRESHOLD, Focus
+from kvedit.focusing.guard import COMMON_SHARE
+from kvedit.states.state import KVState
 
 __all__ = ["GUARDS", "Auto", "AutoParams", "auto_hit_rate"]
 
@@ -43,24 +43,24 @@ class AutoParams(EditParams):
         target: The attention share each layer's bias lifts the chosen documents to, in
             ``(0, 1)``; ``None`` adds ``strength`` everywhere instead. Only ``emphasize``
             uses it.
-        guard: The answer guard (:mod:`kvedit.guard`): ``"support"`` (the default of a cache
-            edit, :class:`~kvedit.guard.SupportGuard`: answer unedited where at least ``support`` of
+        guard: The answer guard (:mod:`kvedit.focusing.guard`): ``"support"`` (the default of a cache
+            edit, :class:`~kvedit.focusing.guard.SupportGuard`: answer unedited where at least ``support`` of
             the unedited answer's telling words are in the chosen document), ``"agreement"``
-            or ``True`` (:class:`~kvedit.guard.AgreementGuard`: keep the edit only where, at
+            or ``True`` (:class:`~kvedit.focusing.guard.AgreementGuard`: keep the edit only where, at
             the first answer token where the answers differ, the edit's token is the likelier
             under both states; it hurt NQ on the tuning seed), ``"none"`` or ``False`` (no
             guard; the default, and the only one, of ``edit="steer"``).
-        support: :class:`~kvedit.guard.SupportGuard`'s threshold
-            (:data:`kvedit.focusing.SUPPORT_THRESHOLD`).
-        shared: :class:`~kvedit.guard.SupportGuard`'s share of the other documents a word
-            may be found in and still count as support (:data:`kvedit.guard.COMMON_SHARE`;
+        support: :class:`~kvedit.focusing.guard.SupportGuard`'s threshold
+            (:data:`kvedit.focusing.choice.SUPPORT_THRESHOLD`).
+        shared: :class:`~kvedit.focusing.guard.SupportGuard`'s share of the other documents a word
+            may be found in and still count as support (:data:`kvedit.focusing.guard.COMMON_SHARE`;
             1: none left out, session 13's rule). Recorded, so runs made before are never
             reused for this rule.
         smoothing: The share added to both sides of each score's log ratio, as a fraction
-            of the mean share of a document (:data:`kvedit.focusing.SCORE_SMOOTHING`;
+            of the mean share of a document (:data:`kvedit.focusing.choice.SCORE_SMOOTHING`;
             recorded, so results made with another value are never reused for this one).
         threshold: The robust z-score a document's score must reach to be emphasized
-            (:data:`kvedit.focusing.ABSTAIN_THRESHOLD`); when none does, ``auto`` edits nothing
+            (:data:`kvedit.focusing.choice.ABSTAIN_THRESHOLD`); when none does, ``auto`` edits nothing
             and answers as ``none``. ``None`` always edits the ``top_k`` best (the former
             behaviour). Recorded like ``smoothing``.
     """
@@ -119,7 +119,7 @@ class Auto(Method):
     """Emphasize the documents the question's bias-corrected attention points at.
 
     With ``target`` (default 0.2), each layer's bias is the one that lifts the chosen
-    documents' attention share to ``target`` (:func:`kvedit.focusing.adaptive_strengths`, at most
+    documents' attention share to ``target`` (:func:`kvedit.focusing.choice.adaptive_strengths`, at most
     ``strength``); ``target=None`` adds ``strength`` everywhere instead. Parameters:
     :class:`AutoParams`. Leaves ``ctx.notes["auto_choice"]`` (the chosen documents) and, with
     a target, ``ctx.notes["auto_strengths"]`` (the bias of each layer).

@@ -5,7 +5,7 @@ after the prompt's instruction prefix, in a store (one temporary store per metho
 documents shared by examples with the same prefix are computed once), then the documents are
 blended after the prefix with :func:`kvedit.blend`, which recomputes that fraction of the
 tokens; the question follows as usual. ``context=alone`` caches each document on its own
-instead (the blend of earlier reports). The rules of :mod:`kvedit.blend_rules` are parameters
+instead (the blend of earlier reports). The rules of :mod:`kvedit.reusing.blend_rules` are parameters
 too, off unless given: ``blend:recompute=0.15:gradual=2``, ``blend:recompute=0:leading=4``,
 ``blend:rescale=0.8``; a spec records them only when given.
 """
@@ -16,11 +16,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from kvedit.blend_rules import BLEND_RULES, BlendRules
-from kvedit.blending import BLEND_CONTEXTS, blend
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_fraction
 from kvedit.evals.methods.registry import Method, register_method
+from kvedit.reusing.blend_rules import BLEND_RULES, BlendRules
+from kvedit.reusing.blending import BLEND_CONTEXTS, blend
 from kvedit.store import KVStore
 
 __all__ = [
@@ -60,7 +60,7 @@ class BlendParams:
         recompute: The fraction of the tokens :func:`kvedit.blend` recomputes, in ``[0, 1]``.
         context: What each document is cached after: ``"prefix"`` (the instruction prefix)
             or ``"alone"`` (nothing); see :data:`kvedit.blend.BLEND_CONTEXTS`.
-        gradual, leading, rescale: the blend rules (:mod:`kvedit.blend_rules`); None: off.
+        gradual, leading, rescale: the blend rules (:mod:`kvedit.reusing.blend_rules`); None: off.
     """
 
     recompute: float = 0.15

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvedit.capturing import capture
 from kvedit.errors import InvalidInputError
 from kvedit.evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from kvedit.evals.schema import Example
 from kvedit.prompts import templated_prompt
-from kvedit.state import KVState
+from kvedit.states.capturing import capture
+from kvedit.states.state import KVState
 
 __all__ = ["ExampleContext", "check_prompt", "format_prompt", "split_prompt"]
 

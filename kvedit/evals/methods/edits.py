@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from kvedit import checks, ops
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.params import check_choice, check_count, check_real
-from kvedit.state import KVState
-from kvedit.steering import steer
+from kvedit.states.state import KVState
+from kvedit.steering.session import steer
 
 __all__ = ["EDITS", "EditParams", "apply_edit", "edited_state"]
 

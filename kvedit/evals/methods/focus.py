@@ -1,6 +1,6 @@
 """How ``auto`` and ``reread`` call :func:`kvedit.focus` on an example.
 
-The scoring, the choice, the bias and the guard live in :mod:`kvedit.focusing`; this module only
+The scoring, the choice, the bias and the guard live in :mod:`kvedit.focusing.choice`; this module only
 translates a method's parameters (:func:`focus_args`): the passages are the example's
 documents, the calibration query is its question, and ``layers`` (fractions of the depth)
 become layer indices.
@@ -18,9 +18,9 @@ import kvedit
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
 from kvedit.evals.prompts import plain_answer
-from kvedit.focusing import ABSTAIN_THRESHOLD, Focus
-from kvedit.guard import AgreementGuard, Guard, SupportGuard
-from kvedit.state import KVState
+from kvedit.focusing.choice import ABSTAIN_THRESHOLD, Focus
+from kvedit.focusing.guard import AgreementGuard, Guard, SupportGuard
+from kvedit.states.state import KVState
 
 __all__ = ["example_focus", "focus_args", "focused_answer", "focused_state", "layer_slice"]
 
@@ -32,7 +32,7 @@ def layer_slice(layers: tuple[float, float], n_layers: int) -> slice:
 
 
 AGREEMENT_GUARD = AgreementGuard()
-"""The :class:`~kvedit.guard.AgreementGuard` whose margin ``guard=agreement`` uses."""
+"""The :class:`~kvedit.focusing.guard.AgreementGuard` whose margin ``guard=agreement`` uses."""
 
 
 def guard_of(params, ctx: ExampleContext) -> Guard | None:
@@ -86,7 +86,7 @@ def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
 
 def focused_state(ctx: ExampleContext, params) -> tuple[KVState | None, Focus]:
     """The state ``auto``/``reread`` answer from (None for ``edit="steer"``: it edits no
-    cache), and the :class:`~kvedit.focusing.Focus` of :func:`example_focus`."""
+    cache), and the :class:`~kvedit.focusing.choice.Focus` of :func:`example_focus`."""
     found = example_focus(ctx, params)
     return (found.state if params.edits_cache else None), found
 

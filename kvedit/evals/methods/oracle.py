@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import EditParams, apply_edit, edited_state
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.state import KVState
+from kvedit.states.state import KVState
 
 __all__ = ["Oracle"]
 

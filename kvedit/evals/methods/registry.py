@@ -18,7 +18,7 @@ from kvedit.evals.methods.params import NoParams, from_text, to_dict
 
 if TYPE_CHECKING:
     from kvedit.evals.methods.context import ExampleContext
-    from kvedit.state import KVState
+    from kvedit.states.state import KVState
 
 __all__ = ["METHODS", "Method", "parse_spec", "register_method", "split_specs"]
 

@@ -6,7 +6,7 @@ by a registered scorer (``snapkv``, ``knorm``, ``tova``, ``h2o``: :mod:`kvedit.c
 each head keeping at least ``floor`` of its share). ``observe``, ``window`` and ``kernel`` go to
 the scorers that take them (SnapKV observes the question, the continuation text, or the
 documents' last ``window`` tokens; H2O keeps its last ``window`` tokens). ``protect=focus``
-never drops the document :func:`kvedit.focusing.choose` picks for the question (its defaults,
+never drops the document :func:`kvedit.focusing.choice.choose` picks for the question (its defaults,
 the ``auto`` method's choice); ``protect=gold`` the gold document (an oracle upper bound).
 ``bits=8`` (or 4, 2) quantizes the selected cache: selection and quantization combined.
 """
@@ -28,7 +28,7 @@ from kvedit.evals.methods.params import (
     check_int_choice,
 )
 from kvedit.evals.methods.registry import Method, register_method
-from kvedit.focusing import choose
+from kvedit.focusing.choice import choose
 
 __all__ = ["OBSERVE", "PROTECT", "Select", "SelectParams", "build_scorer"]
 
@@ -121,7 +121,7 @@ class Select(Method):
     def protected(self, ctx: ExampleContext) -> list[tuple[int, int]] | None:
         """The character spans of ``ctx.prefix`` no head may drop (None: nothing).
 
-        ``protect=focus`` protects the passages :func:`kvedit.focusing.choose` picks, and
+        ``protect=focus`` protects the passages :func:`kvedit.focusing.choice.choose` picks, and
         nothing when it abstains."""
         if self.params.protect == "gold":
             return [ctx.gold_span()]

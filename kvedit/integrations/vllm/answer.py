@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...decoding import eos_ids
 from ...errors import CacheNotServedError, InvalidInputError
-from ...state import KVState
+from ...states.decoding import eos_ids
+from ...states.state import KVState
 from .engines import engine
 from .publishing import PublishedIds, kv_transfer_params, publish_stock
 from .servable import realize

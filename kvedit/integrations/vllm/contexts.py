@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from ... import ops
-from ...capturing import capture
-from ...decoding import eos_ids
 from ...errors import InvalidInputError
 from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
-from ...focusing import DEFAULT_GUARD, QUESTION_MARK, focus, focus_text
-from ...guard import Guard, check_guard
+from ...focusing.choice import DEFAULT_GUARD, QUESTION_MARK, focus, focus_text
+from ...focusing.guard import Guard, check_guard
 from ...prompts import chat_prefix
+from ...states.capturing import capture
+from ...states.decoding import eos_ids
 from .publishing import kv_transfer_params, publish_stock
 
 __all__ = ["PublishedPrompt", "publish_context"]
@@ -157,7 +157,7 @@ def publish_context(
         approximate: publish an edit vLLM realises only approximately, labelled (see
             :mod:`~kvedit.integrations.vllm.servable`).
         guard: with ``focus_on``, the answer guard :func:`kvedit.focus` applies (default
-            :data:`kvedit.focusing.DEFAULT_GUARD`: no edit where the unedited answer already
+            :data:`kvedit.focusing.choice.DEFAULT_GUARD`: no edit where the unedited answer already
             comes from the chosen passage; then nothing is chosen); ``None``: none.
 
     Raises:

@@ -48,8 +48,8 @@ from safetensors.torch import save_file
 
 from ...atomic import atomic_write, is_temp_name, remove_temp
 from ...errors import CorruptCacheError, InvalidInputError
-from ...statefiles.format import crc32_of, crc32_step
-from ...statefiles.read import read_verified
+from ...states.files.format import crc32_of, crc32_step
+from ...states.files.read import read_verified
 from .stock import StockCache
 
 FORMAT = "kvedit.vllm"

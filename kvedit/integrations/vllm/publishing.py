@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidInputError
-from ...state import KVState
+from ...states.state import KVState
 from ...version import __version__
 from . import files
 from .servable import check, realize

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ...errors import InvalidInputError
 from ...provenance import Step
-from ...state import KVState
+from ...states.state import KVState
 from .stock import REMOVE_AT, BiasRealization, StockCache, to_stock
 
 __all__ = [

@@ -49,7 +49,7 @@ from ... import checks, rope
 from ...cache import LayerKV
 from ...errors import InvalidInputError, ModelNotAttachedError
 from ...provenance import History
-from ...state import KVState
+from ...states.state import KVState
 
 REMOVE_AT = 20.0
 """Entries whose bias is at or below ``-REMOVE_AT`` nats are removed (a full suppress)."""

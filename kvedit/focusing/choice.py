@@ -1,0 +1,416 @@
+"""Automatic focus: emphasize the passages a question points at.
+
+The question is run on top of a captured state twice, as asked and with its distinctive words
+removed (:func:`content_free_question`: a calibration query that keeps the question's form and
+position). Each passage's score is the log ratio of the attention shares the two give it
+(each smoothed by :data:`SCORE_SMOOTHING` times the mean share of a passage, so the same default
+serves 5 and 500 passages), averaged over the layers that hold the passage (a sliding-window
+layer holds only its last tokens): positional bias (lost in the middle, recency, the sink)
+appears in both and cancels, the question's content does not.
+
+Focus edits only when a passage stands out (:func:`stands_out`: its robust z-score among the
+candidates' scores reaches :data:`ABSTAIN_THRESHOLD`); otherwise it abstains (no edit). A
+question with no distinctive word (none of its words is in some but not most passages) gives
+no evidence and every score 0; a passage that only restates the question
+(:func:`echo_passages`) is never a candidate. The best passages are then emphasized with a
+per-layer bias that lifts their share of the question's attention to ``target``
+(:func:`adaptive_strengths`), applied with :func:`kvedit.ops.emphasize` (the last token is
+recomputed, so the next token sees the edit). An optional answer guard (:mod:`kvedit.focusing.guard`,
+applied by :func:`guarded`) may drop the edit.
+
+This is the evaluation method ``auto`` (``kvedit eval litm --methods auto``) as a library call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import checks, ops
+from ..errors import InvalidInputError, InvalidTypeError
+from ..prompts import chat_prefix
+from ..states.capturing import capture
+from ..states.state import KVState
+from .guard import (
+    SUPPORT_THRESHOLD,
+    Guard,
+    SupportGuard,
+    Verdict,
+    check_guard,
+    evidence_and_others,
+)
+from .passages import Range, split_passages
+
+__all__ = [
+    "ABSTAIN_THRESHOLD",
+    "DEFAULT_GUARD",
+    "SCORE_SMOOTHING",
+    "SHARE_EPS",
+    "SUPPORT_THRESHOLD",
+    "Focus",
+    "adaptive_strengths",
+    "best_covered",
+    "choose",
+    "content_free_question",
+    "content_question",
+    "echo_passages",
+    "focus",
+    "focus_text",
+    "guarded",
+    "passage_scores",
+    "passage_shares",
+    "robust_z",
+    "stands_out",
+]
+
+from .scoring import (
+    ABSTAIN_THRESHOLD,
+    QUESTION_MARK,
+    SCORE_SMOOTHING,
+    SHARE_EPS,
+    adaptive_strengths,
+    best_covered,
+    content_free_question,
+    content_question,
+    default_query,
+    echo_passages,
+    passage_scores,
+    passage_shares,
+    robust_z,
+    stands_out,
+)
+
+DEFAULT_GUARD = SupportGuard()
+"""The answer guard :func:`focus` applies by default (:class:`kvedit.focusing.guard.SupportGuard` at
+:data:`SUPPORT_THRESHOLD`): no edit where the unedited answer already comes from the chosen
+passage."""
+
+
+@dataclass
+class Focus:
+    """What :func:`focus` did.
+
+    Attributes:
+        state: the state that answers: the edited one, or the input state itself when
+            nothing was edited (:func:`choose`) or the guard dropped the edit.
+        passages: ``(start, end)`` character ranges of the passages in ``state.text``.
+        scores: one relevance score per passage (higher: the question points at it more).
+        chosen: indices into ``passages`` of the emphasized passages, best first; empty when
+            focus abstained (no passage stands out: :func:`stands_out`), and then nothing was
+            edited.
+        strengths: the bias (nats) each layer's chosen passages got (or would get); all 0
+            when nothing is chosen.
+        question: the continuation :meth:`generate` asks.
+        verdict: the guard's decision (``None`` without a guard).
+        reason: why nothing was chosen (``""`` when something was).
+        echoes: indices of the passages that only restate the question (never chosen).
+        best: the best-scored eligible passage, chosen or not (``None`` without candidates).
+        eligible: the passages focus may choose: the candidates (not echoes) that hold the
+            most of the question's distinctive words (:func:`best_covered`; all candidates
+            when none holds any).
+        query: the asking part of :attr:`question` (its words are left out of a guard's
+            reading of the answer; ``None``: the whole question).
+    """
+
+    state: KVState
+    passages: list[Range]
+    scores: list[float]
+    chosen: list[int]
+    strengths: list[float]
+    question: str
+    verdict: Verdict | None = None
+    reason: str = ""
+    echoes: list[int] = field(default_factory=list)
+    best: int | None = None
+    eligible: list[int] = field(default_factory=list)
+    query: str | None = None
+
+    @property
+    def kept(self) -> bool:
+        """Whether the edit stands (``True`` when no guard was asked)."""
+        return self.verdict is None or self.verdict.kept
+
+    def explain(self, width: int = 40) -> str:
+        """A table: passage index, its first ``width`` characters, score, ``*`` if chosen
+        (``echo`` if it only restates the question); then, when nothing was chosen, why."""
+        lines = [f"{'#':>3}  {'passage':<{width}}  {'score':>7}  chosen"]
+        for i, ((a, b), score) in enumerate(zip(self.passages, self.scores, strict=True)):
+            text = " ".join(self.state.text[a:b].split())
+            if len(text) > width:
+                text = text[: width - 3] + "..."
+            mark = "*" if i in self.chosen else ("echo" if i in self.echoes else "")
+            lines.append(f"{i:>3}  {text:<{width}}  {score:>7.3f}  {mark}")
+        if not self.chosen:
+            lines.append(f"no edit: {self.reason or 'no passage chosen'}")
+        v = self.verdict
+        if v is not None:
+            said = {"agree": "same answer with and without it", "edit": "the edit's answer won"}
+            said["original"] = "the unedited answer won"
+            if v.support is not None:
+                words = f"{v.support:.0%} of the unedited answer's telling words are in the passage"
+                said["supported"] = said["unsupported"] = words
+            where = "" if v.step is None else f" at answer token {v.step}, margin {v.margin:.2f}"
+            lines.append(f"edit {'kept' if v.kept else 'dropped'}: {said[v.reason]}{where}")
+        return "\n".join(lines)
+
+    def generate(self, max_new_tokens: int = 32, **kw) -> str:
+        """Continue :attr:`state` with :attr:`question` (see :meth:`KVState.generate`).
+
+        A greedy call no longer than the guard's answer reuses that answer (the same tokens).
+        """
+        max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
+        known = None if self.verdict is None or kw else self.verdict.answer
+        if known is not None and (max_new_tokens <= len(known.token_ids) or known.finished):
+            ids = known.token_ids[:max_new_tokens]
+            return self.state.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.state.generate(self.question, max_new_tokens, **kw)
+
+
+def _layer_indices(state: KVState, layers) -> list[int] | None:
+    chosen = checks.layers(layers, len(state.layers))
+    return None if chosen is None else list(chosen)
+
+
+def _check_sizing(target: float | None, max_strength: float) -> tuple[float | None, float]:
+    if target is not None:
+        target = checks.real("target", target)
+        if not 0.0 < target < 1.0:
+            raise InvalidInputError(f"target share must be in (0, 1), not {target!r}")
+    max_strength = checks.strength("max_strength", max_strength)
+    if target is not None and max_strength < 0:
+        raise InvalidInputError(f"max_strength must be >= 0 with a target, not {max_strength}")
+    return target, max_strength
+
+
+def choose(
+    state: KVState,
+    question: str,
+    passages=None,
+    *,
+    top_k: int = 1,
+    target: float | None = 0.2,
+    max_strength: float = 5.0,
+    layers: Sequence[int] | None = None,
+    query: str | None = None,
+    region: Range | None = None,
+    smoothing: float = SCORE_SMOOTHING,
+    threshold: float | None = ABSTAIN_THRESHOLD,
+) -> Focus:
+    """Score the passages, choose up to ``top_k`` that stand out and size each layer's bias,
+    without editing (see :func:`focus` for the arguments).
+
+    The returned :class:`Focus` holds the input state and the strengths :func:`focus` would
+    apply (``chosen`` is empty when no passage stands out). Costs two question-length passes
+    over the cache (the question and its calibration; one when the question has no
+    distinctive word).
+    """
+    target, max_strength = _check_sizing(target, max_strength)
+    smoothing = checks.real("smoothing", smoothing)
+    if not 0.0 < smoothing <= 1.0:
+        raise InvalidInputError(f"smoothing must be in (0, 1], not {smoothing!r}")
+    if threshold is not None:
+        threshold = checks.real("threshold", threshold)
+    question = checks.text("question", question, allow_empty=False)
+    if query is None:
+        query = default_query(state, question)
+    query = content_question("question" if query.strip() == question.strip() else "query", query)
+    spans = split_passages(state, passages, region)
+    top_k = checks.count("top_k", top_k, minimum=1, maximum=len(spans))
+    layer_idx = _layer_indices(state, layers)
+    real, calib = passage_shares(state, question, spans, query=query)
+    scores = passage_scores(real, calib, layer_idx, smoothing)
+    texts = [state.text[a:b] for a, b in spans]
+    echoes = echo_passages(query, texts)
+    candidates = torch.ones(len(spans), dtype=torch.bool)
+    candidates[echoes] = False
+    eligible = best_covered(query, texts, candidates)
+    ranked = stands_out(scores, candidates, None, eligible)
+    chosen = stands_out(scores, candidates, threshold, eligible)[:top_k]
+    reason = "" if chosen else _why_none(scores, candidates, eligible, threshold, real, calib)
+    if not chosen:
+        strengths = [0.0] * len(state.layers)
+    elif target is None:
+        strengths = [max_strength] * len(state.layers)
+    else:
+        strengths = adaptive_strengths(real[:, chosen].sum(-1), target, max_strength).tolist()
+    best = ranked[0] if ranked else None
+    return Focus(
+        state,
+        spans,
+        scores.tolist(),
+        chosen,
+        strengths,
+        question,
+        None,
+        reason,
+        echoes,
+        best,
+        eligible.nonzero().flatten().tolist(),
+        query,
+    )
+
+
+def _why_none(scores, candidates, eligible, threshold, real, calib) -> str:
+    if not bool(candidates.any()):
+        return "every passage only restates the question"
+    if torch.equal(real, calib):
+        return "the question has no distinctive word in the passages (every score 0)"
+    z = robust_z(scores, candidates)
+    best = stands_out(scores, candidates, None, eligible)[0]
+    among = "" if bool(eligible[candidates].all()) else " among the passages with most of its words"
+    return (
+        f"no passage stands out{among} (best: #{best}, score {float(scores[best]):.3f}, "
+        f"robust z {float(z[best]):.2f} < threshold {threshold})"
+    )
+
+
+def focus(
+    state: KVState,
+    question: str,
+    passages=None,
+    *,
+    top_k: int = 1,
+    target: float | None = 0.2,
+    max_strength: float = 5.0,
+    layers: Sequence[int] | None = None,
+    query: str | None = None,
+    region: Range | None = None,
+    smoothing: float = SCORE_SMOOTHING,
+    threshold: float | None = ABSTAIN_THRESHOLD,
+    guard: Guard | None = DEFAULT_GUARD,
+    edit: Callable[[KVState, list[Range]], KVState] | None = None,
+) -> Focus:
+    """Emphasize the passages of ``state`` that ``question`` points at, unless that would
+    change the answer for the worse.
+
+    Args:
+        state: a captured state (not modified).
+        question: the continuation that asks (what :meth:`Focus.generate` continues with).
+        passages: a list of spans (substrings, regexes, ``(start, end)`` ranges), a splitter
+            name (``"paragraphs"``, ``"lines"``, ``"sentences"``), an int (windows of that many
+            tokens), or ``None``: paragraphs, multi-line paragraphs cut into lines, long pieces
+            into sentences (:func:`kvedit.focusing.passages.split_passages`).
+        top_k: the most passages emphasized (1 to the number of passages): the best ones
+            among those that stand out (``threshold``).
+        target: the share of the question's attention each layer's bias lifts the chosen
+            passages to, in ``(0, 1)``; ``None`` adds ``max_strength`` on every layer instead.
+        max_strength: the most bias (nats) a layer may get (with ``target``, at least 0).
+        layers: the layers whose attention scores the passages (default: all). The bias is
+            sized on every layer.
+        query: the part of ``question`` whose distinctive words the calibration removes
+            (default: ``question`` up to its first chat-template token, stripped).
+        region: the character range of ``state.text`` a splitter cuts (default: all).
+        smoothing: the share added to both sides of each score's log ratio, as a fraction of
+            the mean calibration share of a passage (:data:`SCORE_SMOOTHING`).
+        threshold: the robust z-score a passage's score must reach among the candidates'
+            scores to be emphasized (:func:`stands_out`, default :data:`ABSTAIN_THRESHOLD`).
+            When none does, focus abstains: nothing is edited, :attr:`Focus.chosen` is empty,
+            :attr:`Focus.state` is the input state and :meth:`Focus.explain` says why.
+            ``None`` always emphasizes the ``top_k`` best (the former behaviour).
+        guard: an answer guard (:mod:`kvedit.focusing.guard`): it reads the answers with and without
+            the edit and may drop it (then :attr:`Focus.state` is the input state and
+            :attr:`Focus.kept` is ``False``). The default, :data:`DEFAULT_GUARD`
+            (:class:`~kvedit.focusing.guard.SupportGuard`), answers unedited where at least half of the
+            unedited answer's telling words (neither the question's nor shared by most other
+            passages) are in the chosen passage: the model already reads it, and
+            on NQ's last position the edit made it copy the passage's opening instead
+            (``reports/focus-tuning/README.md`` §6, §8). ``None``: no guard. Focus's other
+            do-no-harm rules are in the choice and the sizing: it abstains when no passage
+            stands out (``threshold``), never chooses a passage that only restates the
+            question (:func:`echo_passages`), smoothed scores keep the first and last passages
+            from losing to their neighbours (:data:`SCORE_SMOOTHING`), and a layer where the
+            chosen passage already has ``target`` of the attention gets no bias.
+        edit: another edit of the chosen passages instead of the sized emphasis, called as
+            ``edit(state, spans)`` with the chosen passages' character ranges, returning the
+            edited state: ``kvedit.ops.reread``, ``functools.partial(kvedit.ops.duplicate,
+            copies=2)``, ... (:attr:`Focus.strengths` still report the sizing, unused then).
+            It is called only when focus chooses something, and guarded like the emphasis.
+
+    Raises:
+        InvalidInputError: the question (or ``query``) has no content (only whitespace or
+            punctuation), or a bad argument.
+        InvalidTypeError: ``edit`` is not callable, or returned no state; ``guard`` has no
+            ``decide``.
+
+    Returns:
+        A :class:`Focus`: the state that answers, the passages, their scores, the chosen ones,
+        each layer's bias and the guard's verdict.
+
+    Cost: two question-length passes to score (:func:`choose`), one recompute of the last
+    token to edit, and with the guard one more question pass (the unedited answer) plus one
+    decode step per answer token on which the two agree.
+    """
+    if edit is not None and not callable(edit):
+        raise InvalidTypeError(f"edit must be a function (state, spans) -> state, not {edit!r}")
+    guard = check_guard(guard)
+    found = choose(
+        state,
+        question,
+        passages,
+        top_k=top_k,
+        target=target,
+        max_strength=max_strength,
+        layers=layers,
+        query=query,
+        region=region,
+        smoothing=smoothing,
+        threshold=threshold,
+    )
+    if not found.chosen:  # abstained: nothing to edit, nothing to guard
+        return found
+    spans = [found.passages[i] for i in found.chosen]
+    if edit is None:
+        edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
+    else:
+        edited = edit(state, spans)
+        if not isinstance(edited, KVState):
+            raise InvalidTypeError(
+                f"edit {getattr(edit, '__name__', edit)!r} returned {type(edited).__name__}, "
+                "not a KVState"
+            )
+    return guarded(found, edited, guard)
+
+
+def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
+    """``found`` (from :func:`choose`, holding the state it chose on) set to answer from
+    ``edited``, an edit of its chosen passages; with ``guard``, only if the guard keeps the
+    edit (the verdict is kept in :attr:`Focus.verdict`). When ``found`` chose nothing (it
+    abstained), it answers from its own state and ``edited`` is ignored. Returns ``found``."""
+    if not found.chosen:
+        return found
+    original = found.state
+    found.state = edited
+    if guard is not None:
+        texts = [original.text[a:b] for a, b in found.passages]
+        evidence, others = evidence_and_others(texts, found.chosen)
+        found.verdict = guard.decide(
+            original, edited, found.question, evidence=evidence, others=others, query=found.query
+        )
+        found.state = edited if found.verdict.kept else original
+    return found
+
+
+def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
+    """Capture ``context`` in the chat template and :func:`focus` it for ``question``.
+
+    The user message is ``context + "\\n\\nQuestion: " + question`` (the prompt of the
+    evaluation suite); the cache holds the templated prompt up to the question, passages are
+    cut from the context only, and :meth:`Focus.generate` asks the question. ``kw`` goes to
+    :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``, ``layers``).
+    """
+    context = checks.text("context", context, allow_empty=False)
+    question = content_question("question", question)
+    check_guard(kw.get("guard"))  # before the capture
+    if QUESTION_MARK in context:
+        raise InvalidInputError(
+            f"context must not contain {QUESTION_MARK!r}: the prompt is cut there"
+        )
+    prefix, continuation = chat_prefix(
+        tokenizer, context + QUESTION_MARK + " " + question, QUESTION_MARK
+    )
+    state = capture(model, tokenizer, prefix)
+    start = prefix.rfind(context.strip())
+    region = (start, start + len(context.strip())) if start >= 0 else None
+    return focus(state, continuation, query=question, region=region, **kw)

@@ -1,0 +1,281 @@
+"""Scoring passages for :mod:`kvedit.focusing.choice`: how much more attention the question gives a
+passage than a content-free copy of the question does (scale-free smoothing), which passages
+stand out (a robust z-score against the others; :data:`ABSTAIN_THRESHOLD`), which may be
+chosen (those holding the most of the question's distinctive words), echoes of the question,
+and the per-layer bias that lifts a passage's share to a target.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+
+from .. import checks
+from ..errors import InvalidInputError
+from ..states.state import KVState
+from .passages import Range, template_ranges
+from .readout import attention_share
+from .sizing import strength_for_share
+
+SHARE_EPS = 1e-6
+"""Shares are clamped to ``[SHARE_EPS, 1 - SHARE_EPS]`` before sizing a bias (a share of 0
+or 1 has no finite bias)."""
+SCORE_SMOOTHING = 0.5
+"""The smoothing of a passage's log ratio (:func:`passage_scores`), as a fraction of the mean
+share a passage gets from the calibration query (so it scales with the number of passages).
+
+Unsmoothed (1e-6), a passage in the attention trough next to the first or last one gets a large
+ratio from tiny shares and beats the right edge passage. The former constant 0.01 (tuned with
+10 to 25 passages, where the mean share is ~0.008 to 0.03) swamps the signal at 300 passages
+(mean share ~0.0006): the question about Person150 chose Person0. On the stored tuning shares
+(``reports/focus-tuning/shares-*.safetensors``: lockers seed 3, NQ seed 1, records seed 1) and a
+300-passage example, 0.5 x the mean share scores top-1 0.98/1.00/1.00 and chooses right at 300;
+0.01 scored 1.00/1.00/1.00 and chose wrong at 300; 0.2, 0.3 (0.88-0.96 on lockers), 0.75, 1.0
+(0.978 on NQ), a per-layer mean and a multiple of 1/n were also tried
+(``benchmarks/focus_abstain.py``, ``reports/focus-scale/``)."""
+ABSTAIN_THRESHOLD = 2.5
+"""The robust z-score a passage's score must reach to be emphasized (:func:`stands_out`).
+
+Tuned on the tuning seeds (``benchmarks/focus_abstain.py``): the gold passage's z was at least
+3.38 on lockers seed 3 (50 questions), 3.07 on records seed 1 (50) and 2.21 on NQ-10 seed 1
+(45; 2 of 45 below 2.5); general-knowledge questions over 8 NQ seed 1 contexts (32) reached at
+most 2.25 (over records and lockers they have no distinctive word, and every score is 0)."""
+MIN_SPREAD = 0.02
+"""The floor (nats) of the score spread :func:`stands_out` divides by: scores that all agree
+(every one 0 when the question has no distinctive word) have no outlier."""
+_META_WORDS = frozenset({"question", "questions", "q", "query", "ask", "asked", "asks"})
+QUESTION_MARK = "\n\nQuestion:"
+"""Where :func:`focus_text` cuts the prompt: the context is captured, the question asked after."""
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _distinctive_holders(question: str, documents: Sequence[str]) -> dict[str, set[int]]:
+    """Each distinctive word of ``question`` (see :func:`distinctive_words`) and the indices
+    of the documents that hold it as a whole word."""
+    lowered = [d.lower() for d in documents]
+    most = max(1, max(1, len(documents)) // 2)
+    out = {}
+    for w in set(_words(question)):
+        pattern = re.compile(r"\b" + re.escape(w) + r"\b")
+        held = {i for i, d in enumerate(lowered) if pattern.search(d)}
+        if 0 < len(held) <= most:
+            out[w] = held
+    return out
+
+
+def distinctive_words(question: str, documents: Sequence[str]) -> set[str]:
+    """The question's *distinctive* words, lowercased: words that occur (as whole words) in
+    some of ``documents`` but not in most of them (in 1 to ``max(1, n // 2)`` of the ``n``).
+    Names and entities, not the question's form ("what", "is", "number")."""
+    return set(_distinctive_holders(question, documents))
+
+
+def content_free_question(question: str, documents: Sequence[str]) -> str:
+    """The question with its :func:`distinctive_words` removed. What is left keeps the
+    question's form and position, and serves as a calibration query for positional bias.
+    Task-agnostic: it uses only the question and the documents, never the task's wording.
+    ``"?"`` when nothing was removed.
+    """
+    distinctive = distinctive_words(question, documents)
+    words = re.findall(r"\w+|\W+", question)
+    kept = [w for w in words if not (w.strip() and w[0].isalnum() and w.lower() in distinctive)]
+    out = re.sub(r"\s+", " ", "".join(kept)).strip()
+    return out if out != question.strip() else "?"
+
+
+def word_coverage(question: str, texts: Sequence[str]) -> torch.Tensor:
+    """``[n_passages]``: the fraction of the question's :func:`distinctive_words` (among
+    ``texts``) each passage holds; all 0 when the question has none."""
+    holders = _distinctive_holders(question, texts)
+    if not holders:
+        return torch.zeros(len(texts))
+    found = [sum(i in held for held in holders.values()) for i in range(len(texts))]
+    return torch.tensor(found, dtype=torch.float64) / len(holders)
+
+
+def _mask(name: str, mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``mask`` as a boolean ``[n]`` tensor; an :class:`InvalidInputError` naming ``name``
+    for any other shape."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (n,):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InvalidInputError(f"{name} must be a mask of the {n} passages, not {shape}")
+    return mask.bool()
+
+
+def best_covered(question: str, texts: Sequence[str], candidates: torch.Tensor) -> torch.Tensor:
+    """The candidates (a boolean mask) that hold the most of the question's
+    :func:`distinctive_words` (:func:`word_coverage`): the passages focus may choose. All
+    candidates when none holds any. Among 300 records "Emeka Yilmaz" shares a first or last
+    name with ~30 others, and the question's attention goes to those about as much as to the
+    record with both names; only that one holds both words."""
+    candidates = _mask("candidates", candidates, len(texts))
+    coverage = word_coverage(question, texts)
+    if not bool(candidates.any()):
+        return candidates
+    top = float(coverage[candidates].max())
+    if top <= 0:
+        return candidates.clone()
+    return candidates & (coverage >= top)
+
+
+def content_question(name: str, question: str) -> str:
+    """``question`` if it has a word character; an :class:`InvalidInputError` otherwise
+    (whitespace or punctuation asks nothing)."""
+    question = checks.text(name, question, allow_empty=False)
+    if not re.search(r"\w", question):
+        raise InvalidInputError(
+            f"{name} {question!r} has no content (only whitespace or punctuation): nothing to "
+            "focus on"
+        )
+    return question
+
+
+def echo_passages(question: str, texts: Sequence[str]) -> list[int]:
+    """Indices of the passages that only restate ``question``: every word of the passage is a
+    word of the question (or a word such as "question"), and it holds at least two of the
+    question's words and half of them. Such a passage draws the question's attention by
+    repeating it, not by answering it, so :func:`choose` never picks it."""
+    asked = set(_words(question))
+    out = []
+    for i, text in enumerate(texts):
+        words = set(_words(text))
+        shared = words & asked
+        if words - asked - _META_WORDS or len(shared) < max(2, (len(asked) + 1) // 2):
+            continue
+        out.append(i)
+    return out
+
+
+def stands_out(
+    scores: torch.Tensor,
+    candidates: torch.Tensor | None = None,
+    threshold: float | None = ABSTAIN_THRESHOLD,
+    eligible: torch.Tensor | None = None,
+) -> list[int]:
+    """The eligible passages whose score stands out among the candidates', best first.
+
+    A passage stands out when its score is positive and its robust z-score against the other
+    candidates (:func:`robust_z`: ``(score - median) / max(1.4826 * MAD, MIN_SPREAD)`` of the
+    others' scores) reaches ``threshold`` (default :data:`ABSTAIN_THRESHOLD`). The rule reads
+    only the distribution of the scores, never how many there are. ``candidates`` is a
+    boolean mask (default: all); ``eligible`` (a mask within it, default: the candidates,
+    e.g. :func:`best_covered`) the passages that may be returned: the z-score is still taken
+    against every candidate. ``threshold`` ``None`` keeps every candidate (no abstention):
+    the eligible ones first, then the others, each by score.
+    """
+    scores = scores.double()
+    n = scores.numel()
+    mask = (
+        torch.ones(n, dtype=torch.bool)
+        if candidates is None
+        else _mask("candidates", candidates, n)
+    )
+    allowed = mask if eligible is None else _mask("eligible", eligible, n) & mask
+    idx = mask.nonzero().flatten()
+    if idx.numel() == 0:
+        return []
+    order = idx[scores[idx].argsort(descending=True, stable=True)].tolist()
+    first = [i for i in order if allowed[i]]
+    if threshold is None:
+        return first + [i for i in order if not allowed[i]]
+    z = robust_z(scores, mask)
+    return [i for i in first if scores[i] > 0 and z[i] >= threshold]
+
+
+def robust_z(scores: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Each passage's robust z-score against the *other* candidates' scores:
+    ``(score - median) / max(1.4826 * MAD, MIN_SPREAD)`` of the others (leaving the passage
+    itself out, so a clear winner among few passages is not hidden by its own weight in the
+    spread; with no other candidate the median is 0)."""
+    scores = scores.double()
+    mask = torch.ones_like(scores, dtype=torch.bool) if candidates is None else candidates.bool()
+    z = torch.zeros_like(scores)
+    for i in range(scores.numel()):
+        others = mask.clone()
+        others[i] = False
+        s = scores[others]
+        if s.numel() == 0:
+            med, spread = 0.0, MIN_SPREAD
+        else:
+            med = float(s.median())
+            spread = max(1.4826 * float((s - med).abs().median()), MIN_SPREAD)
+        z[i] = (scores[i] - med) / spread
+    return z
+
+
+def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:
+    """Per layer, the bias that lifts a span's attention share ``shares[l]`` to ``target``.
+
+    Each bias is :func:`kvedit.steer.strength_for_share` of the share (clamped to
+    ``[SHARE_EPS, 1 - SHARE_EPS]``), clipped to ``[0, max_strength]``: a span that already gets
+    ``target`` (often the one next to the question) is left alone, never suppressed.
+    """
+    out = []
+    for share in shares.double().tolist():
+        share = min(max(share, SHARE_EPS), 1.0 - SHARE_EPS)
+        out.append(min(max(strength_for_share(share, target), 0.0), max_strength))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def default_query(state: KVState, question: str) -> str:
+    """The asking text of a continuation: up to its first chat-template token, stripped."""
+    cut = min([a for a, _ in template_ranges(question, state.tokenizer)] or [len(question)])
+    return question[:cut].strip() or question
+
+
+def passage_shares(
+    state: KVState,
+    question: str,
+    passages: Sequence[Range],
+    *,
+    query: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, calib)``: ``[layers, n_passages]`` attention shares of each passage, from
+    ``question`` and from ``question`` with ``query`` (a part of it; default: the text up to
+    the chat template) replaced by its :func:`content_free_question`. When the query has no
+    distinctive word (its calibration is ``"?"``) nothing in it points at a passage: ``calib``
+    is then ``real`` (every score 0), and the second pass is saved."""
+    if query is None:
+        query = default_query(state, question)
+    if not query or query not in question:
+        raise InvalidInputError(f"query {query!r} is not part of the question {question!r}")
+    texts = [state.text[a:b] for a, b in passages]
+    free = content_free_question(query, texts)
+    real = attention_share(state, question, list(passages)).per_layer
+    if free == "?":  # no distinctive word: the question points at no passage
+        return real, real.clone()
+    calib_question = question.replace(query, free, 1)
+    calib = attention_share(state, calib_question, list(passages)).per_layer
+    return real, calib
+
+
+def passage_scores(
+    real: torch.Tensor,
+    calib: torch.Tensor,
+    layers: Sequence[int] | None = None,
+    smoothing: float = SCORE_SMOOTHING,
+) -> torch.Tensor:
+    """``[n_passages]``: ``log (share(question) + s) - log (share(content-free question) + s)``
+    averaged over the ``layers`` (default: all) that hold the passage, with ``s = smoothing``
+    (:data:`SCORE_SMOOTHING`) times the mean calibration share of a held passage on those
+    layers (scale-free: the same ``smoothing`` serves any number of passages). ``real`` and
+    ``calib`` are ``[layers, n_passages]`` shares.
+
+    A layer holds a passage when either query gives it a share above 0: a sliding-window layer
+    (Gemma-3 keeps its last 512 tokens) gives the passages before its window 0 from both, which
+    says nothing about them. Averaging those zeros in shrank the scores of all but the last
+    passages several-fold on Gemma-3, so an early passage the question points at rarely stood
+    out (:func:`stands_out`); a passage no layer holds scores 0."""
+    if layers is not None:
+        real, calib = real[list(layers)], calib[list(layers)]
+    real, calib = real.double(), calib.double()
+    held = (real > 0) | (calib > 0)
+    mean_share = float(calib[held].mean()) if bool(held.any()) else 0.0
+    eps = smoothing * max(mean_share, SHARE_EPS)
+    ratio = (torch.log(real + eps) - torch.log(calib + eps)) * held
+    return (ratio.sum(0) / held.sum(0).clamp(min=1)).float()

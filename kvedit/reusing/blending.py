@@ -1,0 +1,532 @@
+"""Non-prefix reuse: blend separately cached parts into one cache (CacheBlend-style).
+
+``blend(model, tokenizer, parts, store, recompute=0.15)`` builds the cache of the parts' texts in
+order, from stored caches of each part:
+
+1. **Parts.** Part 0 is tokenized with the tokenizer's default special tokens (it starts the
+   prompt, BOS included), every later part without them. Part 0 is the shared prefix (chat
+   template, instruction); it is looked up in the store by its ids, or captured and stored.
+   With ``context="prefix"`` (the default), each later part is cached as it reads right after
+   that prefix, as in CacheBlend's and EPIC's setting (independent passages behind a shared
+   instruction): its store entry is the plain capture of ``prefix ids + passage ids``, so the
+   store key is a function of (model, tokenizer, prefix, passage), and the blend takes the
+   passage's entries out of it (:func:`~kvedit.reuse.passage_after`). A missing entry is
+   computed by running the passage on top of the prefix's state, and stored. Each stored
+   entry repeats the prefix's cache (one whole state per entry, see :mod:`kvedit.store`); it
+   also serves :func:`~kvedit.reuse` for prompts made of the prefix and that one passage.
+   With ``context="alone"``, each later part is cached on its own (the passage convention of
+   :func:`~kvedit.reuse.capture_passage`) and keyed by its ids alone: reusable behind any
+   prefix, but its tokens never read an instruction and its first token is its own attention
+   sink. With ``previous=TEXT`` (``context="prefix"`` only), every part after part 1 is cached
+   behind the prefix *and* ``TEXT``, a neutral passage: it is cached as a later passage rather
+   than as the first one after the instruction, so the blend does not hold many "first
+   passages" that draw the attention only the true first passage gets (part 1 is still cached
+   right after the prefix, which is exact). The store key then includes ``TEXT``. The blended
+   token ids are the parts' ids concatenated, which can differ from tokenizing the joined text
+   at part boundaries.
+2. **Placing.** Every part was cached at some positions (``0..n_i-1`` alone, right after the
+   prefix behind it); its keys are re-rotated to their positions in the blend, with each layer's own rotary
+   frequencies (:mod:`kvedit.rope`). Values carry no position and are reused as they are.
+3. **Selecting.** Each part's cache misses the other parts: tokens after part 0 never attended
+   to the passages before them (nor to the prefix, with ``context="alone"``). As in CacheBlend (Yao et al., 2024), the tokens whose cache deviates
+   most from a real prefill are found at one early layer and recomputed. kvedit runs the real
+   forward over the whole blend up to the *deviation layer*, the first global layer after layer
+   0 (layer 1 on Llama/Qwen2/SmolLM2; on Gemma-3 the first full-attention layer, because a
+   sliding layer of a stored part holds only its last ``window`` tokens). Layer 0 cannot
+   be used: its keys and values depend only on the token and its position, so after
+   re-rotation they match exactly. The deviation of token ``t`` is
+   ``|dK_t|^2 / mean |K|^2 + |dV_t|^2 / mean |V|^2`` over heads and dimensions at that layer.
+   The ``ceil(recompute * n)`` tokens of largest deviation are selected; the last token always
+   is (its logits start the continuation).
+4. **Recomputing.** The selected tokens run through every layer on top of the blended cache,
+   at their own positions. A selected token sees the reused entries of unselected earlier
+   tokens and the fresh entries of selected earlier ones (never a stale entry of a selected
+   token): a 4D mask per layer type, with the sliding window on sliding layers. The fresh
+   entries then replace the reused ones.
+
+``recompute=1.0`` selects every token, which is a full prefill of the blended ids (the mask
+hides every reused entry). ``recompute=0`` is plain placement: nothing is recomputed and the
+last logits are those of the last part as it was cached.
+
+Rules (:mod:`kvedit.reusing.blend_rules`, one keyword each, off by default, composable):
+``gradual`` narrows the recomputed set layer by layer (CacheBlend's gradual filtering),
+``leading`` always recomputes the first tokens of every passage (EPIC's LegoLink), ``rescale``
+biases the reused passage entries by ``ln(factor)`` nats for later queries (APE-style). All
+three are exact at ``recompute=1.0``.
+
+Sliding-window layers (Gemma-3): each stored part keeps the last ``window`` tokens of its
+sliding layers, so the blend's sliding layers hold, for every part, its last tokens, which
+always include the blend's last ``window`` tokens (all that the final state keeps there).
+A recomputed token deep inside a part longer than the window sees, on sliding layers, only the
+reused entries that part still holds plus the recomputed ones, a further approximation that
+``recompute=1.0`` removes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .. import checks
+from ..cache import LayerKV
+from ..cache.adapter import dynamic_cache
+from ..compat import cache_kwarg, text_config
+from ..errors import InvalidInputError, UnsupportedModelError
+from ..fingerprint import model_fingerprint, tokenizer_fingerprint
+from ..provenance import History, Origin, token_ranges
+from ..rope import KeyMover, movers
+from ..runtime import forward
+from ..states.capturing import capture, capture_passage, encode, extend_ids, passage_after
+from ..states.passes import StateBias, recompute_last
+from ..states.state import KVState, LastInput
+from ..store import KVStore
+from .blend_rules import BlendRules, Narrowing, deviation_scores
+from .prefix import require_plain
+
+BLEND_CONTEXTS = ("prefix", "alone")
+"""What :func:`blend`'s later parts are cached after: the shared prefix (part 0), or nothing."""
+
+
+@dataclass
+class PartReport:
+    """One part of a blend: its store key, token count and where its cache came from
+    (``"memory"``, ``"disk"``, or ``"computed"`` when it was prefilled and stored)."""
+
+    key: str
+    n_tokens: int
+    source: str
+
+
+@dataclass
+class BlendReport:
+    """What :func:`blend` reused and recomputed.
+
+    Attributes:
+        parts: one :class:`PartReport` per part, in order.
+        tokens: tokens of the blend.
+        tokens_reused: tokens whose cache came from the store and was kept as is.
+        tokens_recomputed: tokens recomputed on top of the blend (the selected ones).
+        tokens_computed: tokens of parts that were not stored and were prefilled alone.
+        recompute: the requested fraction.
+        context: what the later parts were cached after (``"prefix"`` or ``"alone"``).
+        deviation_layer: the layer the selection was made at (None if nothing was selected
+            by deviation: ``recompute`` 0 or 1).
+        recomputed_tokens: ``LongTensor[tokens_recomputed]`` their indices, ascending.
+        seconds: wall time.
+        rules: the keywords of the rules given (:mod:`kvedit.reusing.blend_rules`), () for none.
+        recomputed_per_layer: tokens recomputed at each layer: ``tokens_recomputed`` (every
+            token recomputed at some layer) unless ``gradual`` narrowed them.
+        tokens_rescaled: tokens whose reused entries ``rescale`` biased (on some layer).
+        previous: the neutral passage later parts were cached behind, None when none.
+    """
+
+    parts: list[PartReport]
+    tokens: int
+    tokens_reused: int
+    tokens_recomputed: int
+    tokens_computed: int
+    recompute: float
+    context: str
+    deviation_layer: int | None
+    seconds: float
+    recomputed_tokens: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0))
+    rules: tuple[str, ...] = ()
+    recomputed_per_layer: list[int] = field(default_factory=list)
+    tokens_rescaled: int = 0
+    previous: str | None = None
+
+
+@torch.no_grad()
+def blend(
+    model: PreTrainedModel,
+    tokenizer,
+    parts: Sequence[str],
+    store: KVStore,
+    recompute: float = 0.15,
+    *,
+    context: str = "prefix",
+    gradual: float | None = None,
+    leading: int | None = None,
+    rescale: float | None = None,
+    previous: str | None = None,
+) -> tuple[KVState, BlendReport]:
+    """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
+
+    Args:
+        model, tokenizer: the model; its fingerprints select the stored parts.
+        parts: texts, in prompt order (part 0 with the tokenizer's special tokens).
+        store: where parts are looked up, and where missing parts are stored.
+        recompute: fraction of the blend's tokens to recompute, in ``[0, 1]``.
+        context: what each later part was cached after: ``"prefix"`` (part 0, the shared
+            prefix; the default) or ``"alone"`` (nothing).
+        gradual: CacheBlend's gradual filtering, a factor ``>= 1``: the deviation layer
+            recomputes that many times the tokens, later layers narrow them down to
+            ``ceil(recompute * n)`` at the last layer.
+        leading: EPIC's LegoLink, a count ``>= 1``: the first ``leading`` tokens of every part
+            after part 0 are recomputed, in addition to the ``recompute`` budget.
+        rescale: an APE-style factor in ``(0, 1e4]``: reused passage entries get ``ln(rescale)``
+            nats of stored bias (a ``rescale`` step in the history).
+        previous: a neutral passage every part after part 1 is cached behind, between the
+            prefix and it (``context="prefix"`` only; see the module doc). None: none.
+
+    The rules (:mod:`kvedit.reusing.blend_rules`) are off when None (the default) and compose.
+
+    Returns:
+        ``(state, report)``: a state of ``"".join(parts)`` whose token ids are the parts'
+        ids concatenated, ready for ``generate``/``extend``. Its history's origin is a
+        ``"blend"`` (the parts' digests, ``recompute``, ``context`` and the recomputed
+        tokens; the rules given, if any), never a capture: the store refuses it. The parts it
+        reads from the store are plain captures (the store serves nothing else).
+    """
+    t0 = time.perf_counter()
+    if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
+        raise InvalidInputError("blend: parts must be a non-empty list of strings")
+    if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise InvalidInputError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
+    if context not in BLEND_CONTEXTS:
+        raise InvalidInputError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
+    if previous is not None:
+        if context != "prefix":
+            raise InvalidInputError('blend: previous needs context="prefix"')
+        if not isinstance(previous, str) or not previous.strip():
+            raise InvalidInputError("blend: previous must be a non-empty passage text")
+    rules = BlendRules.from_values(gradual=gradual, leading=leading, rescale=rescale)
+    layer_movers = movers(model)
+    for mover in layer_movers:  # refuse before any work
+        if mover.kind == "refused":
+            raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
+
+    # The blend, and each later part behind the prefix (and ``previous``), must fit the model:
+    # checked on the characters before tokenizing, then on the tokens, before any model work.
+    checks.context_fits(model, n_chars=sum(map(len, parts)), what="blend")
+    if previous:
+        checks.context_fits(model, n_chars=len(previous), what="blend's previous passage")
+    previous_ids, previous_offsets = (
+        encode(tokenizer, previous, special_tokens=False) if previous else ([], None)
+    )
+    if previous is not None and not previous_ids:
+        raise InvalidInputError("blend: previous tokenizes to nothing")
+    encoded = [encode(tokenizer, text, special_tokens=i == 0) for i, text in enumerate(parts)]
+    for i, (ids, _) in enumerate(encoded):
+        if not ids:
+            raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
+    checks.context_fits(model, n_tokens=sum(len(ids) for ids, _ in encoded), what="blend")
+    if previous:
+        longest = max((len(ids) for ids, _ in encoded[2:]), default=0)
+        n_behind = len(encoded[0][0]) + len(previous_ids) + longest
+        checks.context_fits(
+            model, n_tokens=n_behind, what="prefix, previous passage and longest later part"
+        )
+    states, reports = [], []
+    prefix_ids: list[int] = []
+    prefix: KVState | None = None
+    behind_previous: KVState | None = None  # the prefix's state extended by ``previous``
+    for i, (text, (ids, offsets)) in enumerate(zip(parts, encoded, strict=True)):
+        behind = context == "prefix" and i > 0
+        lead = previous_ids if behind and i > 1 else []  # part 1 reads right after the prefix
+        key = store.key_for(model, tokenizer, prefix_ids + lead + ids if behind else ids)
+        state, source = store.fetch(key, model, tokenizer)
+        if state is not None:
+            require_plain(state, store, f"blend part {i}")
+        if state is None:
+            if i == 0:
+                state = capture(model, tokenizer, text)
+            elif behind:
+                if lead and behind_previous is None:
+                    behind_previous = extend_ids(
+                        prefix, lead, previous_offsets + len(prefix.text), prefix.text + previous
+                    )
+                base = behind_previous if lead else prefix
+                state = extend_ids(base, ids, offsets + len(base.text), base.text + text)
+            else:
+                state = capture_passage(model, tokenizer, text)
+            store.put(state)  # a plain capture (or a plain capture extended): storable
+            source = "computed"
+        if i == 0:
+            prefix, prefix_ids = state, ids
+        elif behind:
+            text_start = len(prefix.text) + (len(previous) if lead else 0)
+            state = passage_after(state, len(prefix_ids) + len(lead), text_start)
+        states.append(state)
+        reports.append(PartReport(key, len(ids), source))
+
+    starts = [0]
+    for s in states:
+        starts.append(starts[-1] + len(s))
+    n = starts[-1]
+    layers = _placed_layers(states, starts[:-1], layer_movers)
+    ids = torch.cat([s.token_ids for s in states])
+
+    n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
+    forced = rules.forced_tokens(starts)  # recomputed whatever their deviation (leading)
+    deviation_layer, narrowing = None, None
+    if n_select == n:
+        selected = torch.arange(n)
+    elif n_select == 0 and not len(forced):
+        selected = torch.empty(0, dtype=torch.long)
+    else:
+        deviation = torch.zeros(n)
+        if n_select:
+            deviation_layer = _deviation_layer(layers)
+            deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
+        deviation[-1] = float("inf")  # the last token's logits start the continuation
+        selected, narrowing = rules.selection(
+            deviation, max(1, n_select), forced, deviation_layer, len(layers)
+        )
+
+    if len(selected):
+        extra = {} if narrowing is None else {"narrowing": narrowing}
+        layers, last_logits = _recompute(model, layers, ids, selected, **extra)
+    else:
+        last_logits = states[-1].last_logits
+    kept = narrowing.kept if narrowing is not None else [selected] * len(layers)
+    rescaled = torch.empty(0, dtype=torch.long)
+    if rules.rescale is not None:
+        layers, rescaled = rules.rescale.apply(layers, kept, starts[1])
+    char_starts = [0]
+    for text in parts:
+        char_starts.append(char_starts[-1] + len(text))
+    state = KVState(
+        layers=[layer.trimmed() for layer in layers],
+        token_ids=ids,
+        offsets=torch.cat([s.offsets + c for s, c in zip(states, char_starts, strict=False)]),
+        text="".join(parts),
+        position_ids=torch.arange(n),
+        next_position=n,
+        last_logits=last_logits,
+        model_fingerprint=model_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        history=History(
+            Origin(
+                "blend",
+                {
+                    "parts": [s.digest for s in states],
+                    "recompute": float(recompute),
+                    "context": context,
+                    "recomputed": token_ranges(selected),
+                    **rules.origin_params([len(k) for k in kept]),
+                    **({"previous": previous} if previous is not None else {}),
+                },
+            )
+        ),
+        last_input=LastInput(n - 1, n - 1),
+        model=model,
+        tokenizer=tokenizer,
+    )
+    if rules.rescale is not None:
+        state = state.with_step(rules.rescale.step(rescaled))
+        if len(rescaled):  # the first continuation token reads the rescaled entries
+            state = recompute_last(state)
+    stored_tokens = sum(r.n_tokens for r in reports if r.source != "computed")
+    is_stored = torch.cat(
+        [torch.full((len(s),), r.source != "computed") for s, r in zip(states, reports)]
+    )
+    report = BlendReport(
+        parts=reports,
+        tokens=n,
+        tokens_reused=stored_tokens - int(is_stored[selected].sum()),
+        tokens_recomputed=int(selected.numel()),
+        tokens_computed=n - stored_tokens,
+        recompute=float(recompute),
+        context=context,
+        deviation_layer=deviation_layer,
+        seconds=time.perf_counter() - t0,
+        recomputed_tokens=selected,
+        rules=rules.names,
+        recomputed_per_layer=[len(k) for k in kept],
+        tokens_rescaled=len(rescaled),
+        previous=previous,
+    )
+    return state, report
+
+
+# -------------------------------------------------------------------- placing
+
+
+def _placed_layers(
+    states: Sequence[KVState], starts: Sequence[int], layer_movers: Sequence[KeyMover]
+) -> list[LayerKV]:
+    """Every part's entries at their blend positions, layer by layer (not yet trimmed)."""
+    out = []
+    for i, mover in enumerate(layer_movers):
+        keys, values, index, positions = [], [], [], []
+        for state, start in zip(states, starts, strict=True):
+            layer = state.layers[i]
+            new_positions = layer.token_index + start
+            keys.append(mover.move(layer.keys, new_positions - layer.positions))
+            values.append(layer.values)
+            index.append(new_positions)
+            positions.append(new_positions)
+        out.append(
+            LayerKV(
+                keys=torch.cat(keys, dim=-2),
+                values=torch.cat(values, dim=-2),
+                token_index=torch.cat(index),
+                positions=torch.cat(positions),
+                window=states[0].layers[i].window,
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------- selecting
+
+
+def _deviation_layer(layers: Sequence[LayerKV]) -> int:
+    """The first global layer after layer 0 (layer 0's K/V cannot deviate), else layer 1."""
+    for i, layer in enumerate(layers):
+        if i >= 1 and layer.window is None:
+            return i
+    return min(1, len(layers) - 1)
+
+
+class _Stop(Exception):
+    """Raised by :class:`_CacheUpTo` to end a forward pass once it has what it needs."""
+
+
+class _CacheUpTo(DynamicCache):
+    """A cache that ends the forward pass (:class:`_Stop`) once layer ``last`` is cached: its
+    keys and values are then known, and nothing after them (its attention, MLP, later layers)
+    needs to run."""
+
+    def __init__(self, last: int):
+        super().__init__()
+        self.last = last
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.last:
+            raise _Stop
+        return out
+
+
+def _true_kv(model: PreTrainedModel, ids: torch.Tensor, layer: int):
+    """Keys and values ``[1, kv_heads, n, head_dim]`` of ``layer`` in a real forward over ``ids``.
+
+    Runs the decoder only until ``layer`` has cached its keys and values.
+    """
+    decoder = model.get_decoder()
+    cache = _CacheUpTo(layer)
+    device = next(model.parameters()).device
+    try:
+        decoder(
+            input_ids=ids[None].to(device),
+            position_ids=torch.arange(len(ids), device=device)[None],
+            use_cache=True,
+            **{cache_kwarg(decoder): cache},
+        )
+    except _Stop:
+        return cache.layers[layer].keys, cache.layers[layer].values
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: the forward pass never cached layer {layer}"
+    )  # pragma: no cover
+
+
+def _deviation(
+    model: PreTrainedModel, ids: torch.Tensor, blended: LayerKV, layer: int
+) -> torch.Tensor:
+    """``[n]`` normalised K+V deviation of the blended cache from a real forward at ``layer``."""
+    true_k, true_v = _true_kv(model, ids, layer)
+    entries = blended.token_index.to(true_k.device)
+    scores = deviation_scores(
+        blended.keys, blended.values, true_k[:, :, entries], true_v[:, :, entries]
+    )
+    out = torch.zeros(len(ids), dtype=torch.float32)
+    out[blended.token_index] = scores.cpu()
+    return out
+
+
+# -------------------------------------------------------------------- recomputing
+
+
+def _mask(
+    layer: LayerKV, selected: torch.Tensor, n: int, dtype: torch.dtype, every_reused: bool = False
+) -> torch.Tensor:
+    """``[1, 1, s, len(layer) + s]`` additive mask (0 or the dtype's lowest value): what
+    selected token ``q`` may attend to.
+
+    Reused entries of unselected tokens (of every token with ``every_reused``: a gradual
+    recompute's plan hides them per layer) at positions ``<= q``, and recomputed entries of
+    selected tokens ``<= q``; within the window on a sliding layer.
+    """
+    is_selected = torch.zeros(n, dtype=torch.bool)
+    if not every_reused:
+        is_selected[selected] = True
+    q = selected[:, None]
+    reused = (~is_selected[layer.positions])[None, :] & (layer.positions[None, :] <= q)
+    fresh = selected[None, :] <= q
+    if layer.window is not None:
+        reused &= q - layer.positions[None, :] < layer.window
+        fresh &= q - selected[None, :] < layer.window
+    allowed = torch.cat([reused, fresh], dim=-1)[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _recompute(
+    model: PreTrainedModel,
+    layers: list[LayerKV],
+    ids: torch.Tensor,
+    selected: torch.Tensor,
+    narrowing: Narrowing | None = None,
+) -> tuple[list[LayerKV], torch.Tensor]:
+    """Run the selected tokens through every layer on top of ``layers``; replace their entries
+    (with ``narrowing``, on each layer only those of the tokens it kept there).
+
+    Returns the new layers and the logits ``[vocab]`` after the last selected token.
+    """
+    n = len(ids)
+    device = layers[0].keys.device
+    kinds = getattr(text_config(model), "layer_types", None) or ["full_attention"] * len(layers)
+    masks: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}  # the transformers mask is per layer type, not per layer
+    for layer, kind in zip(layers, kinds, strict=True):
+        if kind in held:
+            if not torch.equal(held[kind], layer.positions):
+                raise UnsupportedModelError(f"{kind} layers hold different entries")
+            continue
+        held[kind] = layer.positions
+        masks[kind] = _mask(layer, selected, n, layers[0].keys.dtype, narrowing is not None)
+        masks[kind] = masks[kind].to(device)
+    # one layer type: a plain 4D mask (Llama takes no dict); several: one per type (Gemma-3)
+    attention_mask = masks if len(masks) > 1 else masks[kinds[0]]
+
+    cache = dynamic_cache(layers)
+    logits = forward(
+        model,
+        ids[selected][None].to(device),
+        selected[None].to(device),
+        cache,
+        plan=StateBias(layers) if narrowing is None else narrowing.plan(layers, cache, selected),
+        logits_to_keep=1,
+        attention_mask=attention_mask,
+    )
+    slot = torch.full((n,), -1, dtype=torch.long)  # token -> its fresh entry, or -1
+    slot[selected] = torch.arange(len(selected))
+    new_layers = []
+    for i, layer in enumerate(layers):
+        # the cache's tensors are new (reused entries, then fresh ones): edit them in place
+        keys, values = cache.layers[i].keys, cache.layers[i].values
+        m = len(layer)
+        src = slot[layer.positions]  # entry e holds token layer.positions[e]
+        if narrowing is not None:  # a token this layer did not keep keeps its reused entry
+            src = torch.where(torch.isin(layer.positions, narrowing.kept[i]), src, -1)
+        hit = (src >= 0).nonzero().flatten()
+        dst, fresh = hit.to(device), (src[hit] + m).to(device)
+        keys[:, :, dst] = keys[:, :, fresh]
+        values[:, :, dst] = values[:, :, fresh]
+        new_layers.append(  # a copy: a view would keep the fresh entries' storage alive
+            LayerKV(
+                keys[:, :, :m].clone(),
+                values[:, :, :m].clone(),
+                layer.token_index,
+                layer.positions,
+                None,
+                layer.window,
+            )
+        )
+    return new_layers, logits[0, -1].float()

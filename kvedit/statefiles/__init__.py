@@ -1,5 +1,0 @@
-"""State files: the format (:mod:`.format`), writing (:mod:`.write`) and reading (:mod:`.read`).
-
-The package imports nothing itself: :mod:`kvedit.state` imports the writer, and the reader
-imports :mod:`kvedit.state`. ``kvedit.load_state`` and ``KVState.save`` are the entry points.
-"""

@@ -1,0 +1,316 @@
+"""Reading a state file (the format: :mod:`kvedit.states.files.format`) and checking it.
+
+:func:`load_state` reads, verifies (header sniffed, format, version, CRC-32 of every tensor) and
+checks the file against the model (fingerprints, layers, KV heads, head size, windows, sizes)
+before the state is built. Nothing is ever unpickled. The state's history comes from the file
+(format 3; older files: unknown), with a cast step when the file's K/V dtype is not the
+model's. Version 1 files (kvedit 0.1): their model
+fingerprint (:func:`kvedit.fingerprint.legacy_model_fingerprint`) is checked and the loaded
+state carries the current one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ... import checks
+from ...cache import layer_class
+from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError, InvalidTypeError
+from ...fingerprint import legacy_model_fingerprint, model_fingerprint, tokenizer_fingerprint
+from ...provenance import History, cast_step, dtype_name
+from ..state import KVState, LastInput
+from .format import FORMAT, READABLE_VERSIONS, crc32_of
+
+__all__ = ["load_state", "read_state_file", "read_verified", "state_from_parts"]
+
+_MAX_HEADER = 100 * 2**20
+
+
+def _check_header(path: Path) -> None:
+    """Reject what is not a plausible safetensors file before parsing it.
+
+    A safetensors file is an 8-byte little-endian header length, then a JSON header starting
+    with ``{``. Only when that shape is absent is the file sniffed for a pickle or a zip
+    (``torch.save``), to name what it is; the first byte alone proves nothing (a header length
+    can end in 0x80).
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CorruptCacheError(f"{path}: cannot read: {e}") from e
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else 0
+    if len(head) == 9 and head[8:9] == b"{" and 0 < n <= _MAX_HEADER and 8 + n <= size:
+        return
+    if head[:1] == b"\x80" or head[:2] == b"PK":
+        raise CorruptCacheError(
+            f"{path}: looks like a pickle or torch.save archive; kvedit never unpickles files"
+        )
+    if len(head) < 9:
+        raise CorruptCacheError(f"{path}: truncated ({size} bytes), not a safetensors file")
+    raise CorruptCacheError(f"{path}: bad or truncated safetensors header (length {n})")
+
+
+def _read_path(path) -> Path:
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    if not os.fspath(path):
+        raise InvalidInputError("path is empty: give the file to read")
+    return Path(path)
+
+
+def read_verified(
+    path: str | os.PathLike, fmt: str, version: int | Collection[int], what: str = "format"
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a kvedit safetensors file of format ``fmt``: header sniffed, JSON metadata parsed,
+    format and version checked (``version``: the one readable version, or several), CRC
+    verified. Returns ``(metadata, tensors)``.
+
+    Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, a pickle).
+    """
+    path = _read_path(path)
+    _check_header(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw_meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own error types
+        raise CorruptCacheError(f"{path}: unreadable safetensors file: {e}") from e
+    try:
+        meta = json.loads(raw_meta["kvedit"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise CorruptCacheError(f"{path}: no kvedit metadata in the header") from e
+    if meta.get("format") != fmt:
+        raise CorruptCacheError(f"{path}: format {meta.get('format')!r} is not {fmt!r}")
+    versions = (version,) if isinstance(version, int) else tuple(version)
+    found = meta.get("format_version")
+    if isinstance(found, bool) or found not in versions:
+        readable = " or ".join(str(v) for v in versions)
+        raise CorruptCacheError(
+            f"{path}: {what} version {found} is not supported "
+            f"(this kvedit reads version {readable})"
+        )
+    if crc32_of(tensors) != meta.get("checksum"):
+        raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
+    return meta, tensors
+
+
+def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read and verify a state file (any of :data:`READABLE_VERSIONS`).
+
+    Returns ``(metadata, tensors)`` or raises CorruptCacheError.
+    """
+    return read_verified(path, FORMAT, READABLE_VERSIONS)
+
+
+def _check_layout(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The metadata describes the tensors the file holds: as many layers, no stray ones."""
+    windows = meta.get("windows")
+    if not isinstance(windows, list) or not all(
+        w is None or (isinstance(w, int) and not isinstance(w, bool) and w > 0) for w in windows
+    ):
+        raise CorruptCacheError(f"bad windows {windows!r} in the metadata")
+    n_layers = meta.get("n_layers", len(windows))
+    if n_layers != len(windows):
+        raise CorruptCacheError(f"n_layers {n_layers!r} but {len(windows)} windows")
+    held = {int(name.split(".")[1]) for name in tensors if name.startswith("layer.")}
+    if held != set(range(len(windows))):
+        raise CorruptCacheError(
+            f"the metadata lists {len(windows)} layers but the file holds layer tensors "
+            f"{sorted(held)[:10]}{' ...' if len(held) > 10 else ''}"
+        )
+    entries = meta.get("layer_entries")
+    if entries is not None:
+        found = [tensors[f"layer.{i}.token_index"].shape[0] for i in range(len(windows))]
+        if entries != found:
+            raise CorruptCacheError(f"layer_entries {entries} but the keys hold {found}")
+    if "n_tokens" in meta and meta["n_tokens"] != tensors["token_ids"].shape[0]:
+        raise CorruptCacheError(
+            f"n_tokens {meta['n_tokens']} but {tensors['token_ids'].shape[0]} token ids"
+        )
+
+
+def _history(meta: dict, path) -> History:
+    """The history a file records (version 3), or an unknown one (older files)."""
+    where = None if path is None else str(path)
+    if meta.get("format_version", 0) < 3:
+        return History.unknown(where)
+    try:
+        return History.from_json(meta["history"], where)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCacheError(f"malformed history in the metadata: {e}") from e
+
+
+def _file_kv_dtype(meta: dict, tensors: dict[str, torch.Tensor]) -> str | None:
+    """The dtype the file's keys and values are written in: recorded (version 3), else read off
+    the first layer's K/V data (older files; None when there is none to read)."""
+    if meta.get("format_version", 0) >= 3:
+        found = meta.get("kv_dtype")
+        if found is not None and not isinstance(found, str):
+            raise CorruptCacheError(f"bad kv_dtype {found!r} in the metadata")
+        return found
+    for name in ("keys", "tail.keys", "keys.residual"):
+        t = tensors.get(f"layer.0.{name}")
+        if t is not None:
+            return dtype_name(t.dtype)
+    return None
+
+
+def _last_input(meta: dict, layers, n: int, next_position: int) -> LastInput | None:
+    """The entry the file's last logits follow: recorded (version 3), else the entry at the
+    last position (``next_position - 1``; what a re-read appended last), else None (the last
+    text token)."""
+    found = meta.get("last_input")
+    if found is not None:
+        if (
+            not isinstance(found, list)
+            or len(found) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in found)
+            or not 0 <= found[0] < n
+        ):
+            raise CorruptCacheError(f"bad last_input {found!r} in the metadata")
+        return LastInput(*found)
+    for layer in layers:
+        at = (layer.positions == next_position - 1).nonzero().flatten()
+        if at.numel():
+            index = int(layer.token_index[at[-1]])
+            return LastInput(index, next_position - 1) if 0 <= index < n else None
+    return None
+
+
+def state_from_parts(
+    meta: dict, tensors: dict[str, torch.Tensor], model, tokenizer, path=None
+) -> KVState:
+    """Build a state from verified file contents, on the model's device and dtype.
+
+    The file's structure is checked first against itself (its metadata against its tensors)
+    and against ``model`` (layers, windows, KV heads, head size, vocabulary, token indices and
+    positions in range): a file that does not fit raises :class:`CorruptCacheError`, before
+    it can fail later inside the model. Fingerprints are not compared here (see
+    :func:`load_state`).
+
+    The state's history is the file's (unknown for a file older than version 3; ``path``, the
+    file read, is noted in its origin), followed by a cast step when the file's K/V dtype is
+    not the model's (they are cast to the model's on load).
+    """
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    try:
+        _check_layout(meta, tensors)
+        text = meta["text"]
+        if not isinstance(text, str):
+            raise TypeError(f"text is a {type(text).__name__}")
+        next_position = meta["next_position"]
+        if not isinstance(next_position, int) or isinstance(next_position, bool):
+            raise TypeError(f"next_position is {next_position!r}")
+        windows = meta["windows"]
+        kinds = meta.get("layer_kinds") or ["dense"] * len(windows)
+        params = meta.get("layer_params") or [{} for _ in windows]
+        if len(kinds) != len(windows) or len(params) != len(windows):
+            raise CorruptCacheError(f"{len(kinds)} layer kinds for {len(windows)} layers")
+        layers = []
+        for i, (window, kind, layer_params) in enumerate(zip(windows, kinds, params, strict=True)):
+            prefix = f"layer.{i}."
+            mine = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+            shared = layer_params.get("shared") if isinstance(layer_params, dict) else None
+            if shared is not None:  # data the layer shares with others, written once
+                block = f"shared.{shared}."
+                found = {k[len(block) :]: t for k, t in tensors.items() if k.startswith(block)}
+                if not found:
+                    raise CorruptCacheError(
+                        f"layer {i} names shared data {shared!r} the file lacks"
+                    )
+                mine.update({f"shared.{k}": t for k, t in found.items()})
+            cls = layer_class(kind)
+            layers.append(cls.from_tensors(mine, layer_params, window, device, dtype))
+        token_ids = tensors["token_ids"]
+        state = KVState(
+            layers=layers,
+            token_ids=token_ids,
+            offsets=tensors["offsets"],
+            text=text,
+            position_ids=tensors["position_ids"],
+            next_position=next_position,
+            last_logits=tensors["last_logits"].to(device),
+            model_fingerprint=str(meta["model_fingerprint"]),
+            tokenizer_fingerprint=str(meta["tokenizer_fingerprint"]),
+            history=_history(meta, path),
+            last_input=_last_input(meta, layers, int(token_ids.shape[0]), next_position),
+            model=model,
+            tokenizer=tokenizer,
+        )
+        stored = _file_kv_dtype(meta, tensors)
+        if stored is not None and stored != dtype_name(dtype):
+            state = state.with_step(cast_step(stored, dtype))
+    except KeyError as e:
+        raise CorruptCacheError(f"state file lacks tensor or field {e}") from e
+    except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise CorruptCacheError(f"state file has a malformed field: {e}") from e
+    checks.state_fits_model(state, model, fingerprints=False, deep=True, error=CorruptCacheError)
+    return state
+
+
+def _check_fingerprints(meta: dict, model, tokenizer, path) -> dict:
+    """Refuse a file made by another model or tokenizer (:class:`CacheMismatchError`).
+
+    A version-1 file records the fingerprint of kvedit 0.1, compared with
+    :func:`~kvedit.fingerprint.legacy_model_fingerprint`; the returned metadata then carries
+    the current fingerprint, so the loaded state (and a file saved from it) has it.
+    """
+    problems = []
+    mfp = model_fingerprint(model)
+    stored = meta.get("model_fingerprint")
+    if meta.get("format_version") == 1 and stored == legacy_model_fingerprint(model):
+        meta = {**meta, "model_fingerprint": mfp}
+    elif stored != mfp:
+        legacy = (
+            " (a version-1 file: kvedit 0.1's fingerprint)"
+            if meta.get("format_version") == 1
+            else ""
+        )
+        problems.append(
+            f"model fingerprint {mfp} != state's {stored}{legacy} "
+            f"(model {getattr(model, 'name_or_path', '?')!r})"
+        )
+    tfp = tokenizer_fingerprint(tokenizer)
+    if tfp != meta.get("tokenizer_fingerprint"):
+        problems.append(
+            f"tokenizer fingerprint {tfp} != state's {meta.get('tokenizer_fingerprint')}"
+        )
+    if problems:
+        raise CacheMismatchError(
+            f"{path}: this cache was made by another model: " + "; ".join(problems)
+        )
+    return meta
+
+
+def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
+    """Load a state saved with :meth:`KVState.save`, checking it belongs to ``model``/``tokenizer``.
+
+    Reads format versions 1, 2 and 3. The fingerprints are compared first, then the file's
+    structure is checked against the model (:func:`state_from_parts`). The state's history is
+    the file's (``history.origin.path`` notes the file; "unknown" for files older than format
+    3), with a cast step when the file's K/V dtype is not the model's.
+
+    Raises:
+        CorruptCacheError: truncated, corrupted, not a kvedit file, a pickle, or a structure
+            (layers, KV heads, head size, windows, sizes) that does not fit the model its
+            fingerprint names.
+        CacheMismatchError: the state was made by another model or tokenizer.
+        FileNotFoundError: there is no file at ``path``.
+    """
+    meta, tensors = read_state_file(path)
+    meta = _check_fingerprints(meta, model, tokenizer, path)
+    return state_from_parts(meta, tensors, model, tokenizer, path=path)

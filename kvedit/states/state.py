@@ -1,0 +1,385 @@
+"""KVState: a captured KV cache with everything needed to edit it and continue from it.
+
+``capture(model, tokenizer, text)`` runs the model over ``text`` once and keeps, per layer, the
+keys and values ``[batch, kv_heads, seq, head_dim]`` (post-RoPE, exactly what the model cached),
+which text token each cache entry encodes, its rotary position, and an additive attention bias
+(zeros until an edit sets it). Continuing from a state (``generate``, ``logits``, ``extend``)
+feeds the entries back through a plain ``DynamicCache`` and the kvedit attention, which applies
+the stored bias and masks causally with bottom-right alignment, so edits that change the cache
+length (duplication, re-reading) keep later positions right.
+
+Sliding-window layers (Gemma-3) hold only their last ``window`` tokens (transformers keeps
+``window - 1``; kvedit keeps one more so the last token can be recomputed exactly after an edit,
+see :func:`recompute_last`); ``LayerKV.token_index`` says which ones, so edits touch only tokens
+a layer holds. The attention masks the extra entry for every later query.
+
+Edits reach the next token: every op ends with :func:`recompute_last`, which runs the state's
+last input again over the edited cache, so ``last_logits`` (the first continuation token's
+prediction) and the last input's own entries reflect the edit. The last input
+(``KVState.last_input``) is the entry ``last_logits`` follow: the last token of the text after
+a capture or an extension, the last re-read token after :func:`kvedit.ops.reread`.
+
+Every state carries its provenance (``KVState.history``, :mod:`kvedit.provenance`): how it was
+made and each transformation since; ``KVState.digest`` names its content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from transformers import PreTrainedModel
+
+from .. import checks
+from ..cache import LayerKV
+from ..errors import ModelNotAttachedError
+from ..provenance import History, Step, content_digest
+from ..spans import Spans, char_ranges, tokens_in_ranges
+from .decoding import Answer, Decoder, eos_ids, sample
+from .files.write import save_state
+from .passes import appended_layers, run_model
+
+__all__ = ["KVState", "LastInput", "LayerKV"]
+
+
+class LastInput(NamedTuple):
+    """The entry a state's ``last_logits`` follow: text token ``token_index`` at rotary
+    ``position`` (its entries are those with that token index *and* that position; a re-read
+    copy of a token is another entry than the token where it was first read)."""
+
+    token_index: int
+    position: int
+
+
+@dataclass(eq=False)
+class KVState:
+    """A captured KV cache of ``text`` plus what is needed to edit and continue from it.
+
+    Attributes:
+        layers: one :class:`LayerKV` per decoder layer.
+        token_ids: ``[n_tokens]`` token ids of ``text`` (with the tokenizer's special tokens).
+        offsets: ``[n_tokens, 2]`` character range of each token in ``text``.
+        text: the captured text.
+        position_ids: ``[n_tokens]`` rotary position of each token.
+        next_position: the position the next token gets.
+        last_logits: ``[vocab]`` logits after the last entry, the first continuation
+            token's prediction.
+        model_fingerprint, tokenizer_fingerprint: identify the model and tokenizer.
+        history: where the state came from and every transformation applied to it
+            (:class:`~kvedit.provenance.History`; ``"unknown"`` unless whoever built the state
+            said).
+        last_input: the entry ``last_logits`` follow (:class:`LastInput`); when not given,
+            the last text token at its position (what a capture or an extension ran last).
+    """
+
+    layers: list[LayerKV]
+    token_ids: torch.Tensor
+    offsets: torch.Tensor
+    text: str
+    position_ids: torch.Tensor
+    next_position: int
+    last_logits: torch.Tensor
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    history: History = field(default_factory=History.unknown)
+    last_input: LastInput | None = None
+    model: PreTrainedModel | None = field(default=None, repr=False, compare=False)
+    tokenizer: object | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = int(self.token_ids.shape[0])
+        if self.last_input is None and n:
+            self.last_input = LastInput(n - 1, int(self.position_ids[n - 1]))
+        elif self.last_input is not None:
+            self.last_input = LastInput(*(int(v) for v in self.last_input))
+
+    # ---------------------------------------------------------------- basic properties
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def cache_length(self) -> int:
+        """Number of KV entries of the global layers (edits such as duplication change it)."""
+        global_layers = [len(layer) for layer in self.layers if layer.window is None]
+        return max(global_layers or [len(layer) for layer in self.layers])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys, values and biases (the sum of every layer's ``nbytes``)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    @property
+    def has_bias(self) -> bool:
+        return any(layer.bias is not None for layer in self.layers)
+
+    @property
+    def digest(self) -> str:
+        """A stable digest of what the state holds: model fingerprint, token ids and history
+        (:func:`~kvedit.provenance.content_digest`). Equal digests attend identically."""
+        return content_digest(self.model_fingerprint, self.token_ids.tolist(), self.history)
+
+    @property
+    def is_plain_capture(self) -> bool:
+        """Whether the state is a capture with nothing done to it but exact casts."""
+        return self.history.first_change() is None
+
+    def with_step(self, step: Step) -> KVState:
+        """This state with ``step`` appended to its history (tensors shared). The step notes
+        how many tokens the state had (``at_tokens``): an edit before an extension and the same
+        edit after it hold different entries, so their histories differ."""
+        params = {**step.params, "at_tokens": len(self)}
+        return self.replace(
+            history=self.history.then(Step(step.kind, step.name, params, step.exact))
+        )
+
+    def __repr__(self) -> str:
+        kinds = sorted({layer.kind for layer in self.layers})
+        return (
+            f"KVState({len(self)} tokens, {len(self.layers)} layers ({'/'.join(kinds)}), "
+            f"cache {self.cache_length}, model {self.model_fingerprint[:12]}, "
+            f"history: {self.history}, digest {self.digest[:12]})"
+        )
+
+    def explain(self) -> str:
+        """A readable account of the state: size, origin and each transformation, in order."""
+        lines = [
+            f"{len(self)} tokens, {len(self.layers)} layers, {self.nbytes / 2**20:.1f} MiB, "
+            f"digest {self.digest}",
+            f"origin: {self.history.origin.kind}"
+            + (f" (read from {self.history.origin.path})" if self.history.origin.path else ""),
+        ]
+        if not self.history.known:
+            lines.append("history: unknown (a file written before kvedit 0.3)")
+        for i, step in enumerate(self.history.steps, 1):
+            lines.append(f"{i:3d}. {step.kind:13s} {step}")
+        if self.history.known and not self.history.steps:
+            lines.append("no transformation: a plain capture")
+        last = self.last_input
+        if last is not None and (last.token_index, last.position) != (
+            len(self) - 1,
+            int(self.position_ids[-1]),
+        ):
+            lines.append(
+                f"last input: token {last.token_index} at position {last.position} "
+                "(the last logits follow it)"
+            )
+        return "\n".join(lines)
+
+    def replace(self, **changes) -> KVState:
+        """A shallow copy with fields replaced (tensors are shared, never mutated)."""
+        return dataclasses.replace(self, **changes)
+
+    def copy(self) -> KVState:
+        """A deep copy: no tensor is shared with ``self``."""
+        return self.replace(
+            layers=[layer.map(torch.clone) for layer in self.layers],
+            token_ids=self.token_ids.clone(),
+            offsets=self.offsets.clone(),
+            position_ids=self.position_ids.clone(),
+            last_logits=self.last_logits.clone(),
+        )
+
+    def to(self, device: torch.device | str) -> KVState:
+        """A copy on ``device`` (token metadata stays on CPU)."""
+        return self.replace(
+            layers=[
+                dataclasses.replace(
+                    layer,
+                    keys=layer.keys.to(device),
+                    values=layer.values.to(device),
+                    bias=None if layer.bias is None else layer.bias.to(device),
+                )
+                for layer in self.layers
+            ],
+            last_logits=self.last_logits.to(device),
+        )
+
+    def token_indices(self, spans: Spans) -> torch.Tensor:
+        """Indices of the tokens of ``text`` that overlap ``spans`` (``LongTensor[k]``, sorted).
+
+        A span is a substring (every occurrence), a compiled regex (every match) or a
+        ``(start, end)`` character range; ``spans`` is one span or a list. Raises
+        :class:`~kvedit.errors.SpanNotFoundError` when a span is not in the text.
+        """
+        return tokens_in_ranges(self.offsets, char_ranges(self.text, spans))
+
+    # ---------------------------------------------------------------- continuing
+
+    def require_model(self) -> tuple[PreTrainedModel, object]:
+        """``(model, tokenizer)`` attached to this state; raises ModelNotAttachedError if none."""
+        if self.model is None or self.tokenizer is None:
+            raise ModelNotAttachedError(
+                "this state has no model attached; use load_state(path, model, tok)"
+            )
+        return self.model, self.tokenizer
+
+    def checked_model(self) -> tuple[PreTrainedModel, object]:
+        """The attached model and tokenizer, after checking the state fits them (fingerprints
+        and cache shapes; cheap: the fingerprints are memoized)."""
+        model, tok = self.require_model()
+        checks.state_fits_model(self, model, tok)
+        return model, tok
+
+    def encode(self, text: str, name: str = "continuation") -> list[int]:
+        """Token ids of ``text`` (a continuation: no special tokens added)."""
+        text = checks.text(name, text)
+        _, tok = self.require_model()
+        return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def run(self, ids: Sequence[int], logits_to_keep: int = 0):
+        """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
+        model, _ = self.checked_model()
+        n = len(ids)
+        device = self.device
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        positions = torch.arange(self.next_position, self.next_position + n, device=device)[None]
+        logits, full_kv = run_model(model, self.layers, input_ids, positions, logits_to_keep)
+        return logits[0], full_kv
+
+    def logits(self, continuation: str) -> torch.Tensor:
+        """``[n_tokens, vocab]``: row i is the distribution over continuation token i.
+
+        Row 0 is the stored last logits; row i > 0 is the model's prediction after the state and
+        continuation tokens ``< i``. The continuation is tokenized without special tokens.
+        """
+        ids = self.encode(continuation)
+        if not ids:
+            return self.last_logits[None, :0].new_zeros(0, self.last_logits.shape[-1])
+        rows = [self.last_logits.float()[None]]
+        if len(ids) > 1:
+            logits, _ = self.run(ids[:-1])
+            rows.append(logits.float())
+        return torch.cat(rows, dim=0)
+
+    @torch.no_grad()
+    def token_logprobs(self, continuation: str, token_ids: Sequence[int]) -> list[float]:
+        """The log-probability of each of ``token_ids`` when they follow the state and
+        ``continuation``: how likely the model finds a given answer (e.g. another state's
+        :class:`Answer`). One forward pass over ``continuation`` and the tokens."""
+        prompt = self.encode(continuation)
+        vocab = self.last_logits.shape[-1]
+        token_ids = [checks.count("token id", t, maximum=vocab - 1) for t in token_ids]
+        if not token_ids:
+            return []
+        ids = prompt + token_ids[:-1]
+        rows = [self.last_logits.float()[None]] if not prompt else []
+        if ids:
+            logits, _ = self.run(ids, logits_to_keep=len(token_ids) - (0 if prompt else 1))
+            rows.append(logits.float())
+        logp = torch.cat(rows, dim=0)[-len(token_ids) :].log_softmax(-1)
+        return logp[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        continuation: str = "",
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> str:
+        """Continue from the state with ``continuation`` and decode up to ``max_new_tokens``.
+
+        Greedy by default; stops at EOS. Returns only the new tokens, decoded with
+        ``skip_special_tokens=True``. The state itself is never mutated. :meth:`answer` does
+        the same and also returns each token's log-probability.
+        """
+        return self.answer(
+            continuation,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+            eos_token_id=eos_token_id,
+        ).text
+
+    @torch.no_grad()
+    def answer(
+        self,
+        continuation: str = "",
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> Answer:
+        """:meth:`generate`, returning an :class:`Answer`: the text, the new token ids and the
+        log-probability the model gave each of them (under its unscaled distribution)."""
+        max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
+        dec = self.decoder(continuation)
+        eos = eos_ids(dec.model, dec.tokenizer, eos_token_id)
+        new_tokens: list[int] = []
+        logprobs: list[float] = []
+        finished = False
+        for step in range(max_new_tokens):
+            token = sample(dec.next_logits, do_sample, temperature, top_k, top_p, generator)
+            if token in eos:
+                finished = True
+                break
+            new_tokens.append(token)
+            logprobs.append(float(dec.next_logits.float().log_softmax(-1)[token]))
+            if step < max_new_tokens - 1:
+                dec.push(token)
+        text = dec.tokenizer.decode(new_tokens, skip_special_tokens=True)
+        return Answer(text, new_tokens, logprobs, finished)
+
+    def decoder(self, continuation: str = "") -> Decoder:
+        """A :class:`Decoder` over the state followed by ``continuation`` (run once, now)."""
+        return Decoder(self, continuation)
+
+    @torch.no_grad()
+    def extend(self, text: str) -> KVState:
+        """A new state with ``text`` appended (tokenized without special tokens)."""
+        ids = self.encode(text, "text")
+        if not ids:
+            return self.replace(text=self.text + text)
+        _, tok = self.require_model()
+        logits, full_kv = self.run(ids, logits_to_keep=1)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2) + len(
+            self.text
+        )
+        positions = torch.arange(self.next_position, self.next_position + len(ids))
+        return self.replace(
+            layers=appended_layers(
+                self.layers, full_kv, ids, self.next_position, first_index=len(self)
+            ),
+            token_ids=torch.cat([self.token_ids, torch.tensor(ids, dtype=torch.long)]),
+            offsets=torch.cat([self.offsets, offsets]),
+            text=self.text + text,
+            position_ids=torch.cat([self.position_ids, positions]),
+            next_position=self.next_position + len(ids),
+            last_logits=logits[-1].float(),
+            last_input=LastInput(len(self) + len(ids) - 1, self.next_position + len(ids) - 1),
+        )
+
+    # ---------------------------------------------------------------- storage
+
+    def save(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+        """Write the state to one safetensors file, atomically; returns its path (as
+        :meth:`kvedit.Projector.save` does). ``dtype`` (a float dtype) down-casts K/V."""
+        return save_state(self, path, dtype=dtype)
+
+    def check_compatible(self, model: PreTrainedModel, tokenizer) -> None:
+        """Raise :class:`CacheMismatchError` unless ``model``/``tokenizer`` made this state and
+        its cache fits the model (:func:`kvedit.checks.state_fits_model`)."""
+        checks.state_fits_model(self, model, tokenizer)
