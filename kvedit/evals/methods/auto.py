@@ -24,13 +24,9 @@ GUARDS = ("support", "agreement", "none")
 """The answer guards ``auto``'s ``guard`` names (:class:`AutoParams`)."""
 
 
-# Chosen on seed 1 of `records` (benchmarks/auto_retrieval.py and a strength sweep); reported on
-# seed 0. Emphasizing two documents (top_k=2) hurt badly there (0.40 vs 0.90). A fixed strength
-# of 3 broke the document next to the question on NQ (it already gets much of the attention:
-# 0.42 -> 0.02 at the last position), so the bias is sized per layer to lift the chosen
-# document's share to `target` (0.2, with `strength` 5 the most it may add); target 0.1/0.2/0.35
-# were compared on NQ seed 1 (0.30/0.43/0.17 mean, 10 questions per position), records seed 1
-# (0.90/0.90/0.93) and the lockers template seed 3 (0.45/0.55/0.65; fixed strength 3: 0.60).
+# The bias is sized per layer to lift one chosen document's share to `target` (0.2, at most
+# `strength` 5 nats), because a fixed strength broke the document next to the question on NQ;
+# chosen on tuning seeds (reports/focus/README.md §10).
 @dataclass(frozen=True)
 class AutoParams(EditParams):
     """The parameters of ``auto`` (and ``reread``): the edit, and how documents are chosen.
