@@ -35,11 +35,16 @@ for arg in "$@"; do
 done
 bench_args=(--quick)
 bench_limit=70
+tests_limit=130
+seam_limit=40
+e2e_limit=110
 e2e_args=()
 if ((full)); then bench_args=(); bench_limit=540; fi
 if ((sweep)); then bench_args+=(--sweep); bench_limit=$((bench_limit + 60)); fi
 if ((cpu)); then
     gpu=cpu
+    # the interpreter is slow (the kernel tests take about 2 minutes on 2 cores)
+    tests_limit=600 seam_limit=120 e2e_limit=300 bench_limit=$((bench_limit + 230))
     export TRITON_INTERPRET=1
     bench_args+=(--cpu-smoke)
     e2e_args+=(--tiny)
@@ -60,7 +65,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
 } 2>&1 | tee "$out_dir/gpu_env.txt"
 
 start=$SECONDS
-timeout 130 "$py" -m pytest -q -p no:cacheprovider \
+timeout "$tests_limit" "$py" -m pytest -q -p no:cacheprovider \
     tests/triton/test_triton_attention.py tests/triton/test_triton_rerotate.py tests/triton/test_triton_decode.py \
     tests/triton/test_triton_configs.py \
     --junitxml="$out_dir/triton_tests.xml" 2>&1 | tee "$out_dir/triton_tests.log"
@@ -68,7 +73,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "tests: exit $tests_rc after $((SECONDS - start)) s" | tee -a "$out_dir/triton_tests.log"
 
 start=$SECONDS
-timeout 40 "$py" -m benchmarks.gpu_seam_check --json "$out_dir/seam_check.json" 2>&1 \
+timeout "$seam_limit" "$py" -m benchmarks.gpu_seam_check --json "$out_dir/seam_check.json" 2>&1 \
     | tee "$out_dir/seam_check.log"
 seam_rc=${PIPESTATUS[0]}
 echo "seam check: exit $seam_rc after $((SECONDS - start)) s" | tee -a "$out_dir/seam_check.log"
@@ -80,7 +85,7 @@ bench_rc=${PIPESTATUS[0]}
 echo "benchmark: exit $bench_rc after $((SECONDS - start)) s" | tee -a "$out_dir/attention_bench.log"
 
 start=$SECONDS
-timeout 110 "$py" -m benchmarks.gpu_e2e "${e2e_args[@]}" --json "$out_dir/e2e.json" 2>&1 | tee "$out_dir/e2e.log"
+timeout "$e2e_limit" "$py" -m benchmarks.gpu_e2e "${e2e_args[@]}" --json "$out_dir/e2e.json" 2>&1 | tee "$out_dir/e2e.log"
 e2e_rc=${PIPESTATUS[0]}
 echo "end to end: exit $e2e_rc after $((SECONDS - start)) s" | tee -a "$out_dir/e2e.log"
 

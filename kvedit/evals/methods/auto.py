@@ -24,7 +24,7 @@ GUARDS = ("support", "agreement", "none")
 """The answer guards ``auto``'s ``guard`` names (:class:`AutoParams`)."""
 
 
-# Chosen on seed 1 of `records` (benchmarks/auto_retrieval.py and a strength sweep); reported on
+# Chosen on seed 1 of `records` (a retired auto_retrieval script, a strength sweep); reported on
 # seed 0. Emphasizing two documents (top_k=2) hurt badly there (0.40 vs 0.90). A fixed strength
 # of 3 broke the document next to the question on NQ (it already gets much of the attention:
 # 0.42 -> 0.02 at the last position), so the bias is sized per layer to lift the chosen
