@@ -94,7 +94,7 @@ app: setup
 	$(VENV)/bin/kvedit app
 
 bench: setup
-	$(PY) benchmarks/reuse.py
+	$(PY) -m benchmarks.reuse
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -23,7 +23,7 @@ the method's throughput by the faster of ``sdpa``/``sdpa_repeat``. Peak memory i
 Without CUDA (or with ``--cpu-smoke``) it runs tiny shapes through Triton's interpreter, only to
 prove that the script runs; those timings mean nothing.
 
-    python benchmarks/attention.py --quick --out /tmp/attention.json
+    python -m benchmarks.attention --quick --out runs/attention.json
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ if "--cpu-smoke" in sys.argv[1:] or not torch.cuda.is_available():
     # Triton reads this when triton.language is imported, which importing kvedit does.
     os.environ["TRITON_INTERPRET"] = "1"
 
-try:  # runnable from a checkout without installing kvedit
-    import kvedit  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# imported after the line above: they import kvedit
+from benchmarks.common import parser as make_parser  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
 
 GIB = 2**30
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -506,7 +505,7 @@ def _kernel_call(impl, x: Inputs, cfg, splits: int | None) -> Callable[[], torch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--out", type=Path, help="write results as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer lengths, shorter timing")
     parser.add_argument(
@@ -626,17 +625,6 @@ def main(argv: list[str] | None = None) -> int:
     if write_json(args.out, payload):
         print(f"\nwrote {args.out}")
     return 0
-
-
-def write_json(path: Path | None, payload: dict) -> bool:
-    """Write ``payload`` to ``path`` (if given) atomically; True if written."""
-    if path is None:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
-    return True
 
 
 if __name__ == "__main__":

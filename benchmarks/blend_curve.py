@@ -28,28 +28,28 @@ questions the blend lost and won against the prefill of the same ids.
 
 Usage::
 
-    python benchmarks/blend_curve.py --model smollm2-135m-instruct --limit 30 \\
+    python -m benchmarks.blend_curve --model smollm2-135m-instruct --limit 30 \\
         --rules default,gradual=2,leading=4,rescale=0.8 --fractions 0,0.05,0.15,0.3,0.5,1
-    python benchmarks/blend_curve.py --model tiny-llama --limit 2 --n-docs 3 --out /tmp/bc
-    python benchmarks/blend_curve.py --merge runs/a/blend_curve.json runs/b/blend_curve.json \
-        --out reports/blend/report-s0
+    python -m benchmarks.blend_curve --model tiny-llama --limit 2 --n-docs 3 --out /tmp/bc
+    python -m benchmarks.blend_curve --merge runs/a/blend_curve.json runs/b/blend_curve.json \
+        --out runs/blend_curve-merged
+
+``--out`` defaults to ``runs/blend_curve``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 import kvedit
-from kvedit.atomic import atomic_write
+from benchmarks.common import RUNS, add_model, markdown_table, parser, timed, write_file
 from kvedit.errors import InvalidInputError
 from kvedit.evals.litm import interleave_positions, resolve_prompt
 from kvedit.evals.methods.blend import BlendParams, document_parts
@@ -103,16 +103,6 @@ def load_examples(args) -> list[Example]:
         n_docs=args.n_docs, positions=positions, trials=trials, seed=args.seed, path=args.data
     )
     return interleave_positions(examples)[: args.limit]
-
-
-def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    """``(median seconds, last result)`` of ``repeats`` calls of ``fn``."""
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 @torch.no_grad()
@@ -262,8 +252,7 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     curve_ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
 
 
@@ -271,14 +260,14 @@ def markdown(rows: Sequence[dict], title: str) -> str:
     positions = sorted({p for r in rows for p in r["by_position"]})
     head = ["rule", "recompute", "n", "accuracy", *(f"pos {p}" for p in positions)]
     head += ["TTFT s", "speed-up", "recomputed"]
-    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for r in sorted(rows, key=lambda r: (r["rule"] is not None, str(r["rule"]), r["recompute"])):
         cells = [r["rule"] or "full prefill", f"{r['recompute']:g}", str(r["n"])]
         cells += [f"{r['accuracy']:.3f}"]
         cells += [f"{r['by_position'].get(p, float('nan')):.3f}" for p in positions]
         cells += [f"{r['seconds']:.3f}", f"{r['speedup']:.2f}", f"{r['tokens_recomputed']:.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        table.append(cells)
+    return "\n".join([f"# {title}", "", *markdown_table(head, table)]) + "\n"
 
 
 RESUME_KEYS = (
@@ -314,17 +303,16 @@ def paired(records: Sequence[dict]) -> list[dict]:
 
 
 def paired_markdown(rows: Sequence[dict], title: str) -> str:
-    head = (
-        "| rule | recompute | gold position | n | prefill | blend | blend − prefill | lost | won |"
+    head = ["rule", "recompute", "gold position", "n", "prefill", "blend", "blend − prefill"]
+    head += ["lost", "won"]
+    table = [
+        [r["rule"], f"{r['recompute']:g}", r["position"], r["n"], f"{r['prefill']:.3f}"]
+        + [f"{r['blend']:.3f}", f"{r['blend'] - r['prefill']:+.3f}", r["lost"], r["won"]]
+        for r in rows
+    ]
+    return (
+        "\n".join([f"# {title}: paired with the prefill", "", *markdown_table(head, table)]) + "\n"
     )
-    lines = [f"# {title}: paired with the prefill", "", head, "|" + "---|" * 9]
-    for r in rows:
-        lines.append(
-            f"| {r['rule']} | {r['recompute']:g} | {r['position']} | {r['n']} | "
-            f"{r['prefill']:.3f} | {r['blend']:.3f} | {r['blend'] - r['prefill']:+.3f} | "
-            f"{r['lost']} | {r['won']} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 MERGE_KEYS = (*(k for k in RESUME_KEYS if k != "positions"), "source")
@@ -384,9 +372,9 @@ def write_report(out: Path, settings: dict, records: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plot(rows, out / "blend_curve.png", title)
     payload = {"settings": settings, "rows": rows, "records": records, "paired": paired(records)}
-    atomic_write(out / "blend_curve.json", json.dumps(payload, indent=1))
-    atomic_write(out / "blend_curve.md", markdown(rows, title))
-    atomic_write(out / "paired.md", paired_markdown(payload["paired"], title))
+    write_file(out / "blend_curve.json", json.dumps(payload, indent=1))
+    write_file(out / "blend_curve.md", markdown(rows, title))
+    write_file(out / "paired.md", paired_markdown(payload["paired"], title))
     print(markdown(rows, title))
     print(paired_markdown(payload["paired"], title))
 
@@ -413,33 +401,34 @@ def resumed(out: Path, settings: dict) -> dict[str, list[dict]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--limit", type=int, default=30, help="examples in all")
-    parser.add_argument("--n-docs", type=int, default=10)
-    parser.add_argument("--positions", default=None, help="gold positions (default 0,4,9)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data", default=None, help="an NQ file (default: the bundled one)")
-    parser.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rules")
-    parser.add_argument("--fractions", default=DEFAULT_FRACTIONS)
-    parser.add_argument("--context", default="prefix", choices=("prefix", "alone"))
-    parser.add_argument(
+    p = parser(__doc__)
+    add_model(p, device=True)
+    p.add_argument("--limit", type=int, default=30, help="examples in all")
+    p.add_argument("--n-docs", type=int, default=10)
+    p.add_argument("--positions", default=None, help="gold positions (default 0,4,9)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="an NQ file (default: the bundled one)")
+    p.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rules")
+    p.add_argument("--fractions", default=DEFAULT_FRACTIONS)
+    p.add_argument("--context", default="prefix", choices=("prefix", "alone"))
+    p.add_argument(
         "--previous",
         default=None,
         help="a neutral passage every document after the first is cached behind (blend's previous=)",
     )
-    parser.add_argument("--prompt", default="auto", help="chat, plain or auto")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
-    parser.add_argument("--out", default="reports", help="folder of the png, json and md")
-    parser.add_argument(
+    p.add_argument("--prompt", default="auto", help="chat, plain or auto")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
+    p.add_argument(
+        "--out", default=str(RUNS / "blend_curve"), help="folder of the png, json and md"
+    )
+    p.add_argument(
         "--resume", action="store_true", help="keep what an interrupted run in --out finished"
     )
-    parser.add_argument(
+    p.add_argument(
         "--merge", nargs="+", metavar="JSON", help="join finished runs' blend_curve.json into --out"
     )
-    args = parser.parse_args(argv)
+    args = p.parse_args(argv)
     if args.merge:
         settings, records = merged(args.merge)
         write_report(Path(args.out), settings, records)
@@ -459,9 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--resume: {out}'s {example.id!r} is another example than this run's (its "
                 "distractors depend on --limit and --positions): run it again without --resume"
             )
-    atomic_write(out / "partial.settings.json", json.dumps(settings, sort_keys=True))
+    write_file(out / "partial.settings.json", json.dumps(settings, sort_keys=True))
     partial = out / "partial.jsonl"
-    atomic_write(partial, "".join(json.dumps(r) + "\n" for rs in done.values() for r in rs))
+    write_file(partial, "".join(json.dumps(r) + "\n" for rs in done.values() for r in rs))
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvedit-blend-curve-") as tmp:
         store = kvedit.KVStore(tmp, memory_bytes=2**30)

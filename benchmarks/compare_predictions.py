@@ -1,14 +1,17 @@
 """Compare the predictions of two eval runs made by ``benchmarks/smoke_predictions.sh``.
 
-``python benchmarks/compare_predictions.py OLD_DIR NEW_DIR`` prints, per run folder and method,
-how many predictions are identical, and exits 1 if any differs or is missing.
+``python -m benchmarks.compare_predictions OLD_DIR NEW_DIR`` prints, per run folder
+(``OLD_DIR/*/results.json``) and method, how many predictions are identical, and exits 1 if any
+differs or is missing (also when ``OLD_DIR`` holds no run).
 """
 
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+from benchmarks.common import parser
 
 
 def predictions(results: Path) -> dict[tuple, str]:
@@ -16,9 +19,14 @@ def predictions(results: Path) -> dict[tuple, str]:
     return {(r["method"], r["id"]): r["prediction"] for r in data["examples"]}
 
 
-def main(old: str, new: str) -> int:
+def compare(old: str | Path, new: str | Path) -> int:
+    """Print the counts of identical predictions; the number that differ or are missing."""
     bad = 0
-    for res in sorted(Path(old).glob("*/results.json")):
+    runs = sorted(Path(old).glob("*/results.json"))
+    if not runs:
+        print(f"{old} holds no */results.json")
+        return 1
+    for res in runs:
         other = Path(new) / res.parent.name / "results.json"
         a = predictions(res)
         b = predictions(other) if other.exists() else {}
@@ -29,8 +37,16 @@ def main(old: str, new: str) -> int:
             bad += len(keys) - same
             print(f"{res.parent.name:22s} {m:12s} {same}/{len(keys)} identical")
     print("all identical" if not bad else f"{bad} predictions differ or are missing")
-    return 1 if bad else 0
+    return bad
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("old", type=Path, help="the folder of the runs before the change")
+    p.add_argument("new", type=Path, help="the folder of the runs after it")
+    args = p.parse_args(argv)
+    return 1 if compare(args.old, args.new) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    raise SystemExit(main())

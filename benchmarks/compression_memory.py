@@ -6,16 +6,15 @@ is compared with the full cache's. SnapKV keeps the union of the entries its KV 
 (each head masks the rest), so its saving is below the nominal ``1 - keep``; quantization keeps
 the most recent entries in full precision, which weighs on short caches::
 
-    python benchmarks/compression_memory.py --examples 10 --out reports/benchmarks/compression_memory.json
+    python -m benchmarks.compression_memory --examples 10 --out runs/compression_memory.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-from pathlib import Path
+from collections.abc import Sequence
 
+from benchmarks.common import add_model, parser, write_json
 from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
@@ -51,13 +50,13 @@ def measure(model_name: str, task: str, n_examples: int, seed: int) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    add_model(p)
     p.add_argument("--examples", type=int, default=10, help="examples per task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     results = [measure(args.model, t, args.examples, args.seed) for t in ("records", "nq")]
     print(f"{'task':8} {'tokens':>7} {'full MB':>8}  " + "  ".join(f"{m:>17}" for m in METHODS))
     for r in results:
@@ -67,10 +66,9 @@ def main() -> None:
         )
         print(f"{r['task']:8} {r['mean_tokens']:>7.0f} {r['mean_full_bytes'] / 1e6:>8.2f}  {kept}")
     print("(fraction of the full cache's bytes kept; in brackets, the saving)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": args.model, "results": results}, indent=2))
+    write_json(args.out, {"model": args.model, "results": results})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -10,19 +10,21 @@ would be edited. Tune on tuning seeds (records 1, lockers 3, NQ 1), report on ot
 
 Usage::
 
-    python benchmarks/focus_abstain.py --task records --seed 1 --trials 4 --out runs/abst-records-s1.safetensors
-    python benchmarks/focus_abstain.py --analyze runs/abst-*.safetensors
+    python -m benchmarks.focus_abstain --task records --seed 1 --trials 4 \
+        --out runs/abst-records-s1.safetensors
+    python -m benchmarks.focus_abstain --analyze runs/abst-*.safetensors
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+from collections.abc import Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from benchmarks.common import RUNS, add_model, parser, write_file
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
 from kvedit.focusing.choice import (
@@ -116,7 +118,7 @@ def collect(args) -> None:
                 }
             )
         print(ex.id, flush=True)
-    save_file(tensors, args.out, metadata={"rows": json.dumps(rows)})
+    write_file(args.out, lambda tmp: save_file(tensors, tmp, metadata={"rows": json.dumps(rows)}))
 
 
 def load(path: str) -> list[dict]:
@@ -161,9 +163,9 @@ def analyze(paths: list[str], smoothing: float, thresholds: list[float]) -> dict
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", default="records")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--task", default="records", help="records, nq, lockers...")
     p.add_argument("--data", default=None)
     p.add_argument("--n-docs", type=int, default=None)
     p.add_argument("--seed", type=int, default=1)
@@ -171,18 +173,19 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--unrelated", type=int, default=2, help="unrelated questions per context")
     p.add_argument("--skip-relevant", action="store_true", help="only the unrelated questions")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    add_model(p)
     p.add_argument("--prompt", choices=["chat", "plain"], default="chat")
-    p.add_argument("--out", default="runs/abstain.safetensors")
-    p.add_argument("--analyze", nargs="*", default=None)
+    p.add_argument("--out", default=str(RUNS / "abstain.safetensors"), help="shares file")
+    p.add_argument("--analyze", nargs="*", default=None, help="score saved shares files")
     p.add_argument("--smoothing", type=float, default=SCORE_SMOOTHING)
     p.add_argument("--thresholds", default=f"0,1,2,3,4,5,6,{ABSTAIN_THRESHOLD}")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.analyze:
         analyze(args.analyze, args.smoothing, [float(x) for x in args.thresholds.split(",")])
     else:
         collect(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -9,20 +9,20 @@ comes from the chosen passage, the edited one (two question-length passes and th
 steps); after an abstention, the unedited answer only. Times are medians over the examples, in seconds, on this machine's
 threads (``torch.get_num_threads()``).
 
-Usage: ``python benchmarks/focus_cost.py --task nq --examples 12 --out reports/benchmarks/focus_cost_nq.json``
+Usage: ``python -m benchmarks.focus_cost --task nq --examples 12 --out runs/focus_cost_nq.json``
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
+from benchmarks.common import add_model, parser, write_json
 from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
@@ -31,16 +31,16 @@ from kvedit.focusing.guard import evidence_and_others
 from kvedit.models import load_model
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", default="nq")
-    p.add_argument("--n-docs", type=int, default=None)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--task", default="nq", help="records, nq, lockers...")
+    p.add_argument("--n-docs", type=int, default=None, help="documents per prompt")
     p.add_argument("--examples", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    add_model(p)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    p.add_argument("--out", default=None, help="write the times here (JSON)")
+    args = p.parse_args(argv)
     model, tok = load_model(args.model)
     examples = build_examples(args.task, None, args.n_docs, None, None, args.seed, args.examples)
     rows = []
@@ -95,9 +95,9 @@ def main() -> None:
     summary["abstained"] = sum(r["abstained"] for r in rows)
     summary["guard_kept_edit"] = sum(r["guard_kept_edit"] for r in rows)
     print(json.dumps({k: round(v, 3) for k, v in summary.items()}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"summary": summary, "examples": rows}, indent=1))
+    write_json(args.out, {"summary": summary, "examples": rows}, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

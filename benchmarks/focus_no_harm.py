@@ -11,24 +11,25 @@ the verdict of #28's targets:
 * ceiling (when the run has ``gold_only``): mean ``auto >= gold_only - 0.03``;
 
 Cost is not here: a run's ``seconds`` depend on what else the machine ran, and ``--reuse`` takes
-``none``'s from another run; ``benchmarks/focus_cost.py`` times both on one idle machine.
+``none``'s from another run; ``benchmarks.focus_cost`` times both on one idle machine.
 
 Usage::
 
-    python benchmarks/focus_no_harm.py reports/litm-focus-nq10-seed0/results.json ... \\
-        [--out reports/focus-no-harm.md]
+    python -m benchmarks.focus_no_harm runs/litm-focus-nq10-seed0/results.json ... \\
+        [--out runs/focus-no-harm.md]
 
 Reads only the files; prints the markdown table (and writes it with ``--out``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.common import parser, write_file
 
 NO_HARM_MARGIN = 0.02
 """``auto`` may fall this far below ``none`` at a position with :data:`LARGE` examples."""
@@ -135,15 +136,14 @@ def table(paths: Sequence[Path]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, help="results.json files")
-    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("results", nargs="+", type=Path, help="results.json files")
+    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = p.parse_args(argv)
     text = table(args.results)
     print(text, end="")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_file(args.out, text)
     return 0
 
 

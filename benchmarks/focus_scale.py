@@ -5,7 +5,7 @@ records task's instruction) with 20, 50, 100 and 300 passages. Each context is c
 (the evaluation suite's prompt: ``context + "\\n\\nQuestion: " + question`` in the chat
 template, cut at the question) and asked about its first, middle and last record (the gold
 positions; the cells of one size share their contexts) and about general-knowledge questions
-no record answers (:data:`focus_abstain.UNRELATED`, rotated so that every question is asked).
+no record answers (:data:`benchmarks.focus_abstain.UNRELATED`, rotated so that every question is asked).
 
 Per cell: the top-1 hit rate of focus's scores (the best-scored passage is the gold record),
 how often focus edits, and the accuracy (the answer's first number is the gold number) of
@@ -15,11 +15,11 @@ Unrelated questions: how often focus edits, and how often its answer differs fro
 
 Usage::
 
-    python benchmarks/focus_scale.py --n 5 --out reports/focus-scale
-    python benchmarks/focus_scale.py --sizes 20,50 --n 2 --unrelated 4 --out runs/scale
+    python -m benchmarks.focus_scale --n 5
+    python -m benchmarks.focus_scale --sizes 20,50 --n 2 --unrelated 4 --out runs/scale
 
 Writes ``rows.jsonl`` (one line per question, appended as it goes; ``--resume`` keeps it),
-``results.json`` and ``results.md`` under ``--out``.
+``results.json`` and ``results.md`` under ``--out`` (default ``runs/focus-scale``).
 
 ``--replay-guard`` runs no model: it reads ``--out``'s ``rows.jsonl`` (made by a version of
 focus without the answer guard, whose ``auto`` is the edited answer) and answers each edited
@@ -31,22 +31,20 @@ it, edited otherwise. It writes ``results-guarded.json`` and ``results-guarded.m
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import kvedit
+from benchmarks.common import RUNS, add_model, command_line, parser, write_file, write_json
+from benchmarks.focus_abstain import UNRELATED
+from benchmarks.make_custom_records import FIRST, LAST
 from kvedit.focusing.choice import QUESTION_MARK, adaptive_strengths
 from kvedit.focusing.guard import answer_support, evidence_and_others
 from kvedit.focusing.readout import attention_share
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from focus_abstain import UNRELATED  # noqa: E402
-from make_custom_records import FIRST, LAST  # noqa: E402
 
 INSTRUCTION = "Read the records and answer the question."
 
@@ -187,18 +185,19 @@ def markdown(summary: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="20,50,100,300")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--sizes", default="20,50,100,300", help="passages per context")
     p.add_argument("--n", type=int, default=20, help="contexts (examples per cell) per size")
     p.add_argument("--unrelated", type=int, default=4, help="unrelated questions per context")
     p.add_argument("--seed", type=int, default=100, help="first context seed (not a tuning seed)")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--out", default="reports/focus-scale")
-    p.add_argument("--resume", action="store_true")
+    add_model(p)
+    p.add_argument("--out", default=str(RUNS / "focus-scale"), help="the results' folder")
+    p.add_argument("--resume", action="store_true", help="keep --out's rows.jsonl, add the rest")
     p.add_argument("--replay-guard", action="store_true", help="see the module docstring")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    command = command_line(__file__, argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "rows.jsonl"
@@ -206,16 +205,13 @@ def main() -> None:
         rows = guarded_rows([json.loads(x) for x in path.read_text().splitlines()])
         summary = summarize(rows)
         kept = sum(r.get("kept") is False for r in rows)
-        command = "python benchmarks/focus_scale.py " + " ".join(sys.argv[1:])
-        (out / "results-guarded.json").write_text(
-            json.dumps({"command": command, "unedited_kept": kept, **summary}, indent=1) + "\n"
-        )
-        (out / "results-guarded.md").write_text(
-            markdown(summary, command)
-            + f"\nThe guard kept the unedited answer on {kept} edited questions.\n"
-        )
-        print((out / "results-guarded.md").read_text())
-        return
+        payload = {"command": command, "unedited_kept": kept, **summary}
+        write_json(out / "results-guarded.json", payload, indent=1)
+        text = markdown(summary, command)
+        text += f"\nThe guard kept the unedited answer on {kept} edited questions.\n"
+        write_file(out / "results-guarded.md", text)
+        print(text)
+        return 0
     rows = (
         [json.loads(x) for x in path.read_text().splitlines()]
         if args.resume and path.exists()
@@ -239,12 +235,10 @@ def main() -> None:
                     f.write(json.dumps(r) + "\n")
             rows += new
             summary = summarize(rows)
-            command = "python benchmarks/focus_scale.py " + " ".join(sys.argv[1:])
-            (out / "results.json").write_text(
-                json.dumps({"command": command, **summary}, indent=1) + "\n"
-            )
-            (out / "results.md").write_text(markdown(summary, command))
+            write_json(out / "results.json", {"command": command, **summary}, indent=1)
+            write_file(out / "results.md", markdown(summary, command))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -24,13 +24,12 @@ kvedit's Triton attention kernel ran once per layer on every decode step of ``st
 ``--tiny`` runs tiny shapes (on CPU through Triton's interpreter when there is no GPU) in a few
 seconds: it proves the script, not the speed.
 
-    python benchmarks/gpu_e2e.py --json out.json          # GPU
-    python benchmarks/gpu_e2e.py --tiny                   # anywhere
+    python -m benchmarks.gpu_e2e --json runs/gpu_e2e.json     # GPU
+    python -m benchmarks.gpu_e2e --tiny                       # anywhere
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -45,15 +44,11 @@ if not torch.cuda.is_available():
     # Triton reads this when triton.language is first imported (importing kvedit does).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-try:  # runnable from a checkout without installing kvedit
-    import kvedit  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import kvedit  # noqa: F401
-
-import kvedit.ops
-from kvedit.testing import tiny_tokenizer
-from kvedit.triton.counting import LAUNCHES
+# imported after the line above (kvedit imports triton.language)
+import kvedit.ops  # noqa: E402
+from benchmarks.common import parser, write_json  # noqa: E402
+from kvedit.testing import tiny_tokenizer  # noqa: E402
+from kvedit.triton.counting import LAUNCHES  # noqa: E402
 
 SPAN_TOKENS = 200
 STRENGTH = 3.0
@@ -242,7 +237,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU-capable, seconds)")
     p.add_argument("--lengths", type=str, help="comma-separated context lengths")
     p.add_argument("--models", type=str, default="llama3-8b,gemma3-4b")
@@ -319,15 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\nchecks:", "PASS" if not failures else "FAIL")
     for f in failures:
         print("  " + f)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "env": env,
-            "rows": [asdict(r) for r in rows],
-            "targets": targets,
-            "failures": failures,
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
+    payload = {
+        "env": env,
+        "rows": [asdict(r) for r in rows],
+        "targets": targets,
+        "failures": failures,
+    }
+    write_json(args.json, payload)
     return 1 if failures else 0
 
 

@@ -9,19 +9,18 @@ is one (else CPU, to check the script itself):
   * an edit changes the prediction, strength 0 does not.
 Prints one line per model and writes ``--json``. Exit 1 if a check fails.
 
-Usage: ``python benchmarks/gpu_seam_check.py [--json out.json]``
+Usage: ``python -m benchmarks.gpu_seam_check [--json runs/seam_check.json]``
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
 import kvedit
+from benchmarks.common import parser, write_json
 from kvedit.testing import tiny_model
 
 PREFIX = (
@@ -60,10 +59,10 @@ def check(arch: str, device: str) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [check(arch, device) for arch in ("llama", "gemma3", "gpt_oss")]
     for r in rows:
@@ -73,10 +72,9 @@ def main() -> None:
             f"{r['edit_max_abs_change']:.2e}, strength-0 change "
             f"{r['strength0_max_abs_change']:.2e}  {'PASS' if r['ok'] else 'FAIL'}"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+    write_json(args.json, rows)
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

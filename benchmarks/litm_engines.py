@@ -7,39 +7,40 @@ Writes ``OUT/transformers/`` and ``OUT/vllm/`` (each a normal ``kvedit eval litm
 engine's mean lies in the other's CI, how many answers are identical, and the seconds per
 example (whole run; for vLLM also without the engine's start). Run in the vLLM venv::
 
-    .venv-vllm/bin/python benchmarks/litm_engines.py --task nq --n-docs 10 \\
-        --positions 0,4,9 --trials 10 --out reports/litm-nq-engines-seed0
+    .venv-vllm/bin/python -m benchmarks.litm_engines --task nq --n-docs 10 \\
+        --positions 0,4,9 --trials 10 --out runs/litm-nq-engines-seed0
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import transformers
 
+from benchmarks.common import RUNS, add_model, command_line, parser, write_json
 from kvedit.evals.litm import evaluate
 
 METHODS = ["none", "oracle", "auto"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="nq")
-    ap.add_argument("--n-docs", type=int, default=10)
-    ap.add_argument("--positions", default="0,4,9")
-    ap.add_argument("--trials", type=int, default=10)
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--task", default="nq", help="records or nq")
+    ap.add_argument("--n-docs", type=int, default=10, help="documents per prompt")
+    ap.add_argument("--positions", default="0,4,9", help="gold positions")
+    ap.add_argument("--trials", type=int, default=10, help="examples per position")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS), help="methods both engines run")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--out", default="runs/litm-engines")
-    args = ap.parse_args()
+    add_model(ap)
+    ap.add_argument("--out", default=str(RUNS / "litm-engines"), help="the runs' folder")
+    args = ap.parse_args(argv)
     out = Path(args.out)
     methods = args.methods.split(",")
     common = dict(
@@ -88,7 +89,7 @@ def main() -> None:
         "wall_seconds_with_model_load": {e: round(s, 1) for e, s in wall.items()},
     }
     report = {
-        "command": "see the module docstring of benchmarks/litm_engines.py",
+        "command": command_line(__file__, argv),
         "settings": {k: v for k, v in vars(args).items()},
         "n_examples": n,
         "machine": {
@@ -100,7 +101,7 @@ def main() -> None:
         "methods": rows,
         "timing": timing,
     }
-    (out / "engines.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "engines.json", report, indent=1)
     print(f"{'method':8s} {'transformers':>22s} {'vllm':>22s}  identical  exact")
     for m, r in rows.items():
         cell = {
@@ -111,7 +112,8 @@ def main() -> None:
             f"{m:8s} {cell['transformers']:>22s} {cell['vllm']:>22s}  {r['identical_answers']:>4d}/{r['n']:<4d} {r['exact_caches']:>4d}"
         )
     print(json.dumps(timing, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,17 +3,18 @@
 Another record template, other names (first + last), another number size and other list sizes
 than the built-in ``records`` task, so ``auto`` is checked on wording it was not tuned on::
 
-    python benchmarks/make_custom_records.py --out runs/lockers.jsonl
+    python -m benchmarks.make_custom_records --out runs/lockers.jsonl
     kvedit eval litm --data runs/lockers.jsonl --methods none,auto,oracle,repeat
-    python benchmarks/make_custom_records.py --kind containers --seed 11 --trials 10 \
+    python -m benchmarks.make_custom_records --kind containers --seed 11 --trials 10 \
         --out runs/containers-seed11.jsonl
 """
 
 from __future__ import annotations
 
-import argparse
 import random
+from collections.abc import Sequence
 
+from benchmarks.common import RUNS, parser
 from kvedit.evals.tasks import Example, write_jsonl
 
 FIRST = [
@@ -168,10 +169,10 @@ def containers(n_records: int, positions: list[int], trials: int, seed: int) -> 
     return examples
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/lockers.jsonl")
-    p.add_argument("--trials", type=int, default=20)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--out", default=str(RUNS / "lockers.jsonl"), help="the JSONL file to write")
+    p.add_argument("--trials", type=int, default=20, help="questions per list size and position")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
         "--kind",
@@ -179,7 +180,7 @@ def main() -> None:
         choices=["lockers", "containers"],
         help="lockers: 15 and 25 people's locker codes; containers: 20 shipments by city",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.kind == "containers":
         examples = containers(20, [0, 5, 10, 15, 19], args.trials, args.seed)
     else:
@@ -187,7 +188,8 @@ def main() -> None:
         examples += lockers(25, [0, 6, 12, 18, 24], args.trials, args.seed + 1)
     write_jsonl(examples, args.out)
     print(f"wrote {len(examples)} examples to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Peak memory of ``generate`` from a packed state (quantized, merged) vs the dense state.
 
-A ~7K-token context of NQ passages (as ``benchmarks/reuse.py`` builds it) is captured once on
+A ~7K-token context of NQ passages (as ``benchmarks.reuse`` builds it) is captured once on
 the bundled SmolLM2-135M-Instruct and saved dense, 4-bit and 8-bit quantized
 (``kvedit.compress.quantize``), merged (``kvedit.compress.minicache`` at its defaults) and
 merged + 4-bit. Each file is then measured in a fresh process: load the model, load the state
@@ -21,8 +21,8 @@ the whole cache). Target: the 4-bit state's peak <= 0.6x the dense state's.
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/packed_memory.py --tokens 7000 \\
-        --json reports/benchmarks/packed_memory.json
+    OMP_NUM_THREADS=1 python -m benchmarks.packed_memory --tokens 7000 \\
+        --json runs/packed_memory.json
 """
 
 from __future__ import annotations
@@ -30,21 +30,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import kvedit
+from benchmarks.common import (
+    DEFAULT_MODEL,
+    REPO,
+    command_line,
+    module_command,
+    parser,
+    peak_rss_kb,
+    reset_peak_rss,
+    rss_kb,
+    write_json,
+)
+from benchmarks.reuse import QUESTION, context_text
 from kvedit import ops
 from kvedit.compress import minicache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reuse import QUESTION, context_text  # noqa: E402
-
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL
 # glibc raises its mmap threshold as big blocks are freed, after which freed tensors may stay
 # resident as heap free space; "mmap128k" pins the threshold (128 KiB), so RSS follows the
 # tensors alive. Both are measured.
@@ -58,30 +66,6 @@ VARIANTS = {
 }
 
 
-def rss_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def reset_peak() -> bool:
-    """Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_kb(reset: bool) -> int:
-    if reset:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def child(path: str, new_tokens: int) -> None:
     """One measurement, in this (fresh) process; prints one JSON line."""
     model, tok = kvedit.load_model(MODEL, device="cpu")
@@ -89,11 +73,11 @@ def child(path: str, new_tokens: int) -> None:
     after_model = rss_kb()
     state = kvedit.load_state(path, model, tok)
     after_state = rss_kb()
-    reset = reset_peak()
+    reset = reset_peak_rss()
     t0 = time.perf_counter()
     answer = state.answer(QUESTION, new_tokens, eos_token_id=[])  # never stops early
     seconds = time.perf_counter() - t0
-    peak = peak_kb(reset)
+    peak = peak_rss_kb(reset)
     print(
         json.dumps(
             {
@@ -111,16 +95,16 @@ def child(path: str, new_tokens: int) -> None:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=7000)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--json", type=Path, default=None)
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=7000, help="context tokens")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens generate decodes")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         child(args.child, args.new_tokens)
-        return
+        return 0
     model, tok = kvedit.load_model(MODEL, device="cpu")
     state = kvedit.capture(model, tok, context_text(tok, args.tokens))
     rows = {}
@@ -132,11 +116,16 @@ def main() -> None:
             kinds = sorted({layer.kind for layer in packed.layers})
             row = {"nbytes": packed.nbytes, "file_bytes": path.stat().st_size, "kinds": kinds}
             del packed
-            command = [sys.executable, __file__, "--child", str(path)]
+            command = module_command(__file__, "--child", str(path))
             command += ["--new-tokens", str(args.new_tokens)]
             for allocator, env in ALLOCATORS.items():
                 out = subprocess.run(
-                    command, capture_output=True, text=True, check=True, env={**os.environ, **env}
+                    command,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=REPO,
+                    env={**os.environ, **env},
                 )
                 row[allocator] = json.loads(out.stdout.strip().splitlines()[-1])
             rows[name] = row
@@ -152,8 +141,7 @@ def main() -> None:
         "model": MODEL,
         "context_tokens": len(state),
         "new_tokens": args.new_tokens,
-        "command": "OMP_NUM_THREADS=1 python benchmarks/packed_memory.py "
-        f"--tokens {args.tokens} --json {args.json}",
+        "command": "OMP_NUM_THREADS=1 " + command_line(__file__, argv),
         "target": "quantize:bits=4 peak <= 0.6x dense",
         "rows": rows,
     }
@@ -166,10 +154,9 @@ def main() -> None:
                 f"{allocator:9} {r['peak_mb']:5.0f} {r['peak_above_model_mb']:7.0f} "
                 f"{r['peak_above_state_mb']:7.0f} {r['peak_vs_dense']:8.2f}"
             )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

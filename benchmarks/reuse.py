@@ -20,27 +20,22 @@ tokens, followed by a short question. Each number is the median of ``--repeats``
   is the largest difference of the first answer token's logits. ``--rule`` adds blend rules
   (``rescale=0.7``, ``leading=8:rescale=0.6``: ``kvedit.reusing.blend_rules``; default none).
 
-Usage: ``python benchmarks/reuse.py [--lengths 512,2048,4096] [--repeats 5] [--rule RULE]
-[--json out.json]``
+Usage: ``python -m benchmarks.reuse [--lengths 512,2048,4096] [--repeats 5] [--rule RULE]
+[--json runs/reuse.json]``
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
 import tempfile
-import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 import kvedit
+from benchmarks.blend_curve import parse_rule
+from benchmarks.common import add_model, median_time, parser, write_json
 from kvedit.evals.tasks import load_nq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blend_curve import parse_rule  # noqa: E402
 
 QUESTION = "\n\nQuestion: Which of these passages mentions a war?\nAnswer:"
 
@@ -59,16 +54,6 @@ def context_text(tokenizer, n_tokens: int) -> str:
         raise ValueError("not enough text for the requested length")
     end = enc["offset_mapping"][n_tokens - 1][1]
     return text[:end]
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -180,16 +165,16 @@ def bench_blend(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--lengths", default="512,2048,4096")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--passages", type=int, default=10)
-    parser.add_argument("--recompute", type=float, default=0.15)
-    parser.add_argument("--rule", default="default", help="blend rules, e.g. rescale=0.7")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    add_model(p)
+    p.add_argument("--lengths", default="512,2048,4096", help="context lengths in tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per number (median)")
+    p.add_argument("--passages", type=int, default=10, help="passages of the blend")
+    p.add_argument("--recompute", type=float, default=0.15, help="the blend's recompute fraction")
+    p.add_argument("--rule", default="default", help="blend rules, e.g. rescale=0.7")
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
     rule = parse_rule(args.rule)
     model, tok = kvedit.load_model(args.model, device="cpu")
     rows = []
@@ -233,9 +218,9 @@ def main() -> None:
             f"{r['blend_prefill_s'] / r['blend_s']:>8.1f} {r['blend_recomputed']:>11} "
             f"{str(r['blend_agree']):>6} {r['blend_dlogit']:>9.3f}"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps([{**r, "rule": args.rule} for r in rows], indent=2))
+    write_json(args.json, [{**r, "rule": args.rule} for r in rows])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

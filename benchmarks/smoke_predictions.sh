@@ -2,8 +2,8 @@
 # Eval smoke runs whose predictions must not change across a refactor: records and NQ, every
 # method, --trials 2 --limit 6 (and, with ENGINE=vllm, the methods vLLM serves).
 # Usage: benchmarks/smoke_predictions.sh OUT_DIR [python]; compare two OUT_DIRs with
-# benchmarks/compare_predictions.py OLD NEW. EXTRA adds arguments to every run (since 0.3, vLLM
-# serves an approximate realisation only when asked: EXTRA=--approximate ENGINE=vllm).
+# python -m benchmarks.compare_predictions OLD NEW. EXTRA adds arguments to every run (since 0.3,
+# vLLM serves an approximate realisation only when asked: EXTRA=--approximate ENGINE=vllm).
 set -euo pipefail
 out=${1:?usage: smoke_predictions.sh OUT_DIR [python]}
 py=${2:-.venv/bin/python}

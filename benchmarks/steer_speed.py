@@ -17,7 +17,8 @@ greedy ``model.generate`` on a model prepared by kvedit (its attention seam inst
 active) and on a twin loaded the same way that kvedit never touched. Target: prepared speed
 >= 0.98x untouched (``--skip-seam`` leaves it out).
 
-Usage: ``python benchmarks/steer_speed.py [--decode-tokens 48] [--repeats 3] [--json out.json]``
+Usage: ``python -m benchmarks.steer_speed [--decode-tokens 48] [--repeats 3]
+[--json runs/steer_speed.json]``
 """
 
 from __future__ import annotations
@@ -27,14 +28,22 @@ import json
 import resource
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import kvedit
+from benchmarks.common import (
+    REPO,
+    add_model,
+    module_command,
+    parser,
+    peak_rss_kb,
+    reset_peak_rss,
+    write_json,
+)
 from kvedit.evals.tasks import load_nq
 
 
@@ -130,14 +139,14 @@ def memory_child(variant: str, model_name: str, n_ctx: int) -> None:
     ids = tok(text, return_tensors="pt")
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Reset the peak (VmHWM) so the model's load does not hide the prefill's peak.
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     t0 = time.perf_counter()
     if variant == "steered":
         with kvedit.steer(model, tok, emphasize=span, strength=2.0):
             model.generate(**ids, max_new_tokens=1, do_sample=False)
     else:
         model.generate(**ids, max_new_tokens=1, do_sample=False)
-    peak_kb = _peak_rss_kb() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = peak_rss_kb(reset)
     print(
         json.dumps(
             {
@@ -152,40 +161,12 @@ def memory_child(variant: str, model_name: str, n_ctx: int) -> None:
     )
 
 
-def _reset_peak_rss() -> bool:
-    """Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def memory_bench(model_name: str, n_ctx: int) -> dict:
     rows = {}
     for variant in ("plain", "steered"):
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                variant,
-                "--model",
-                model_name,
-                "--memory-tokens",
-                str(n_ctx),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        command = module_command(__file__, "--child", variant, "--model", model_name)
+        command += ["--memory-tokens", str(n_ctx)]
+        out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO)
         rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     rows["ratio"] = rows["steered"]["maxrss_mb"] / rows["plain"]["maxrss_mb"]
     return rows
@@ -224,21 +205,21 @@ def seam_bench(model_name: str, n_ctx: int, repeats: int) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--context-tokens", type=int, default=2048)
-    p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--memory-tokens", type=int, default=7168)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--skip-memory", action="store_true")
-    p.add_argument("--skip-seam", action="store_true")
-    p.add_argument("--child", choices=["plain", "steered"], default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    add_model(p)
+    p.add_argument("--context-tokens", type=int, default=2048, help="decode and seam context")
+    p.add_argument("--decode-tokens", type=int, default=48, help="new tokens per decode run")
+    p.add_argument("--memory-tokens", type=int, default=7168, help="prompt of the memory runs")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median)")
+    p.add_argument("--skip-memory", action="store_true", help="leave the memory runs out")
+    p.add_argument("--skip-seam", action="store_true", help="leave the seam runs out")
+    p.add_argument("--child", choices=["plain", "steered"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
     if args.child:
         memory_child(args.child, args.model, args.memory_tokens)
-        return
+        return 0
     result = {"threads": torch.get_num_threads()}
     if not args.skip_seam:
         seam = result["seam"] = seam_bench(args.model, args.context_tokens, args.repeats)
@@ -276,9 +257,9 @@ def main() -> None:
             f"steered {m['steered']['maxrss_mb']:.0f} MB ({m['steered']['seconds']:.1f} s), "
             f"ratio {m['ratio']:.3f} (target <= 1.2: {verdict})"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -33,8 +33,8 @@ median milliseconds per decoding step.
 
 Run in the vLLM venv (``make vllm-setup``); the plot needs matplotlib (the main venv)::
 
-    .venv-vllm/bin/python benchmarks/vllm_reuse.py --json reports/benchmarks/vllm_reuse.json
-    .venv/bin/python benchmarks/vllm_reuse.py --plot reports/benchmarks/vllm_reuse.json
+    .venv-vllm/bin/python -m benchmarks.vllm_reuse --json runs/vllm_reuse.json
+    .venv/bin/python -m benchmarks.vllm_reuse --plot runs/vllm_reuse.json
 
 The plot is written next to the JSON (``--png`` to choose). A quick smoke run:
 ``--lengths 512 --repeats 1 --concurrency 2 --json runs/vllm_reuse_smoke.json``. Per-mode
@@ -54,17 +54,28 @@ import shlex
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-MODEL = "smollm2-135m-instruct"
+from benchmarks.common import (
+    DEFAULT_MODEL,
+    REPO,
+    RUNS,
+    command_line,
+    module_command,
+    parser,
+    write_file,
+    write_json,
+)
+
+MODEL = DEFAULT_MODEL
 MODES = ("injected", "prefill", "apc_warm")
-DEFAULT_JSON = "reports/benchmarks/vllm_reuse.json"
-WORK_DIR = Path("runs/vllm_reuse")
+DEFAULT_JSON = str(RUNS / "vllm_reuse.json")
+WORK_DIR = RUNS / "vllm_reuse"
 TTFT_METHOD = (
     "wall clock of llm.generate(one prompt, SamplingParams(temperature=0, max_tokens=1)) on a "
     "warm engine; vLLM's RequestOutput.metrics.first_token_latency (arrival to first token) "
@@ -325,7 +336,7 @@ def run_mode(args: argparse.Namespace) -> None:
         finally:
             _shutdown(llm)
     result["versions"] = _versions()
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result, indent=1)
 
 
 # ---------------------------------------------------------------------------- parent
@@ -386,15 +397,10 @@ def _spawn(mode: str, args: argparse.Namespace, workload_path: Path) -> dict[str
     out_path = WORK_DIR / f"{mode}.json"
     log_path = WORK_DIR / f"{mode}.log"
     out_path.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--mode",
-        mode,
-        "--workload",
-        str(workload_path),
+    cmd = module_command(__file__, "--mode", mode, "--workload", str(workload_path.resolve()))
+    cmd += [
         "--json",
-        str(out_path),
+        str(out_path.resolve()),
         "--repeats",
         str(args.repeats),
         "--concurrency",
@@ -409,7 +415,9 @@ def _spawn(mode: str, args: argparse.Namespace, workload_path: Path) -> dict[str
     with log_path.open("w") as log:
         # its own session: whatever it leaves behind (vLLM's engine and worker processes) is
         # killed with it
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
         try:
             code: int | str = proc.wait(timeout=args.mode_timeout)
         except subprocess.TimeoutExpired:
@@ -526,8 +534,9 @@ def _print_table(summary: dict[str, Any]) -> None:
             )
 
 
-def run_all(args: argparse.Namespace) -> None:
-    """Build the workload, run every mode in its own subprocess, write the report."""
+def run_all(args: argparse.Namespace, argv: Sequence[str] | None = None) -> None:
+    """Build the workload, run every mode in its own subprocess, write the report (``argv``:
+    the command's arguments, recorded in it; default the process's)."""
     started = time.perf_counter()
     machine = _machine()
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
@@ -538,13 +547,13 @@ def run_all(args: argparse.Namespace) -> None:
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     workload = build_workload(lengths, 1 + args.repeats + args.concurrency)
     workload_path = WORK_DIR / "workload.json"
-    workload_path.write_text(json.dumps(workload))
+    write_json(workload_path, workload, indent=None)
     results = {mode: _spawn(mode, args, workload_path) for mode in modes}
     machine["load_average_after"] = os.getloadavg()
     summary = summarize(results)
     report = {
         "benchmark": "vllm_reuse",
-        "command": shlex.join([Path(sys.executable).as_posix(), *sys.argv]),
+        "command": command_line(__file__, argv),
         "git_commit": _git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine,
@@ -565,8 +574,7 @@ def run_all(args: argparse.Namespace) -> None:
         "summary": summary,
         "raw": results,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(args.json, report, indent=1)
     _print_table(summary)
     print(f"\nwhole benchmark: {report['total_wall_s']:.0f} s; wrote {args.json}")
     plot(args.json, args.png, missing_ok=True)
@@ -587,7 +595,7 @@ def plot(json_path: str, png_path: str, missing_ok: bool = False) -> None:
             raise
         print(
             f"matplotlib is not installed here: no plot. Make it with\n"
-            f"    .venv/bin/python {Path(__file__).as_posix()} --plot {json_path} --png {png_path}"
+            f"    .venv/bin/python -m benchmarks.vllm_reuse --plot {json_path} --png {png_path}"
         )
         return
     report = json.loads(Path(json_path).read_text())
@@ -623,16 +631,15 @@ def plot(json_path: str, png_path: str, missing_ok: bool = False) -> None:
         fontsize=10,
     )
     fig.tight_layout()
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=120)
+    write_file(png_path, lambda tmp: fig.savefig(tmp, dpi=120))
     print(f"wrote {png_path}")
 
 
 # ---------------------------------------------------------------------------- CLI
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser(__doc__)
     ap.add_argument("--lengths", default="2048,4096", help="context lengths in tokens")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--repeats", type=int, default=5, help="timed TTFT requests per length")
@@ -645,7 +652,7 @@ def main() -> None:
     ap.add_argument("--plot", metavar="JSON", help="only plot an existing report")
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # the subprocess
     ap.add_argument("--workload", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.repeats < 1 or args.concurrency < 1 or args.max_tokens < 1:
         ap.error("--repeats, --concurrency and --max-tokens must be at least 1")
     if args.png is None:
@@ -655,8 +662,9 @@ def main() -> None:
     elif args.mode:
         run_mode(args)
     else:
-        run_all(args)
+        run_all(args, argv)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,32 +3,32 @@ answer equals kvedit's own ``state.generate`` (and the bias realised vs asked).
 
 Run in the vLLM venv (``make vllm-setup``)::
 
-    .venv-vllm/bin/python benchmarks/vllm_serve.py [--tokens 32] [--out runs/vllm_serve.json]
+    .venv-vllm/bin/python -m benchmarks.vllm_serve [--tokens 32] [--out runs/vllm_serve.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import kvedit
+from benchmarks.common import DEFAULT_MODEL, RUNS, parser, write_json
 from kvedit.evals.tasks.records import records_examples
 from kvedit.integrations.vllm import engine, publish_stock
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--records", type=int, default=20)
-    ap.add_argument("--out", default="runs/vllm_serve.json")
-    args = ap.parse_args()
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per answer")
+    ap.add_argument("--records", type=int, default=20, help="records in the prompt")
+    ap.add_argument("--out", default=str(RUNS / "vllm_serve.json"), help="write the rows here")
+    args = ap.parse_args(argv)
     from vllm import SamplingParams
 
-    model, tok = kvedit.load_model("smollm2-135m-instruct")
+    model, tok = kvedit.load_model(DEFAULT_MODEL)
     example = records_examples(positions=[args.records // 2], trials=1, n_records=args.records)[0]
     prefix, question = kvedit.chat_prefix(tok, example.user_message(), "\n\nQuestion:")
     state = kvedit.capture(model, tok, prefix)
@@ -94,11 +94,9 @@ def main() -> None:
     llm.generate({"prompt_token_ids": ids + qids}, fixed, use_tqdm=False)
     tps = 64 / (time.perf_counter() - t)
     print(f"engine start {start_s:.1f} s; {tps:.1f} tok/s (one prompt, 64 tokens, float32)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"engine_start_s": start_s, "tok_per_s": tps, "rows": rows}, indent=1)
-    )
+    write_json(args.out, {"engine_start_s": start_s, "tok_per_s": tps, "rows": rows}, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import socket
-import sys
-from pathlib import Path
 
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def free_port() -> int:
@@ -69,15 +64,3 @@ def check_halved_globals(out, state) -> None:
             assert len(layer) == TINY_SLIDING_WINDOW
         else:
             assert len(layer) == round(0.5 * len(state))
-
-
-def load_benchmark(name: str, monkeypatch):
-    """``benchmarks/<name>.py`` as a module, registered in ``sys.modules`` (dataclasses look
-    their module up) and with ``benchmarks/`` on the path (the scripts import each other),
-    both undone after the test."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
-    spec.loader.exec_module(module)
-    return module

@@ -14,7 +14,7 @@
 If a config does not fit a GPU (``OutOfResources``), the kernel falls back to smaller ones
 derived from it (:func:`fallbacks`). Every config in the tables is run for correctness through
 Triton's interpreter by ``tests/triton/test_triton_configs.py`` (tiny shapes); speed is measured only by
-``benchmarks/attention.py --sweep`` on a GPU (``benchmarks/gpu_check.sh --sweep``), which also
+``python -m benchmarks.attention --sweep`` on a GPU (``gpu_check.sh --sweep``), which also
 times single-pass against split-K decode to place the threshold.
 
 Kept free of any ``triton`` import (like :mod:`._common`).
@@ -53,7 +53,7 @@ class KernelConfig:
 
 
 # NOT YET MEASURED: provisional. It must be chosen on the GPU from the `decode-threshold` rows of
-# `benchmarks/attention.py --sweep` (the length where split-K starts to beat one pass). Reasoning
+# `python -m benchmarks.attention --sweep` (where split-K starts to beat one pass). Reasoning
 # behind 2048 (H200, bf16, 8 KV heads, D = 128): one pass runs B * Hkv = 8 programs, each reading
 # 2 * Sk * D * 2 bytes at perhaps 50-100 GB/s per SM: about 5-10 us at 1K, 10-20 us at 2K; split-K
 # adds a second launch (a few us of GPU time, more of host time) and two workspaces.

@@ -1,16 +1,14 @@
-"""``benchmarks/focus_cost.py``: times focus next to ``none``, an abstention included."""
+"""``benchmarks.focus_cost``: times focus next to ``none``, an abstention included."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
-from helpers import load_benchmark
+from benchmarks import focus_cost as cost
 
 
 def test_focus_cost_times_an_abstention_as_no_edit(tmp_path, monkeypatch):
-    cost = load_benchmark("focus_cost", monkeypatch)
     real, edits = cost.choose, []
 
     def abstaining(*args, **kwargs):  # focus found nothing that stands out
@@ -22,9 +20,8 @@ def test_focus_cost_times_an_abstention_as_no_edit(tmp_path, monkeypatch):
         cost.ops, "emphasize", lambda *a, **kw: edits.append(1) or real_emphasize(*a, **kw)
     )
     out = tmp_path / "cost.json"
-    argv = ["focus_cost", "--task", "records", "--model", "tiny-llama", "--examples", "2"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--max-new-tokens", "2", "--out", str(out)])
-    cost.main()
+    argv = ["--task", "records", "--model", "tiny-llama", "--examples", "2"]
+    assert cost.main([*argv, "--max-new-tokens", "2", "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["summary"]["abstained"] == 2 and not edits
     assert all(r["abstained"] and r["auto"] > 0 for r in payload["examples"])

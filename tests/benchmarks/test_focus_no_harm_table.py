@@ -1,14 +1,10 @@
-"""``benchmarks/focus_no_harm.py``: the counts and verdicts of #28's no-harm table."""
+"""``benchmarks.focus_no_harm``: the counts and verdicts of #28's no-harm table."""
 
 from __future__ import annotations
 
 import json
 
-from helpers import load_benchmark
-
-
-def load(monkeypatch):
-    return load_benchmark("focus_no_harm", monkeypatch)
+from benchmarks import focus_no_harm as table
 
 
 def results(rows: list[tuple[int, bool, bool, list[int]]], gold_only: list[bool] | None = None):
@@ -23,8 +19,7 @@ def results(rows: list[tuple[int, bool, bool, list[int]]], gold_only: list[bool]
     return {"examples": examples}
 
 
-def test_the_table_counts_lost_and_won_questions_and_judges_each_position(tmp_path, monkeypatch):
-    table = load(monkeypatch)
+def test_the_table_counts_lost_and_won_questions_and_judges_each_position(tmp_path):
     rows = [(0, False, True, [0]), (0, True, True, [0]), (0, True, False, [1])]  # 1 lost, 1 won
     rows += [(9, True, False, [9]), (9, True, False, []), (9, False, False, [9])]  # 2 lost
     positions = {p.gold_index: p for p in table.positions(results(rows))}
@@ -44,27 +39,3 @@ def test_the_table_counts_lost_and_won_questions_and_judges_each_position(tmp_pa
     text = table.table([path])
     assert "| run | 9 | 3 | 0.667 | 0.000 | 2 | 0 | 0.67 | **no** |" in text
     assert "| run | 0.667 | 0.333 | 1.000 | **no** |" in text  # auto far below gold_only
-
-
-def test_the_lead_check_splits_the_edits_outcomes_by_whether_the_gold_passage_led(
-    tmp_path, monkeypatch
-):
-    import torch
-    from safetensors.torch import save_file
-
-    check = load_benchmark("focus_lead_check", monkeypatch)
-    led = torch.tensor([[0.1, 0.2, 0.7], [0.1, 0.1, 0.8]])  # [layers, passages]: 2 leads
-    trails = torch.tensor([[0.5, 0.2, 0.3], [0.1, 0.6, 0.3]])  # 2 trails 0 and 1 on the mean
-    tensors = {"0.real": led, "0.calib": led.clone(), "1.real": trails, "1.calib": trails.clone()}
-    rows = [{"id": "a", "gold": 2}, {"id": "b", "gold": 2}]
-    save_file(tensors, tmp_path / "shares.safetensors", metadata={"rows": json.dumps(rows)})
-    answers = [
-        {"id": "a", "chosen": [2], "none_ok": True, "edit_ok": False},  # led, harmed
-        {"id": "b", "chosen": [2], "none_ok": False, "edit_ok": True},  # did not lead, helped
-    ]
-    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
-    leads, outcomes = check.lead_table(
-        str(tmp_path / "shares.safetensors"), str(tmp_path / "answers.jsonl")
-    )
-    assert leads == {(2, True): 1, (2, False): 1}
-    assert outcomes == {(2, True, True, False): 1, (2, False, False, True): 1}

@@ -1,0 +1,35 @@
+"""kvedit's benchmarks: run each from the repository root as ``python -m benchmarks.NAME``
+(``--help`` says its options; ``benchmarks/README.md`` says how long each takes). Not part of the
+installed package.
+
+Speed and memory:
+
+* ``reuse``: time to first token of a prefill against a stored state, a KVStore and a blend.
+* ``steer_speed``: decode throughput and prefill peak memory, steered against unsteered.
+* ``packed_memory``: peak memory of ``generate`` from quantized and merged states.
+* ``compression_memory``: bytes a compressed cache holds on the lost-in-the-middle prompts.
+* ``focus_cost``: seconds of focus (scoring, edit, guarded answer) next to ``none``.
+* ``attention``: kvedit's Triton attention kernel against torch and flash-attn (GPU).
+* ``gpu_e2e``: steered generation of 8B- and 4B-shaped models against unsteered (GPU).
+* ``gpu_seam_check``: the attention seam on CUDA: unsteered bit-identical, exact continuation.
+* ``vllm_reuse``: vLLM serving a published cache against computing the context (vLLM venv).
+* ``vllm_serve``: vLLM's answers from edited caches against kvedit's own (vLLM venv).
+
+Accuracy:
+
+* ``blend_curve``: accuracy and speed-up of ``kvedit.blend``'s rules across recompute fractions.
+* ``focus_scale``: focus at 20 to 300 passages, and on questions no passage answers.
+* ``focus_abstain``: attention shares of relevant and unrelated questions, per abstain threshold.
+* ``focus_no_harm``: #28's no-harm, hit-rate and ceiling table from eval runs (no model).
+* ``litm_engines``: one lost-in-the-middle run answered by kvedit and by vLLM (vLLM venv).
+
+Tools:
+
+* ``make_custom_records``: writes a records dataset the suite has never seen, for ``--data``.
+* ``compare_predictions``: whether two runs of ``smoke_predictions.sh`` answered identically.
+* ``common``: what the benchmarks share (options, timing, peak memory, atomic output files).
+
+Shell scripts: ``benchmarks/gpu_check.sh`` (the GPU check: kernel tests, seam, attention, end to
+end) and ``benchmarks/smoke_predictions.sh OUT`` (eval runs whose predictions a refactor must
+not change).
+"""
