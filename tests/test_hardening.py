@@ -685,6 +685,7 @@ def test_tokenizer_fingerprint_is_memoised_per_tokenizer(monkeypatch):
     assert tokenizer_fingerprint(tok) != first and calls == [1]
 
 
+@pytest.mark.real
 def test_smollm2_fingerprint_is_fast(smollm2):
     model, _ = smollm2
     forget(model)
