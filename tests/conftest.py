@@ -32,6 +32,60 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore_glob = [] if HAS_VLLM else ["integrations/vllm/test_vllm_engine*.py"]
 
 
+# Fixtures that load a bundled model's real weights: a test that uses one (directly or through
+# another fixture) must be marked ``real`` so that ``-m "not real"`` leaves it out.
+REAL_FIXTURES = frozenset({"smollm2"})
+
+
+def unmarked_real_tests(items: list[pytest.Item]) -> list[str]:
+    """The ids of ``items`` that use a fixture of :data:`REAL_FIXTURES` without the marker."""
+    return [
+        item.nodeid
+        for item in items
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("real") is None
+    ]
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    bad = unmarked_real_tests(items)
+    if bad:
+        raise pytest.UsageError(
+            "these tests load a bundled model but are not marked @pytest.mark.real:\n  "
+            + "\n  ".join(bad)
+        )
+
+
+@pytest.fixture(autouse=True)
+def _real_weights_need_the_marker(request: pytest.FixtureRequest, monkeypatch) -> None:
+    """A test without the ``real`` marker that loads a bundled model in this process (through
+    ``load_model``, the CLI, an eval...) fails: each registered model's ``locate`` is wrapped
+    to fail the test once it has found the weights (a missing model still raises as before)."""
+    if request.node.get_closest_marker("real") is not None:
+        return
+    import dataclasses
+
+    from kvedit.models import MODELS
+
+    def guarded(name, locate):
+        def locate_then_fail():
+            found = locate()
+            pytest.fail(
+                f"{request.node.nodeid} loads the bundled {name!r} but is not marked "
+                "@pytest.mark.real",
+                pytrace=False,
+            )
+            return found
+
+        return locate_then_fail
+
+    for name, spec in list(MODELS.items()):
+        monkeypatch.setitem(
+            MODELS, name, dataclasses.replace(spec, locate=guarded(name, spec.locate))
+        )
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled SmolLM2-135M-Instruct (loaded once per test session)."""

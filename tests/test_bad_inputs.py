@@ -409,20 +409,24 @@ def test_publish_keeps_a_live_writers_temporary_files(llama, tmp_path):
 # ------------------------------------------------------------------------ the app
 
 
-def test_the_app_hands_top_k_to_the_validator_unrounded():
-    import inspect
-
+def test_the_app_hands_top_k_to_the_validator_unrounded(llama):
+    """2.5 typed in the Passages box reaches /focus as 2.5 and is refused (a box that rounded,
+    as Gradio's ``precision=0`` does, would hand on 2 and pick two passages)."""
     pytest.importorskip("gradio")  # the app's extra; not in the vLLM environment
-    from apps.highlight import ui
+    from apps.highlight import Highlighter, build_app
 
-    source = inspect.getsource(ui)
-    block = source[source.index("top_k = gr.Number(") :][:300]
-    assert "precision=None" in block  # precision=0 rounded 2.5 to 2 before parse_focus saw it
-    from apps.highlight import InputError
-    from apps.highlight.parse import parse_focus_request as parse_focus
-
-    with pytest.raises(InputError, match="whole number"):
-        parse_focus("Alice's number is 1.", "Whose?", 2.5)
+    model, tok = llama
+    demo = build_app(Highlighter(model, tok, "tiny-llama", focus_threshold=None))
+    endpoint = next(f for f in demo.fns.values() if f.api_name == "focus")
+    context, question, top_k = endpoint.inputs
+    assert top_k.elem_id == "top-k"
+    typed = top_k.preprocess(2.5)
+    assert typed == 2.5
+    picked, _, passages, status = endpoint.fn(
+        "Alice's number is 1. Bob's number is 2. Carol's number is 3.", "Whose?", typed
+    )
+    assert (picked, passages) == ("", [])
+    assert status.startswith("**Not run:**") and "whole number" in status
 
 
 # ------------------------------------------------------------------------ new entry points

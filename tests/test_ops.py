@@ -123,6 +123,7 @@ def test_emphasize_log_r_equals_duplicate_r_minus_1(arch):
     close(both.logits(QUESTION), ops.emphasize(state, SPAN, math.log(4)).logits(QUESTION))
 
 
+@pytest.mark.real
 def test_emphasize_log_r_equals_duplicate_on_smollm2(smollm2):
     model, tok = smollm2
     prefix, question = kvedit.chat_prefix(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvedit.atomic import atomic_write
-from kvedit.errors import InvalidInputError, InvalidTypeError
+from kvedit.errors import InvalidInputError, InvalidTypeError, KVEditError
 from kvedit.evals.metrics import bootstrap_ci
 
 __all__ = ["REQUIRED_KEYS", "format_table", "plot_curves", "summarize", "write_results"]
@@ -232,10 +232,17 @@ def plot_curves(
     path.
 
     Raises:
-        ValueError: ``summary`` is empty.
+        KVEditError: Matplotlib is not installed (the ``plot`` extra:
+            ``pip install 'kvedit[plot]'``).
+        InvalidInputError: ``summary`` is empty.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise KVEditError(
+            f"plotting needs Matplotlib ({e}); install the plot extra: pip install 'kvedit[plot]'"
+        ) from e
 
     if not summary:
         raise InvalidInputError("nothing to plot: the summary has no methods")

@@ -5,7 +5,7 @@ Tensors: ``a_inv_freq`` / ``b_inv_freq`` ``[n_layers, head_dim // 2]`` and, per 
 header's ``kvedit`` entry is JSON: :data:`FORMAT`, :data:`FORMAT_VERSION`, the fingerprints of
 the model pair, the layer groups, KV shapes, B's windows, the fit ``info`` and a CRC-32 of every
 tensor. Written by the one atomic writer (:func:`kvedit.atomic.atomic_write`), read by the
-verified reader (:func:`kvedit.storage.read_verified`: header sniffed, format, version and
+verified reader (:func:`kvedit.states.files.read.read_verified`: header sniffed, format, version and
 checksum checked).
 """
 

@@ -10,12 +10,12 @@ order, from stored caches of each part:
    that prefix, as in CacheBlend's and EPIC's setting (independent passages behind a shared
    instruction): its store entry is the plain capture of ``prefix ids + passage ids``, so the
    store key is a function of (model, tokenizer, prefix, passage), and the blend takes the
-   passage's entries out of it (:func:`~kvedit.reuse.passage_after`). A missing entry is
+   passage's entries out of it (:func:`~kvedit.states.capturing.passage_after`). A missing entry is
    computed by running the passage on top of the prefix's state, and stored. Each stored
    entry repeats the prefix's cache (one whole state per entry, see :mod:`kvedit.store`); it
    also serves :func:`~kvedit.reuse` for prompts made of the prefix and that one passage.
    With ``context="alone"``, each later part is cached on its own (the passage convention of
-   :func:`~kvedit.reuse.capture_passage`) and keyed by its ids alone: reusable behind any
+   :func:`~kvedit.states.capturing.capture_passage`) and keyed by its ids alone: reusable behind any
    prefix, but its tokens never read an instruction and its first token is its own attention
    sink. With ``previous=TEXT`` (``context="prefix"`` only), every part after part 1 is cached
    behind the prefix *and* ``TEXT``, a neutral passage: it is cached as a later passage rather

@@ -49,7 +49,7 @@ class SteerConfig:
 
 
 class SpanPlan:
-    """A :class:`~kvedit.attention.BiasPlan` that biases the keys of span tokens of the prompt.
+    """A :class:`~kvedit.runtime.plans.BiasPlan` that biases the keys of span tokens of the prompt.
 
     ``token_bias`` ``[batch, prompt_len]`` holds the bias per absolute token index; keys past
     the prompt (generated tokens) get none.
@@ -63,7 +63,7 @@ class SpanPlan:
         self.model = model  # needed by focus, which reads the prompt's cache to bind
         # focus: the bias of each layer; token_bias then holds 1.0 on the chosen tokens
         self.layer_strengths: torch.Tensor | None = None
-        self.found = None  # focus: the kvedit.focus.Focus of the latest bound prompt
+        self.found = None  # focus: the kvedit.focusing.choice.Focus of the latest bound prompt
         # scope "decode": the first query (absolute index) the bias applies to; default the
         # prompt's last token. Focus sets the last token before the question (the cache edit
         # recomputes it, and the question is read over the edited cache).
@@ -116,7 +116,7 @@ class SpanPlan:
         """Run :func:`kvedit.focus` on the prompt up to its question's line: ``1.0`` on the
         chosen passages' tokens, the layer strengths in :attr:`layer_strengths`, and the bias
         applies from the last token before the cut on (:attr:`first_biased`), so the answer
-        equals :meth:`kvedit.focus.Focus.generate` on the same cut (the cache edit).
+        equals :meth:`kvedit.focusing.choice.Focus.generate` on the same cut (the cache edit).
 
         The cut is where the question's line starts, less the whitespace before it (for the
         evaluation suite's prompt, ``context + "\n\nQuestion: " + question``, the cut of

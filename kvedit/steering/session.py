@@ -188,9 +188,9 @@ def steer(
             as a system prompt) and the chosen passages get its per-layer bias, in scope
             ``"decode"``, from the last token before that line on. When no passage stands
             out (or there is none), nothing is steered (``plan.found.chosen`` is empty).
-            The answer is the one :meth:`kvedit.focus.Focus.generate` gives on that cut. Not
-            combined with ``emphasize``/``suppress``/``layers``/``heads``; one prompt at a
-            time. ``plan.found`` holds the latest :class:`~kvedit.focus.Focus`.
+            The answer is the one :meth:`kvedit.focusing.choice.Focus.generate` gives on that
+            cut. Not combined with ``emphasize``/``suppress``/``layers``/``heads``; one prompt at a
+            time. ``plan.found`` holds the latest :class:`~kvedit.focusing.choice.Focus`.
         question: with ``focus``, the question's text as it appears in the prompt.
         passages, top_k, guard, threshold: with ``focus``, as :func:`kvedit.focus` takes them
             (the default guard is :data:`kvedit.focusing.choice.DEFAULT_GUARD`; a guard that drops

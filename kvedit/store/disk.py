@@ -4,7 +4,7 @@ Disk layout and safety::
 
     root/store.json          format version and chunk size
     root/.lock               the write lock (kvedit.store.lock) serialising writers
-    root/entries/KEY.kv      the state: safetensors, JSON header, CRC-32 (kvedit.storage)
+    root/entries/KEY.kv      the state: safetensors, JSON header, CRC-32 (kvedit.states.files)
     root/entries/KEY.json    the entry's index record: token count, chunk hashes, pin, expiry
 
 Both files are written by :func:`kvedit.atomic.atomic_write` (a temporary name

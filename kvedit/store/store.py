@@ -6,8 +6,8 @@ Entries live on disk under ``root`` (:mod:`kvedit.store.disk`, LRU by bytes up t
 exempts it from expiry; ``put(..., ttl=s)`` makes it expire after ``s`` seconds. Keys are
 chained hashes of the token ids (:mod:`kvedit.store.keys`), so the longest stored prefix of a
 prompt is found chunk by chunk (:mod:`kvedit.store.matching`). Passages (texts cached on their
-own, see :func:`~kvedit.reuse.capture_passage`) are entries like any other, keyed by their ids,
-which is what :func:`~kvedit.blend` looks them up by.
+own, see :func:`~kvedit.states.capturing.capture_passage`) are entries like any other, keyed by
+their ids, which is what :func:`~kvedit.blend` looks them up by.
 
 Unlike LMCache, an entry is one whole state (one file), not one file per chunk: two entries
 with a common prefix both hold it (no deduplication), in exchange for one file per entry,

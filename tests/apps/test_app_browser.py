@@ -17,6 +17,8 @@ import pytest
 from test_app import REPO, start_app, stop_app
 
 MODEL = os.environ.get("KVEDIT_BROWSER_MODEL", "smollm2-135m-instruct")
+# The app runs the bundled model in a subprocess by default, which the conftest check cannot see.
+pytestmark = pytest.mark.real
 SCREENSHOTS = REPO / "runs" / "screenshots"
 CHROMIUM_FLAGS = (
     "--headless",

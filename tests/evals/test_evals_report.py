@@ -143,6 +143,21 @@ def test_plot_curves_writes_a_png(tmp_path: Path, records: list[dict]) -> None:
         plot_curves({}, tmp_path / "empty.png")
 
 
+def test_plot_curves_without_matplotlib_names_the_plot_extra(
+    tmp_path: Path, records: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from kvedit.errors import KVEditError
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # import matplotlib... -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(KVEditError, match=r"pip install 'kvedit\[plot\]'"):
+        plot_curves(summarize(records), tmp_path / "curves.png")
+    assert not list(tmp_path.iterdir())
+
+
 def test_summary_reports_seconds_and_the_hit_rate_of_chosen_documents():
     records = [
         {

@@ -265,6 +265,7 @@ def test_empty_inputs(llama):
         kvedit.focus_text(model, tok, "a\n\nQuestion: b", "c")
 
 
+@pytest.mark.real
 def test_focus_text_chooses_the_gold_record(smollm2):
     """The records task through focus_text: the passage chosen is the gold record (after the
     instruction), and the prompt is the evaluation suite's."""
@@ -279,6 +280,7 @@ def test_focus_text_chooses_the_gold_record(smollm2):
         assert ex.answers[0] in found.generate(12)
 
 
+@pytest.mark.real
 def test_the_first_record_does_not_lose_to_a_neighbour(smollm2):
     """Do no harm at an edge (records seed 1, a tuning example): the model already answers
     the first record right. Unsmoothed scores (1e-6) chose record 2, from tiny shares in the

@@ -39,6 +39,7 @@ def test_generate_with_empty_continuation_uses_stored_logits(tiny):
     )
 
 
+@pytest.mark.real
 def test_smollm2_identity(smollm2):
     model, tok = smollm2
     prefix, cont = kvedit.chat_prefix(
@@ -160,6 +161,7 @@ def test_random_ranges_map_to_overlapping_tokens(data):
     }
 
 
+@pytest.mark.real
 def test_chat_prefix_splits_the_templated_prompt(smollm2):
     _, tok = smollm2
     prefix, cont = kvedit.chat_prefix(tok, "Docs here.\n\nQuestion: Why?", "\n\nQuestion:")

@@ -217,6 +217,7 @@ def test_strength_zero_changes_nothing(llama):
         torch.testing.assert_close(greedy(model, enc)[1], plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.real
 def test_emphasis_raises_the_likelihood_of_the_emphasized_fact(smollm2):
     model, tok = smollm2
     prompt = RECORDS + "Somebody's secret number is"

@@ -59,7 +59,7 @@ class BlendParams:
     Attributes:
         recompute: The fraction of the tokens :func:`kvedit.blend` recomputes, in ``[0, 1]``.
         context: What each document is cached after: ``"prefix"`` (the instruction prefix)
-            or ``"alone"`` (nothing); see :data:`kvedit.blend.BLEND_CONTEXTS`.
+            or ``"alone"`` (nothing); see :data:`kvedit.reusing.blending.BLEND_CONTEXTS`.
         gradual, leading, rescale: the blend rules (:mod:`kvedit.reusing.blend_rules`); None: off.
     """
 

@@ -254,6 +254,7 @@ def test_a_request_asked_again_is_decided_afresh(states, tmp_path):
 # ---------------------------------------------------------------- end to end, one engine
 
 
+@pytest.mark.real
 def test_a_prefix_cache_hit_ends_the_request_with_an_error(smollm2, tmp_path):
     """With prefix caching on (a misconfiguration ``engine`` warns about), a plain request
     that hits the blocks vLLM cached for an edited cache of the same ids must not be answered
