@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import state_fit
 from .atomic import check_path
 from .errors import (
     CacheMismatchError,
@@ -279,21 +280,6 @@ def _model_layers(model):
     return spec(model).layers
 
 
-def _vocab_sizes(model) -> tuple[int | None, int | None]:
-    """``(input vocabulary, output vocabulary)`` of ``model``, None where unknown."""
-    n_in = n_out = None
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        n_in = int(emb.weight.shape[0])
-    try:
-        out = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        out = None
-    if out is not None and getattr(out, "weight", None) is not None:
-        n_out = int(out.weight.shape[0])
-    return n_in, n_out
-
-
 def state_fits_model(
     state,
     model,
@@ -322,93 +308,30 @@ def state_fits_model(
     """
     problems: list[str] = []
     if fingerprints:
-        from .fingerprint import model_fingerprint, tokenizer_fingerprint
-
-        if model_fingerprint(model) != state.model_fingerprint:
-            raise CacheMismatchError(
-                f"this cache was made by another model: model fingerprint "
-                f"{model_fingerprint(model)} != state's {state.model_fingerprint} "
-                f"(model {getattr(model, 'name_or_path', '?')!r})"
-            )
-        if tokenizer is not None and tokenizer_fingerprint(tokenizer) != (
-            state.tokenizer_fingerprint
-        ):
-            raise CacheMismatchError(
-                f"this cache was made by another tokenizer: tokenizer fingerprint "
-                f"{tokenizer_fingerprint(tokenizer)} != state's {state.tokenizer_fingerprint}"
-            )
+        state_fit.check_fingerprints(state, model, tokenizer)
     specs = _model_layers(model)
-    windows = [ls.window for ls in specs]
     heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
-    if len(state.layers) != len(windows):
-        problems.append(f"{len(state.layers)} layers, the model has {len(windows)}")
+    if len(state.layers) != len(specs):
+        problems.append(f"{len(state.layers)} layers, the model has {len(specs)}")
     n_tokens = int(state.token_ids.shape[0]) if state.token_ids.ndim == 1 else -1
     for i, (layer, ls) in enumerate(zip(state.layers, specs, strict=False)):
-        window = ls.window
         keys, values = tuple(layer.kv_shape), tuple(layer.value_shape)
         if len(keys) != 4 or len(values) != 4:
             problems.append(f"layer {i}: keys {keys} / values {values} are not 4-D")
             continue
-        b, h, n, d = keys
-        if h != ls.kv_heads:
-            problems.append(f"layer {i}: {h} KV heads, the model has {ls.kv_heads}")
-        if d != ls.key_dim:
-            problems.append(f"layer {i}: key head_dim {d}, the model has {ls.key_dim}")
-        if values[:3] != (b, h, n):
-            problems.append(f"layer {i}: values {values} do not match keys {keys}")
-        elif values[3] != ls.value_dim:
-            problems.append(f"layer {i}: value head_dim {values[3]}, the model has {ls.value_dim}")
-        if layer.window != window:
-            problems.append(f"layer {i}: window {layer.window}, the model's is {window}")
-        elif window is not None and n > window:
-            problems.append(f"layer {i}: {n} entries in a sliding window of {window}")
-        for field in ("token_index", "positions"):
-            shape = tuple(getattr(layer, field).shape)
-            if shape != (n,):
-                problems.append(f"layer {i}: {field} {shape} for {n} entries")
-        bias = layer.bias
-        if bias is not None:
-            ok_heads = {1, h, heads} - {None}
-            if bias.ndim != 3 or bias.shape[0] != b or bias.shape[1] not in ok_heads:
-                problems.append(f"layer {i}: bias {tuple(bias.shape)} for keys {keys}")
-            elif bias.shape[2] != n:
-                problems.append(f"layer {i}: bias of {bias.shape[2]} entries for {n}")
-        if deep and n and n_tokens >= 0:
-            index, positions = layer.token_index, layer.positions
-            if int(index.min()) < -1 or int(index.max()) >= n_tokens:
-                problems.append(f"layer {i}: token_index outside [-1, {n_tokens})")
-            if int(positions.min()) < 0 or int(positions.max()) >= state.next_position:
-                problems.append(f"layer {i}: positions outside [0, {state.next_position})")
+        problems += state_fit.layer_problems(i, layer, ls, heads)
+        if deep and keys[2] and n_tokens >= 0:
+            problems += state_fit.layer_value_problems(i, layer, n_tokens, state.next_position)
         if len(problems) >= 5:
             break
-    if n_tokens < 0:
-        problems.append(f"token_ids {tuple(state.token_ids.shape)} are not 1-D")
-    else:
-        if tuple(state.offsets.shape) != (n_tokens, 2):
-            problems.append(f"offsets {tuple(state.offsets.shape)} for {n_tokens} tokens")
-        if tuple(state.position_ids.shape) != (n_tokens,):
-            problems.append(f"position_ids {tuple(state.position_ids.shape)} for {n_tokens} tokens")
-    n_in, n_out = _vocab_sizes(model)
+    problems += state_fit.token_shape_problems(state, n_tokens)
+    n_in, n_out = state_fit.vocab_sizes(model)
     if state.last_logits.ndim != 1 or (n_out is not None and state.last_logits.numel() != n_out):
         problems.append(
             f"last_logits {tuple(state.last_logits.shape)}, the model's vocabulary is {n_out}"
         )
     if deep and not problems and n_tokens > 0:
-        ids = state.token_ids
-        if int(ids.min()) < 0 or (n_in is not None and int(ids.max()) >= n_in):
-            problems.append(f"token ids outside the model's vocabulary of {n_in}")
-        offsets = state.offsets
-        if (
-            int(offsets.min()) < 0
-            or int(offsets.max()) > len(state.text)
-            or bool((offsets[:, 0] > offsets[:, 1]).any())
-        ):
-            problems.append(f"offsets outside the text ({len(state.text)} chars)")
-        if (
-            int(state.position_ids.max()) >= state.next_position
-            or int(state.position_ids.min()) < 0
-        ):
-            problems.append(f"position_ids outside [0, next_position={state.next_position})")
+        problems += state_fit.token_value_problems(state, n_in)
     if problems:
         name = getattr(model, "name_or_path", None) or type(model).__name__
         raise error(f"the cache does not fit the model {name!r}: " + "; ".join(problems[:5]))

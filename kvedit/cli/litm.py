@@ -24,8 +24,6 @@ another format (files without it were made with chat).
 
 
 def litm_parser(sub) -> None:
-    from ..evals.engines import ENGINES, VLLM_BATCH
-
     p = sub.add_parser(
         "litm",
         help="lost-in-the-middle accuracy by gold position",
@@ -55,6 +53,16 @@ def litm_parser(sub) -> None:
     )
     p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=32)
     max_positions_arg(p)
+    _add_engine_arguments(p)
+    p.add_argument("--no-progress", action="store_true")
+    _add_reuse_arguments(p)
+    p.set_defaults(run=_run_litm)
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """``--engine``, and vLLM's ``--batch`` and ``--approximate``."""
+    from ..evals.engines import ENGINES, VLLM_BATCH
+
     p.add_argument(
         "--engine",
         default="transformers",
@@ -76,7 +84,10 @@ def litm_parser(sub) -> None:
         help="--engine vllm: allow methods whose edits vLLM realises only approximately (auto, "
         "oracle with a bias between copy counts); labelled per record and per method",
     )
-    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_reuse_arguments(p: argparse.ArgumentParser) -> None:
+    """``--resume``, and ``--reuse`` with its ``--reuse-methods`` and ``--reuse-unchecked``."""
     p.add_argument(
         "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"
     )
@@ -104,7 +115,6 @@ def litm_parser(sub) -> None:
         "its answers by id; you vouch that it ran the same examples (--n-docs, --trials, "
         "--limit, --data)",
     )
-    p.set_defaults(run=_run_litm)
 
 
 def _check_litm(args) -> None:

@@ -199,34 +199,6 @@ def evaluate(
     task_name = f"data:{Path(data).name}" if data else task
     params = {spec: json.loads(json.dumps(parse_spec(spec).param_dict())) for spec in methods}
     code = {"version": __version__, "source": source_digest()}
-    if reuse_methods is not None and reuse is None:
-        raise InvalidInputError(
-            "--reuse-methods names methods to take from --reuse, which is not given"
-        )
-    if reuse_unchecked and reuse is None:
-        raise InvalidInputError("--reuse-unchecked is about --reuse, which is not given")
-    reused = (
-        reused_records(
-            reuse,
-            model_name,
-            task_name,
-            seed,
-            params,
-            prompt,
-            engine,
-            code["source"],
-            reuse_methods,
-        )
-        if reuse is not None
-        else {}
-    )
-    reused = matching_records(reused, examples, f"--reuse {reuse}", unchecked=reuse_unchecked)
-    model, tokenizer = load_model(model_name)
-    check_prompt(tokenizer, prompt)  # before anything is written
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / "partial.jsonl"
-    settings_path = out / "partial.settings.json"
     settings = {
         "model": model_name,
         "task": task_name,
@@ -237,12 +209,11 @@ def evaluate(
         "params": params,
         "source": code["source"],
     }
-    done = {}
-    if resume and partial.exists():
-        done = _resumable(partial, settings_path, settings)
-        done = matching_records(done, examples, f"--resume: {partial}")
-    atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
-    partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    reused = _reused(reuse, reuse_methods, reuse_unchecked, settings, examples)
+    model, tokenizer = load_model(model_name)
+    check_prompt(tokenizer, prompt)  # before anything is written
+    out = Path(out)
+    partial, settings_path, done = _start_partial(out, settings, resume, examples)
     done = {**reused, **done}
 
     def keep(record: dict) -> None:
@@ -296,6 +267,51 @@ def evaluate(
     partial.unlink()
     settings_path.unlink(missing_ok=True)
     return summary
+
+
+def _reused(
+    reuse: str | Path | None,
+    reuse_methods: Sequence[str] | None,
+    reuse_unchecked: bool,
+    settings: dict,
+    examples: Sequence[Example],
+) -> dict[tuple[str, str], dict]:
+    """The records :func:`evaluate` takes from ``reuse`` for a run with ``settings`` (the
+    resume settings: model, task, seed, prompt, engine, params, source), checked against
+    ``examples``; ``{}`` without ``reuse``. Refuses ``reuse_methods`` or ``reuse_unchecked``
+    without ``reuse``."""
+    if reuse_methods is not None and reuse is None:
+        raise InvalidInputError(
+            "--reuse-methods names methods to take from --reuse, which is not given"
+        )
+    if reuse_unchecked and reuse is None:
+        raise InvalidInputError("--reuse-unchecked is about --reuse, which is not given")
+    reused = {}
+    if reuse is not None:
+        keys = ("model", "task", "seed", "params", "prompt", "engine", "source")
+        reused = reused_records(reuse, **{k: settings[k] for k in keys}, trusted=reuse_methods)
+    return matching_records(reused, examples, f"--reuse {reuse}", unchecked=reuse_unchecked)
+
+
+def _start_partial(
+    out: Path, settings: dict, resume: bool, examples: Sequence[Example]
+) -> tuple[Path, Path, dict[tuple[str, str], dict]]:
+    """Create ``out`` and start ``out/partial.jsonl``: ``(partial, settings path, records)``.
+
+    With ``resume``, the records an interrupted run with ``settings`` left there are kept
+    (:func:`_resumable`, checked against ``examples``) and written back; otherwise the file
+    starts empty. The settings are written beside it.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "partial.jsonl"
+    settings_path = out / "partial.settings.json"
+    done = {}
+    if resume and partial.exists():
+        done = _resumable(partial, settings_path, settings)
+        done = matching_records(done, examples, f"--resume: {partial}")
+    atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
+    partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    return partial, settings_path, done
 
 
 def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple[str, str], dict]:

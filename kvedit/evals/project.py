@@ -206,59 +206,13 @@ def main(args) -> int:
         raise SystemExit("kvedit eval project: need at least 2 evaluation passages")
     if len(splits) < 100:
         _log(args, f"warning: {len(splits)} passages; intervals need >= 100 to mean much")
-
-    if args.projector:
-        projector = Projector.load(args.projector)
-        fit_seconds = float(projector.info.get("fit_seconds", float("nan")))
-        projector_path = Path(args.projector)
-    else:
-        texts = fit_texts(args.n_fit)
-        _log(args, f"fitting {args.a} -> {args.b} on {len(texts)} NQ passages")
-        t0 = time.perf_counter()
-        projector = Projector.fit(
-            model_a,
-            tok_a,
-            model_b,
-            tok_b,
-            texts,
-            depth_window=args.depth_window,
-            progress=not args.no_progress,
-        )
-        fit_seconds = time.perf_counter() - t0
-        projector_path = projector.save(out / "projector.safetensors")
-        _log(args, f"fitted in {fit_seconds:.0f} s -> {projector_path}")
+    projector, fit_seconds, projector_path = _projector(args, out, model_a, tok_a, model_b, tok_b)
 
     empty = "" if tok_b("")["input_ids"] else "\n"
     none_state = capture(model_b, tok_b, empty)
-    times = {"project": 0.0, "a_prefill": 0.0, "prefill": 0.0}
-    losses: dict[str, list[float]] = {"own": [], "none": [], "proj": [], "wrong": []}
-    first_proj = prev_proj = None
-    rows = []
-    for i, (prefix, continuation) in enumerate(splits):
-        own = capture(model_b, tok_b, prefix)
-        state_a = capture(model_a, tok_a, prefix)
-        _sync(model_b)
-        t0 = time.perf_counter()
-        proj = projector(state_a, model_b, tok_b, own_last=args.own_last)
-        _sync(model_b)
-        times["project"] += time.perf_counter() - t0
-        times["prefill"] += _prefill_seconds(model_b, tok_b, prefix)
-        times["a_prefill"] += _prefill_seconds(model_a, tok_a, prefix)
-        losses["own"].append(continuation_nll(own, continuation))
-        losses["none"].append(continuation_nll(none_state, continuation))
-        losses["proj"].append(continuation_nll(proj, continuation))
-        if prev_proj is not None:  # passage i-1 scored with passage i's projected prefix
-            losses["wrong"].append(continuation_nll(proj, splits[i - 1][1]))
-        first_proj = proj if first_proj is None else first_proj
-        prev_proj = proj
-        rows.append({"index": i, "prefix_chars": len(prefix), "b_prefix_tokens": len(own)})
-        if (i + 1) % 10 == 0:
-            _log(
-                args,
-                f"  {i + 1}/{len(splits)}: own {np.mean(losses['own']):.3f} "
-                f"none {np.mean(losses['none']):.3f} proj {np.mean(losses['proj']):.3f}",
-            )
-    losses["wrong"].append(continuation_nll(first_proj, splits[-1][1]))
+    losses, times, rows = _score_passages(
+        args, splits, projector, model_a, tok_a, model_b, tok_b, none_state
+    )
     arrays = {k: np.asarray(v, dtype=np.float64) for k, v in losses.items()}
     results = summarize(arrays)
     n = results["n_passages"]
@@ -296,6 +250,78 @@ def main(args) -> int:
         out / "results.json",
         lambda tmp: Path(tmp).write_text(json.dumps(results, indent=2) + "\n"),
     )
+    _print_results(results, out)
+    return 0
+
+
+def _projector(args, out: Path, model_a, tok_a, model_b, tok_b) -> tuple[Projector, float, Path]:
+    """``(projector, fit seconds, its path)``: ``--projector``'s file, or one fitted from A to B
+    on ``--n-fit`` NQ passages and saved as ``out/projector.safetensors``."""
+    if args.projector:
+        projector = Projector.load(args.projector)
+        fit_seconds = float(projector.info.get("fit_seconds", float("nan")))
+        projector_path = Path(args.projector)
+    else:
+        texts = fit_texts(args.n_fit)
+        _log(args, f"fitting {args.a} -> {args.b} on {len(texts)} NQ passages")
+        t0 = time.perf_counter()
+        projector = Projector.fit(
+            model_a,
+            tok_a,
+            model_b,
+            tok_b,
+            texts,
+            depth_window=args.depth_window,
+            progress=not args.no_progress,
+        )
+        fit_seconds = time.perf_counter() - t0
+        projector_path = projector.save(out / "projector.safetensors")
+        _log(args, f"fitted in {fit_seconds:.0f} s -> {projector_path}")
+    return projector, fit_seconds, projector_path
+
+
+def _score_passages(
+    args, splits, projector: Projector, model_a, tok_a, model_b, tok_b, none_state
+) -> tuple[dict[str, list[float]], dict[str, float], list[dict]]:
+    """B's continuation loss of every ``(prefix, continuation)`` split after its own prefix
+    cache, after ``none_state``, after A's projected cache, and after the next passage's
+    projected cache (``wrong``; the last passage takes the first's), with the projection's
+    and both prefills' seconds and one row per passage: ``(losses, times, rows)``."""
+    times = {"project": 0.0, "a_prefill": 0.0, "prefill": 0.0}
+    losses: dict[str, list[float]] = {"own": [], "none": [], "proj": [], "wrong": []}
+    first_proj = prev_proj = None
+    rows = []
+    for i, (prefix, continuation) in enumerate(splits):
+        own = capture(model_b, tok_b, prefix)
+        state_a = capture(model_a, tok_a, prefix)
+        _sync(model_b)
+        t0 = time.perf_counter()
+        proj = projector(state_a, model_b, tok_b, own_last=args.own_last)
+        _sync(model_b)
+        times["project"] += time.perf_counter() - t0
+        times["prefill"] += _prefill_seconds(model_b, tok_b, prefix)
+        times["a_prefill"] += _prefill_seconds(model_a, tok_a, prefix)
+        losses["own"].append(continuation_nll(own, continuation))
+        losses["none"].append(continuation_nll(none_state, continuation))
+        losses["proj"].append(continuation_nll(proj, continuation))
+        if prev_proj is not None:  # passage i-1 scored with passage i's projected prefix
+            losses["wrong"].append(continuation_nll(proj, splits[i - 1][1]))
+        first_proj = proj if first_proj is None else first_proj
+        prev_proj = proj
+        rows.append({"index": i, "prefix_chars": len(prefix), "b_prefix_tokens": len(own)})
+        if (i + 1) % 10 == 0:
+            _log(
+                args,
+                f"  {i + 1}/{len(splits)}: own {np.mean(losses['own']):.3f} "
+                f"none {np.mean(losses['none']):.3f} proj {np.mean(losses['proj']):.3f}",
+            )
+    losses["wrong"].append(continuation_nll(first_proj, splits[-1][1]))
+    return losses, times, rows
+
+
+def _print_results(results: dict, out: Path) -> None:
+    """One line to stdout: the gap closed, the wrong-document delta (with their intervals),
+    the four mean losses and where the results are."""
     print(
         f"gap_closed {results['gap_closed']:.3f} "
         f"[{results['gap_closed_ci95'][0]:.3f}, {results['gap_closed_ci95'][1]:.3f}]  "
@@ -303,9 +329,8 @@ def main(args) -> int:
         f"[{results['wrong_doc_delta_ci95'][0]:.3f}, {results['wrong_doc_delta_ci95'][1]:.3f}]  "
         f"losses own {results['loss_own']:.3f} none {results['loss_none']:.3f} "
         f"proj {results['loss_proj']:.3f} wrong {results['loss_wrong']:.3f}  "
-        f"(n={n}) -> {out / 'results.json'}"
+        f"(n={results['n_passages']}) -> {out / 'results.json'}"
     )
-    return 0
 
 
 def _standalone(argv: list[str] | None = None) -> int:

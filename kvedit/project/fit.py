@@ -85,45 +85,10 @@ def fit_fields(
     windows_b = layer_windows(model_b)
     inv_a, inv_b = stacked_inv_freq(model_a), stacked_inv_freq(model_b)
     a_layers = depth_matched_layers(inv_a.shape[0], inv_b.shape[0], depth_window)
-    needed = sorted({a for group in a_layers for a in group})
-    fits = [LayerFit() for _ in a_layers]
-    a_shape = b_shape = None
-    n_texts = n_tokens = 0
-    bar = tqdm(texts, desc="projector fit", unit="text", disable=not progress)
-    for i, text in enumerate(bar):
-        if not text:
-            continue
-        held = i % heldout_every == heldout_every - 1
-        state_a = capture(model_a, tok_a, text)
-        state_b = capture(model_b, tok_b, text)
-        a_shape = tuple(state_a.layers[0].keys.shape[1::2])  # (kv_heads, head_dim)
-        b_shape = tuple(state_b.layers[0].keys.shape[1::2])
-        special = special_token_mask(tok_b, state_b.token_ids.tolist())
-        align = align_tokens(state_b.offsets, state_a.offsets, special)
-        feats = Features(state_a.layers, state_a.offsets, inv_a, needed)
-        for layer_b, (layer, group) in enumerate(zip(state_b.layers, a_layers, strict=True)):
-            index = layer.token_index.cpu()
-            ok = (index >= 0) & (align[index.clamp_min(0)] >= 0)
-            if not bool(ok.any()):
-                continue
-            x = feats.gather(group, align[index[ok]])
-            y = kv_rows(layer, inv_b[layer_b].to(layer.keys.device))[ok.to(layer.keys.device)]
-            fits[layer_b].add(x.float(), y.float(), held)
-        n_texts += 1
-        n_tokens += len(state_b)
-        bar.set_postfix(b_tokens=n_tokens, refresh=False)
-    bar.close()
-    if a_shape is None or b_shape is None:
-        raise InvalidInputError("Projector.fit: no calibration text")
-    for f in fits:
-        f.flush(False)
-        f.flush(True)
-        if f.train is None or f.train.n == 0:
-            raise InvalidInputError("Projector.fit: a B layer got no calibration tokens")
-        if f.held.n == 0:
-            raise InvalidInputError(
-                "Projector.fit: no held-out text (give at least heldout_every texts)"
-            )
+    fits, a_shape, b_shape, n_texts, n_tokens = _read_texts(
+        model_a, tok_a, model_b, tok_b, texts, a_layers, inv_a, inv_b, heldout_every, progress
+    )
+    _check_fits(fits, a_shape, b_shape)
 
     d_k = b_shape[0] * b_shape[1]
     blocks = {"keys": slice(0, d_k), "values": slice(d_k, 2 * d_k)}
@@ -165,3 +130,69 @@ def fit_fields(
         "b_tokenizer": tokenizer_fingerprint(tok_b),
         "info": info,
     }
+
+
+def _read_texts(
+    model_a: PreTrainedModel,
+    tok_a: PreTrainedTokenizerBase,
+    model_b: PreTrainedModel,
+    tok_b: PreTrainedTokenizerBase,
+    texts: Iterable[str],
+    a_layers: Sequence[Sequence[int]],
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    heldout_every: int,
+    progress: bool,
+) -> tuple[list[LayerFit], tuple | None, tuple | None, int, int]:
+    """Both models read every non-empty text; each B layer's fit gets one row per B entry whose
+    token has an A counterpart (features from A's ``a_layers`` group, B's K/V as targets),
+    held out on every ``heldout_every``-th text.
+
+    Returns ``(fits, a_shape, b_shape, n_texts, n_tokens)``: one fit per B layer, A's and B's
+    ``(kv_heads, head_dim)`` (None when no text was read), the texts read and B's tokens.
+    """
+    needed = sorted({a for group in a_layers for a in group})
+    fits = [LayerFit() for _ in a_layers]
+    a_shape = b_shape = None
+    n_texts = n_tokens = 0
+    bar = tqdm(texts, desc="projector fit", unit="text", disable=not progress)
+    for i, text in enumerate(bar):
+        if not text:
+            continue
+        held = i % heldout_every == heldout_every - 1
+        state_a = capture(model_a, tok_a, text)
+        state_b = capture(model_b, tok_b, text)
+        a_shape = tuple(state_a.layers[0].keys.shape[1::2])  # (kv_heads, head_dim)
+        b_shape = tuple(state_b.layers[0].keys.shape[1::2])
+        special = special_token_mask(tok_b, state_b.token_ids.tolist())
+        align = align_tokens(state_b.offsets, state_a.offsets, special)
+        feats = Features(state_a.layers, state_a.offsets, inv_a, needed)
+        for layer_b, (layer, group) in enumerate(zip(state_b.layers, a_layers, strict=True)):
+            index = layer.token_index.cpu()
+            ok = (index >= 0) & (align[index.clamp_min(0)] >= 0)
+            if not bool(ok.any()):
+                continue
+            x = feats.gather(group, align[index[ok]])
+            y = kv_rows(layer, inv_b[layer_b].to(layer.keys.device))[ok.to(layer.keys.device)]
+            fits[layer_b].add(x.float(), y.float(), held)
+        n_texts += 1
+        n_tokens += len(state_b)
+        bar.set_postfix(b_tokens=n_tokens, refresh=False)
+    bar.close()
+    return fits, a_shape, b_shape, n_texts, n_tokens
+
+
+def _check_fits(fits: Sequence[LayerFit], a_shape: tuple | None, b_shape: tuple | None) -> None:
+    """Flush every fit; refuse a fit with no text read, a B layer with no training row, or no
+    held-out row."""
+    if a_shape is None or b_shape is None:
+        raise InvalidInputError("Projector.fit: no calibration text")
+    for f in fits:
+        f.flush(False)
+        f.flush(True)
+        if f.train is None or f.train.n == 0:
+            raise InvalidInputError("Projector.fit: a B layer got no calibration tokens")
+        if f.held.n == 0:
+            raise InvalidInputError(
+                "Projector.fit: no held-out text (give at least heldout_every texts)"
+            )

@@ -72,34 +72,23 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .. import checks
 from ..cache import LayerKV
-from ..cache.adapter import dynamic_cache
-from ..compat import cache_kwarg, text_config
+from ..compat import cache_kwarg
 from ..errors import InvalidInputError, UnsupportedModelError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..provenance import History, Origin, token_ranges
 from ..rope import KeyMover, movers
-from ..runtime import forward
-from ..states.capturing import capture, capture_passage, encode, extend_ids, passage_after
-from ..states.passes import StateBias, recompute_last
+from ..states.passes import recompute_last
 from ..states.state import KVState, LastInput
 from ..store import KVStore
+from .blend_parts import PartReport, encode_parts, part_states
+
+# blend calls the step through this module's name (tests/reusing/test_blend.py spies on it)
+from .blend_recomputing import recompute_selected as _recompute
 from .blend_rules import BlendRules, Narrowing, deviation_scores
-from .prefix import require_plain
 
 BLEND_CONTEXTS = ("prefix", "alone")
 """What :func:`blend`'s later parts are cached after: the shared prefix (part 0), or nothing."""
-
-
-@dataclass
-class PartReport:
-    """One part of a blend: its store key, token count and where its cache came from
-    (``"memory"``, ``"disk"``, or ``"computed"`` when it was prefilled and stored)."""
-
-    key: str
-    n_tokens: int
-    source: str
 
 
 @dataclass
@@ -107,7 +96,7 @@ class BlendReport:
     """What :func:`blend` reused and recomputed.
 
     Attributes:
-        parts: one :class:`PartReport` per part, in order.
+        parts: one :class:`~kvedit.reusing.blend_parts.PartReport` per part, in order.
         tokens: tokens of the blend.
         tokens_reused: tokens whose cache came from the store and was kept as is.
         tokens_recomputed: tokens recomputed on top of the blend (the selected ones).
@@ -184,76 +173,16 @@ def blend(
         reads from the store are plain captures (the store serves nothing else).
     """
     t0 = time.perf_counter()
-    if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
-        raise InvalidInputError("blend: parts must be a non-empty list of strings")
-    if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-        raise InvalidInputError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
-    if context not in BLEND_CONTEXTS:
-        raise InvalidInputError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
-    if previous is not None:
-        if context != "prefix":
-            raise InvalidInputError('blend: previous needs context="prefix"')
-        if not isinstance(previous, str) or not previous.strip():
-            raise InvalidInputError("blend: previous must be a non-empty passage text")
+    _check_arguments(parts, recompute, context, previous)
     rules = BlendRules.from_values(gradual=gradual, leading=leading, rescale=rescale)
     layer_movers = movers(model)
     for mover in layer_movers:  # refuse before any work
         if mover.kind == "refused":
             raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
-
-    # The blend, and each later part behind the prefix (and ``previous``), must fit the model:
-    # checked on the characters before tokenizing, then on the tokens, before any model work.
-    checks.context_fits(model, n_chars=sum(map(len, parts)), what="blend")
-    if previous:
-        checks.context_fits(model, n_chars=len(previous), what="blend's previous passage")
-    previous_ids, previous_offsets = (
-        encode(tokenizer, previous, special_tokens=False) if previous else ([], None)
+    encoded, previous_passage = encode_parts(model, tokenizer, parts, previous)
+    states, reports = part_states(
+        model, tokenizer, parts, encoded, previous_passage, store, context
     )
-    if previous is not None and not previous_ids:
-        raise InvalidInputError("blend: previous tokenizes to nothing")
-    encoded = [encode(tokenizer, text, special_tokens=i == 0) for i, text in enumerate(parts)]
-    for i, (ids, _) in enumerate(encoded):
-        if not ids:
-            raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
-    checks.context_fits(model, n_tokens=sum(len(ids) for ids, _ in encoded), what="blend")
-    if previous:
-        longest = max((len(ids) for ids, _ in encoded[2:]), default=0)
-        n_behind = len(encoded[0][0]) + len(previous_ids) + longest
-        checks.context_fits(
-            model, n_tokens=n_behind, what="prefix, previous passage and longest later part"
-        )
-    states, reports = [], []
-    prefix_ids: list[int] = []
-    prefix: KVState | None = None
-    behind_previous: KVState | None = None  # the prefix's state extended by ``previous``
-    for i, (text, (ids, offsets)) in enumerate(zip(parts, encoded, strict=True)):
-        behind = context == "prefix" and i > 0
-        lead = previous_ids if behind and i > 1 else []  # part 1 reads right after the prefix
-        key = store.key_for(model, tokenizer, prefix_ids + lead + ids if behind else ids)
-        state, source = store.fetch(key, model, tokenizer)
-        if state is not None:
-            require_plain(state, store, f"blend part {i}")
-        if state is None:
-            if i == 0:
-                state = capture(model, tokenizer, text)
-            elif behind:
-                if lead and behind_previous is None:
-                    behind_previous = extend_ids(
-                        prefix, lead, previous_offsets + len(prefix.text), prefix.text + previous
-                    )
-                base = behind_previous if lead else prefix
-                state = extend_ids(base, ids, offsets + len(base.text), base.text + text)
-            else:
-                state = capture_passage(model, tokenizer, text)
-            store.put(state)  # a plain capture (or a plain capture extended): storable
-            source = "computed"
-        if i == 0:
-            prefix, prefix_ids = state, ids
-        elif behind:
-            text_start = len(prefix.text) + (len(previous) if lead else 0)
-            state = passage_after(state, len(prefix_ids) + len(lead), text_start)
-        states.append(state)
-        reports.append(PartReport(key, len(ids), source))
 
     starts = [0]
     for s in states:
@@ -261,23 +190,7 @@ def blend(
     n = starts[-1]
     layers = _placed_layers(states, starts[:-1], layer_movers)
     ids = torch.cat([s.token_ids for s in states])
-
-    n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
-    forced = rules.forced_tokens(starts)  # recomputed whatever their deviation (leading)
-    deviation_layer, narrowing = None, None
-    if n_select == n:
-        selected = torch.arange(n)
-    elif n_select == 0 and not len(forced):
-        selected = torch.empty(0, dtype=torch.long)
-    else:
-        deviation = torch.zeros(n)
-        if n_select:
-            deviation_layer = _deviation_layer(layers)
-            deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
-        deviation[-1] = float("inf")  # the last token's logits start the continuation
-        selected, narrowing = rules.selection(
-            deviation, max(1, n_select), forced, deviation_layer, len(layers)
-        )
+    selected, narrowing, deviation_layer = _selection(model, ids, layers, starts, recompute, rules)
 
     if len(selected):
         extra = {} if narrowing is None else {"narrowing": narrowing}
@@ -288,36 +201,15 @@ def blend(
     rescaled = torch.empty(0, dtype=torch.long)
     if rules.rescale is not None:
         layers, rescaled = rules.rescale.apply(layers, kept, starts[1])
-    char_starts = [0]
-    for text in parts:
-        char_starts.append(char_starts[-1] + len(text))
-    state = KVState(
-        layers=[layer.trimmed() for layer in layers],
-        token_ids=ids,
-        offsets=torch.cat([s.offsets + c for s, c in zip(states, char_starts, strict=False)]),
-        text="".join(parts),
-        position_ids=torch.arange(n),
-        next_position=n,
-        last_logits=last_logits,
-        model_fingerprint=model_fingerprint(model),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        history=History(
-            Origin(
-                "blend",
-                {
-                    "parts": [s.digest for s in states],
-                    "recompute": float(recompute),
-                    "context": context,
-                    "recomputed": token_ranges(selected),
-                    **rules.origin_params([len(k) for k in kept]),
-                    **({"previous": previous} if previous is not None else {}),
-                },
-            )
-        ),
-        last_input=LastInput(n - 1, n - 1),
-        model=model,
-        tokenizer=tokenizer,
-    )
+    origin = {
+        "parts": [s.digest for s in states],
+        "recompute": float(recompute),
+        "context": context,
+        "recomputed": token_ranges(selected),
+        **rules.origin_params([len(k) for k in kept]),
+        **({"previous": previous} if previous is not None else {}),
+    }
+    state = _blended_state(model, tokenizer, parts, states, layers, ids, last_logits, origin)
     if rules.rescale is not None:
         state = state.with_step(rules.rescale.step(rescaled))
         if len(rescaled):  # the first continuation token reads the rescaled entries
@@ -343,6 +235,60 @@ def blend(
         previous=previous,
     )
     return state, report
+
+
+# -------------------------------------------------------------------- arguments
+
+
+def _check_arguments(
+    parts: Sequence[str], recompute: float, context: str, previous: str | None
+) -> None:
+    """Refuse parts that are not a non-empty list of strings, a ``recompute`` outside
+    ``[0, 1]``, an unknown ``context``, and a ``previous`` that is empty or lacks a prefix."""
+    if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
+        raise InvalidInputError("blend: parts must be a non-empty list of strings")
+    if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise InvalidInputError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
+    if context not in BLEND_CONTEXTS:
+        raise InvalidInputError(f"blend: context must be one of {BLEND_CONTEXTS}, not {context!r}")
+    if previous is not None:
+        if context != "prefix":
+            raise InvalidInputError('blend: previous needs context="prefix"')
+        if not isinstance(previous, str) or not previous.strip():
+            raise InvalidInputError("blend: previous must be a non-empty passage text")
+
+
+def _blended_state(
+    model: PreTrainedModel,
+    tokenizer,
+    parts: Sequence[str],
+    states: Sequence[KVState],
+    layers: Sequence[LayerKV],
+    ids: torch.Tensor,
+    last_logits: torch.Tensor,
+    origin: dict,
+) -> KVState:
+    """The blend's state: ``layers`` trimmed, the parts' ids ``[n]`` and offsets concatenated,
+    positions ``0..n-1``, a ``"blend"`` origin with ``origin``'s parameters."""
+    n = len(ids)
+    char_starts = [0]
+    for text in parts:
+        char_starts.append(char_starts[-1] + len(text))
+    return KVState(
+        layers=[layer.trimmed() for layer in layers],
+        token_ids=ids,
+        offsets=torch.cat([s.offsets + c for s, c in zip(states, char_starts, strict=False)]),
+        text="".join(parts),
+        position_ids=torch.arange(n),
+        next_position=n,
+        last_logits=last_logits,
+        model_fingerprint=model_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        history=History(Origin("blend", origin)),
+        last_input=LastInput(n - 1, n - 1),
+        model=model,
+        tokenizer=tokenizer,
+    )
 
 
 # -------------------------------------------------------------------- placing
@@ -383,6 +329,37 @@ def _deviation_layer(layers: Sequence[LayerKV]) -> int:
         if i >= 1 and layer.window is None:
             return i
     return min(1, len(layers) - 1)
+
+
+def _selection(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    layers: Sequence[LayerKV],
+    starts: Sequence[int],
+    recompute: float,
+    rules: BlendRules,
+) -> tuple[torch.Tensor, Narrowing | None, int | None]:
+    """The tokens to recompute (ascending), their narrowing (``gradual``) and the deviation
+    layer (None when no deviation pass ran): every token at ``recompute`` 1, none at 0 unless
+    a rule forces some, else the ``ceil(recompute * n)`` of largest deviation and the last."""
+    n = len(ids)
+    n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
+    forced = rules.forced_tokens(starts)  # recomputed whatever their deviation (leading)
+    deviation_layer, narrowing = None, None
+    if n_select == n:
+        selected = torch.arange(n)
+    elif n_select == 0 and not len(forced):
+        selected = torch.empty(0, dtype=torch.long)
+    else:
+        deviation = torch.zeros(n)
+        if n_select:
+            deviation_layer = _deviation_layer(layers)
+            deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
+        deviation[-1] = float("inf")  # the last token's logits start the continuation
+        selected, narrowing = rules.selection(
+            deviation, max(1, n_select), forced, deviation_layer, len(layers)
+        )
+    return selected, narrowing, deviation_layer
 
 
 class _Stop(Exception):
@@ -439,94 +416,3 @@ def _deviation(
     out = torch.zeros(len(ids), dtype=torch.float32)
     out[blended.token_index] = scores.cpu()
     return out
-
-
-# -------------------------------------------------------------------- recomputing
-
-
-def _mask(
-    layer: LayerKV, selected: torch.Tensor, n: int, dtype: torch.dtype, every_reused: bool = False
-) -> torch.Tensor:
-    """``[1, 1, s, len(layer) + s]`` additive mask (0 or the dtype's lowest value): what
-    selected token ``q`` may attend to.
-
-    Reused entries of unselected tokens (of every token with ``every_reused``: a gradual
-    recompute's plan hides them per layer) at positions ``<= q``, and recomputed entries of
-    selected tokens ``<= q``; within the window on a sliding layer.
-    """
-    is_selected = torch.zeros(n, dtype=torch.bool)
-    if not every_reused:
-        is_selected[selected] = True
-    q = selected[:, None]
-    reused = (~is_selected[layer.positions])[None, :] & (layer.positions[None, :] <= q)
-    fresh = selected[None, :] <= q
-    if layer.window is not None:
-        reused &= q - layer.positions[None, :] < layer.window
-        fresh &= q - selected[None, :] < layer.window
-    allowed = torch.cat([reused, fresh], dim=-1)[None, None]
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def _recompute(
-    model: PreTrainedModel,
-    layers: list[LayerKV],
-    ids: torch.Tensor,
-    selected: torch.Tensor,
-    narrowing: Narrowing | None = None,
-) -> tuple[list[LayerKV], torch.Tensor]:
-    """Run the selected tokens through every layer on top of ``layers``; replace their entries
-    (with ``narrowing``, on each layer only those of the tokens it kept there).
-
-    Returns the new layers and the logits ``[vocab]`` after the last selected token.
-    """
-    n = len(ids)
-    device = layers[0].keys.device
-    kinds = getattr(text_config(model), "layer_types", None) or ["full_attention"] * len(layers)
-    masks: dict[str, torch.Tensor] = {}
-    held: dict[str, torch.Tensor] = {}  # the transformers mask is per layer type, not per layer
-    for layer, kind in zip(layers, kinds, strict=True):
-        if kind in held:
-            if not torch.equal(held[kind], layer.positions):
-                raise UnsupportedModelError(f"{kind} layers hold different entries")
-            continue
-        held[kind] = layer.positions
-        masks[kind] = _mask(layer, selected, n, layers[0].keys.dtype, narrowing is not None)
-        masks[kind] = masks[kind].to(device)
-    # one layer type: a plain 4D mask (Llama takes no dict); several: one per type (Gemma-3)
-    attention_mask = masks if len(masks) > 1 else masks[kinds[0]]
-
-    cache = dynamic_cache(layers)
-    logits = forward(
-        model,
-        ids[selected][None].to(device),
-        selected[None].to(device),
-        cache,
-        plan=StateBias(layers) if narrowing is None else narrowing.plan(layers, cache, selected),
-        logits_to_keep=1,
-        attention_mask=attention_mask,
-    )
-    slot = torch.full((n,), -1, dtype=torch.long)  # token -> its fresh entry, or -1
-    slot[selected] = torch.arange(len(selected))
-    new_layers = []
-    for i, layer in enumerate(layers):
-        # the cache's tensors are new (reused entries, then fresh ones): edit them in place
-        keys, values = cache.layers[i].keys, cache.layers[i].values
-        m = len(layer)
-        src = slot[layer.positions]  # entry e holds token layer.positions[e]
-        if narrowing is not None:  # a token this layer did not keep keeps its reused entry
-            src = torch.where(torch.isin(layer.positions, narrowing.kept[i]), src, -1)
-        hit = (src >= 0).nonzero().flatten()
-        dst, fresh = hit.to(device), (src[hit] + m).to(device)
-        keys[:, :, dst] = keys[:, :, fresh]
-        values[:, :, dst] = values[:, :, fresh]
-        new_layers.append(  # a copy: a view would keep the fresh entries' storage alive
-            LayerKV(
-                keys[:, :, :m].clone(),
-                values[:, :, :m].clone(),
-                layer.token_index,
-                layer.positions,
-                None,
-                layer.window,
-            )
-        )
-    return new_layers, logits[0, -1].float()
