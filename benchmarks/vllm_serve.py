@@ -18,6 +18,7 @@ from pathlib import Path
 import kvedit
 from kvedit.evals.tasks.records import records_examples
 from kvedit.integrations.vllm import engine, publish_stock
+from kvedit.prompts import QUESTION_MARK
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
 
     model, tok = kvedit.load_model("smollm2-135m-instruct")
     example = records_examples(positions=[args.records // 2], trials=1, n_records=args.records)[0]
-    prefix, question = kvedit.chat_prefix(tok, example.user_message(), "\n\nQuestion:")
+    prefix, question = kvedit.chat_prefix(tok, example.user_message(), QUESTION_MARK)
     state = kvedit.capture(model, tok, prefix)
     gold = example.gold_document
     ops = kvedit.ops
