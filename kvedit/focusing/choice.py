@@ -15,8 +15,8 @@ no evidence and every score 0; a passage that only restates the question
 (:func:`echo_passages`) is never a candidate. The best passages are then emphasized with a
 per-layer bias that lifts their share of the question's attention to ``target``
 (:func:`adaptive_strengths`), applied with :func:`kvedit.ops.emphasize` (the last token is
-recomputed, so the next token sees the edit). An optional answer guard (:mod:`kvedit.focusing.guard`,
-applied by :func:`guarded`) may drop the edit.
+recomputed, so the next token sees the edit). An optional answer guard
+(:mod:`kvedit.focusing.guard`, applied by :func:`guarded`) may drop the edit.
 
 This is the evaluation method ``auto`` (``kvedit eval litm --methods auto``) as a library call.
 """
@@ -106,7 +106,9 @@ class Focus:
         strengths: the bias (nats) each layer's chosen passages got (or would get); all 0
             when nothing is chosen.
         question: the continuation :meth:`generate` asks.
-        verdict: the guard's decision (``None`` without a guard).
+        verdict: the guard's decision (``None`` without a guard): a
+            :class:`~kvedit.focusing.guard.Verdict`, of the guard's own subclass for the
+            library's guards (:class:`~kvedit.focusing.guard.SupportVerdict`, ...).
         reason: why nothing was chosen (``""`` when something was).
         echoes: indices of the passages that only restate the question (never chosen).
         best: the best-scored eligible passage, chosen or not (``None`` without candidates).
@@ -324,14 +326,14 @@ def focus(
             When none does, focus abstains: nothing is edited, :attr:`Focus.chosen` is empty,
             :attr:`Focus.state` is the input state and :meth:`Focus.explain` says why.
             ``None`` always emphasizes the ``top_k`` best.
-        guard: an answer guard (:mod:`kvedit.focusing.guard`): it reads the answers with and without
-            the edit and may drop it (then :attr:`Focus.state` is the input state and
+        guard: an answer guard (:mod:`kvedit.focusing.guard`): it reads the answers with and
+            without the edit and may drop it (then :attr:`Focus.state` is the input state and
             :attr:`Focus.kept` is ``False``). The default, :data:`DEFAULT_GUARD`
-            (:class:`~kvedit.focusing.guard.SupportGuard`), answers unedited where at least half of the
-            unedited answer's telling words (neither the question's nor shared by most other
-            passages) are in the chosen passage: the model already reads it, and
-            on NQ's last position the edit made it copy the passage's opening instead
-            (tuning: reports/focus/README.md). ``None``: no guard. Focus's other
+            (:class:`~kvedit.focusing.guard.SupportGuard`), answers unedited where at least half
+            of the unedited answer's telling words (neither the question's nor shared by most
+            other passages) are in the chosen passage: the model already reads it, and on NQ's
+            last position the edit made it copy the passage's opening instead (tuning:
+            reports/focus/README.md). ``None``: no guard. Focus's other
             do-no-harm rules are in the choice and the sizing: it abstains when no passage
             stands out (``threshold``), never chooses a passage that only restates the
             question (:func:`echo_passages`), smoothed scores keep the first and last passages
@@ -411,9 +413,11 @@ def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
     """Capture ``context`` in the chat template and :func:`focus` it for ``question``.
 
     The user message is ``context + QUESTION_SEPARATOR + question``
-    (:data:`kvedit.prompts.QUESTION_SEPARATOR`, the prompt of the evaluation suite); the cache holds the templated prompt up to the question, passages are
-    cut from the context only, and :meth:`Focus.generate` asks the question. ``kw`` goes to
-    :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``, ``layers``).
+    (:data:`kvedit.prompts.QUESTION_SEPARATOR`, the prompt of the evaluation suite); the cache
+    holds the templated prompt up to the question (cut at :data:`kvedit.prompts.QUESTION_MARK`),
+    passages are cut from the context only, and :meth:`Focus.generate` asks the question.
+    ``kw`` goes to :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``,
+    ``layers``).
     """
     context = checks.text("context", context, allow_empty=False)
     question = content_question("question", question)
