@@ -18,6 +18,7 @@ import kvedit
 from benchmarks.common import DEFAULT_MODEL, RUNS, parser, write_json
 from kvedit.evals.tasks.records import records_examples
 from kvedit.integrations.vllm import engine, publish_stock
+from kvedit.prompts import QUESTION_MARK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model, tok = kvedit.load_model(DEFAULT_MODEL)
     example = records_examples(positions=[args.records // 2], trials=1, n_records=args.records)[0]
-    prefix, question = kvedit.chat_prefix(tok, example.user_message(), "\n\nQuestion:")
+    prefix, question = kvedit.chat_prefix(tok, example.user_message(), QUESTION_MARK)
     state = kvedit.capture(model, tok, prefix)
     gold = example.gold_document
     ops = kvedit.ops

@@ -11,7 +11,14 @@ from . import compress, errors, integrations, ops, testing
 from .cache import LayerKV
 from .cache.adapter import dynamic_cache
 from .focusing.choice import DEFAULT_GUARD, Focus, choose, focus, focus_text
-from .focusing.guard import AgreementGuard, Guard, SupportGuard, Verdict
+from .focusing.guard import (
+    AgreementGuard,
+    AgreementVerdict,
+    Guard,
+    SupportGuard,
+    SupportVerdict,
+    Verdict,
+)
 from .focusing.readout import AttentionShare, attention_share
 from .models import load_model
 from .project import Projector
@@ -30,6 +37,7 @@ from .version import __version__
 __all__ = [
     "DEFAULT_GUARD",
     "AgreementGuard",
+    "AgreementVerdict",
     "Answer",
     "AttentionShare",
     "BlendReport",
@@ -44,6 +52,7 @@ __all__ = [
     "ReuseReport",
     "Steering",
     "SupportGuard",
+    "SupportVerdict",
     "Verdict",
     "__version__",
     "attention_share",

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvedit.prompts import templated_prompt
+from kvedit.errors import SpanNotFoundError
+from kvedit.prompts import QUESTION_SEPARATOR, split_user_message, templated_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,9 +41,6 @@ __all__ = [
 
 Range = tuple[int, int]
 """A character range ``(start, end)``, end excluded."""
-
-QUESTION_SEPARATOR = "\n\nQuestion: "
-"""Put between the context and the question in the user message."""
 
 _MARKER = re.compile(r"\[\[(.*?)\]\]|\{\{(.*?)\}\}", re.DOTALL)
 _STRAY_MARKER = re.compile(r"\[\[|\]\]|\{\{|\}\}")
@@ -327,11 +325,14 @@ def parse_focus_request(
 
 
 def split_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str) -> PromptSplit:
-    """Template ``context + QUESTION_SEPARATOR + question`` and cut it after the context."""
+    """Template ``context + QUESTION_SEPARATOR + question`` and cut it after the context
+    (:func:`kvedit.prompts.split_user_message`, as the evaluation suite's
+    :func:`kvedit.evals.methods.split_prompt` does for an example). Unlike the evaluation
+    suite, a template that rewrote the message is not an error: the plain message is cut."""
     user = context + QUESTION_SEPARATOR + question
-    full = templated_prompt(tokenizer, user)
-    start = full.find(user)
-    if start < 0:  # the template rewrote the message: fall back to the plain text
-        full, start = user, 0
-    cut = start + len(context)
-    return PromptSplit(full[:cut], full[cut:], start)
+    try:
+        return PromptSplit(
+            *split_user_message(templated_prompt(tokenizer, user), user, len(context))
+        )
+    except SpanNotFoundError:  # the template rewrote the message: fall back to the plain text
+        return PromptSplit(*split_user_message(user, user, len(context)))

@@ -39,6 +39,7 @@ from kvedit.errors import InvalidInputError, KVEditError
 from kvedit.evals.methods import ExampleContext, Method
 from kvedit.evals.prompts import plain_answer
 from kvedit.evals.schema import Example, score
+from kvedit.focusing.guard import SupportVerdict
 
 if TYPE_CHECKING:
     from kvedit.integrations.vllm.answer import VLLMAnswerer
@@ -133,7 +134,7 @@ def result_record(
     verdict = notes.get("auto_verdict")  # the guard's decision on that edit
     if verdict is not None:
         record["kept"] = bool(verdict.kept)  # False: the unedited state answered
-        if verdict.support is not None:
+        if isinstance(verdict, SupportVerdict):  # the share the support guard read
             record["support"] = round(float(verdict.support), 4)
     cache_bytes = notes.get("cache_bytes")  # a compression method's bytes
     if cache_bytes is not None:

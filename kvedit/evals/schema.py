@@ -20,6 +20,7 @@ from typing import Any
 from kvedit.errors import InvalidExampleError
 from kvedit.evals.metrics import METRICS, extract_numbers
 from kvedit.evals.prompts import CLOSED_BOOK_INSTRUCTIONS
+from kvedit.prompts import QUESTION_LABEL
 
 __all__ = ["FIELDS", "OPTIONAL_FIELDS", "Example", "score"]
 
@@ -120,7 +121,7 @@ class Example:
         parts = [self.instruction] if self.instruction else []
         if self.documents:
             parts.append(self.separator.join(self.documents))
-        parts.append("Question: " + self.question)
+        parts.append(QUESTION_LABEL + self.question)
         return "\n\n".join(parts)
 
     def documents_end(self) -> int:

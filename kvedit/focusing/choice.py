@@ -15,14 +15,15 @@ no evidence and every score 0; a passage that only restates the question
 (:func:`echo_passages`) is never a candidate. The best passages are then emphasized with a
 per-layer bias that lifts their share of the question's attention to ``target``
 (:func:`adaptive_strengths`), applied with :func:`kvedit.ops.emphasize` (the last token is
-recomputed, so the next token sees the edit). An optional answer guard (:mod:`kvedit.focusing.guard`,
-applied by :func:`guarded`) may drop the edit.
+recomputed, so the next token sees the edit). An optional answer guard
+(:mod:`kvedit.focusing.guard`, applied by :func:`guarded`) may drop the edit.
 
 This is the evaluation method ``auto`` (``kvedit eval litm --methods auto``) as a library call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,13 +31,15 @@ import torch
 
 from .. import checks, ops
 from ..errors import InvalidInputError, InvalidTypeError
-from ..prompts import chat_prefix
+from ..prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ..states.capturing import capture
 from ..states.state import KVState
 from .guard import (
     SUPPORT_THRESHOLD,
+    AgreementVerdict,
     Guard,
     SupportGuard,
+    SupportVerdict,
     Verdict,
     check_guard,
     evidence_and_others,
@@ -67,7 +70,6 @@ __all__ = [
 
 from .scoring import (
     ABSTAIN_THRESHOLD,
-    QUESTION_MARK,
     SCORE_SMOOTHING,
     SHARE_EPS,
     adaptive_strengths,
@@ -88,9 +90,10 @@ DEFAULT_GUARD = SupportGuard()
 passage."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Focus:
-    """What :func:`focus` did.
+    """What :func:`focus` did (frozen: setting an attribute raises; :func:`guarded` returns a
+    new one).
 
     Attributes:
         state: the state that answers: the edited one, or the input state itself when
@@ -103,7 +106,9 @@ class Focus:
         strengths: the bias (nats) each layer's chosen passages got (or would get); all 0
             when nothing is chosen.
         question: the continuation :meth:`generate` asks.
-        verdict: the guard's decision (``None`` without a guard).
+        verdict: the guard's decision (``None`` without a guard): a
+            :class:`~kvedit.focusing.guard.Verdict`, of the guard's own subclass for the
+            library's guards (:class:`~kvedit.focusing.guard.SupportVerdict`, ...).
         reason: why nothing was chosen (``""`` when something was).
         echoes: indices of the passages that only restate the question (never chosen).
         best: the best-scored eligible passage, chosen or not (``None`` without candidates).
@@ -146,13 +151,7 @@ class Focus:
             lines.append(f"no edit: {self.reason or 'no passage chosen'}")
         v = self.verdict
         if v is not None:
-            said = {"agree": "same answer with and without it", "edit": "the edit's answer won"}
-            said["original"] = "the unedited answer won"
-            if v.support is not None:
-                words = f"{v.support:.0%} of the unedited answer's telling words are in the passage"
-                said["supported"] = said["unsupported"] = words
-            where = "" if v.step is None else f" at answer token {v.step}, margin {v.margin:.2f}"
-            lines.append(f"edit {'kept' if v.kept else 'dropped'}: {said[v.reason]}{where}")
+            lines.append(f"edit {'kept' if v.kept else 'dropped'}: {_verdict_said(v)}")
         return "\n".join(lines)
 
     def generate(self, max_new_tokens: int = 32, **kw) -> str:
@@ -166,6 +165,24 @@ class Focus:
             ids = known.token_ids[:max_new_tokens]
             return self.state.tokenizer.decode(ids, skip_special_tokens=True)
         return self.state.generate(self.question, max_new_tokens, **kw)
+
+
+_AGREEMENT_SAID = {
+    "agree": "same answer with and without it",
+    "edit": "the edit's answer won",
+    "original": "the unedited answer won",
+}
+
+
+def _verdict_said(v: Verdict) -> str:
+    """Why the guard decided as it did, for :meth:`Focus.explain` (a reason no known guard
+    gives is shown as is)."""
+    if isinstance(v, SupportVerdict):
+        return f"{v.support:.0%} of the unedited answer's telling words are in the passage"
+    said = _AGREEMENT_SAID.get(v.reason, v.reason)
+    if isinstance(v, AgreementVerdict) and v.step is not None:
+        said += f" at answer token {v.step}, margin {v.margin:.2f}"
+    return said
 
 
 def _layer_indices(state: KVState, layers) -> list[int] | None:
@@ -308,15 +325,15 @@ def focus(
             scores to be emphasized (:func:`stands_out`, default :data:`ABSTAIN_THRESHOLD`).
             When none does, focus abstains: nothing is edited, :attr:`Focus.chosen` is empty,
             :attr:`Focus.state` is the input state and :meth:`Focus.explain` says why.
-            ``None`` always emphasizes the ``top_k`` best (the former behaviour).
-        guard: an answer guard (:mod:`kvedit.focusing.guard`): it reads the answers with and without
-            the edit and may drop it (then :attr:`Focus.state` is the input state and
+            ``None`` always emphasizes the ``top_k`` best.
+        guard: an answer guard (:mod:`kvedit.focusing.guard`): it reads the answers with and
+            without the edit and may drop it (then :attr:`Focus.state` is the input state and
             :attr:`Focus.kept` is ``False``). The default, :data:`DEFAULT_GUARD`
-            (:class:`~kvedit.focusing.guard.SupportGuard`), answers unedited where at least half of the
-            unedited answer's telling words (neither the question's nor shared by most other
-            passages) are in the chosen passage: the model already reads it, and
-            on NQ's last position the edit made it copy the passage's opening instead
-            (``reports/focus-tuning/README.md`` §6, §8). ``None``: no guard. Focus's other
+            (:class:`~kvedit.focusing.guard.SupportGuard`), answers unedited where at least half
+            of the unedited answer's telling words (neither the question's nor shared by most
+            other passages) are in the chosen passage: the model already reads it, and on NQ's
+            last position the edit made it copy the passage's opening instead (tuning:
+            reports/focus/README.md). ``None``: no guard. Focus's other
             do-no-harm rules are in the choice and the sizing: it abstains when no passage
             stands out (``threshold``), never chooses a passage that only restates the
             question (:func:`echo_passages`), smoothed scores keep the first and last passages
@@ -374,31 +391,33 @@ def focus(
 
 
 def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
-    """``found`` (from :func:`choose`, holding the state it chose on) set to answer from
-    ``edited``, an edit of its chosen passages; with ``guard``, only if the guard keeps the
-    edit (the verdict is kept in :attr:`Focus.verdict`). When ``found`` chose nothing (it
-    abstained), it answers from its own state and ``edited`` is ignored. Returns ``found``."""
+    """A copy of ``found`` (from :func:`choose`, holding the state it chose on) that answers
+    from ``edited``, an edit of its chosen passages; with ``guard``, only if the guard keeps
+    the edit (the verdict is in :attr:`Focus.verdict`). When ``found`` chose nothing (it
+    abstained), ``found`` itself is returned (it answers from its own state) and ``edited`` is
+    ignored. ``found`` is never changed."""
     if not found.chosen:
         return found
+    if guard is None:
+        return dataclasses.replace(found, state=edited)
     original = found.state
-    found.state = edited
-    if guard is not None:
-        texts = [original.text[a:b] for a, b in found.passages]
-        evidence, others = evidence_and_others(texts, found.chosen)
-        found.verdict = guard.decide(
-            original, edited, found.question, evidence=evidence, others=others, query=found.query
-        )
-        found.state = edited if found.verdict.kept else original
-    return found
+    texts = [original.text[a:b] for a, b in found.passages]
+    evidence, others = evidence_and_others(texts, found.chosen)
+    verdict = guard.decide(
+        original, edited, found.question, evidence=evidence, others=others, query=found.query
+    )
+    return dataclasses.replace(found, state=edited if verdict.kept else original, verdict=verdict)
 
 
 def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
     """Capture ``context`` in the chat template and :func:`focus` it for ``question``.
 
-    The user message is ``context + "\\n\\nQuestion: " + question`` (the prompt of the
-    evaluation suite); the cache holds the templated prompt up to the question, passages are
-    cut from the context only, and :meth:`Focus.generate` asks the question. ``kw`` goes to
-    :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``, ``layers``).
+    The user message is ``context + QUESTION_SEPARATOR + question``
+    (:data:`kvedit.prompts.QUESTION_SEPARATOR`, the prompt of the evaluation suite); the cache
+    holds the templated prompt up to the question (cut at :data:`kvedit.prompts.QUESTION_MARK`),
+    passages are cut from the context only, and :meth:`Focus.generate` asks the question.
+    ``kw`` goes to :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``,
+    ``layers``).
     """
     context = checks.text("context", context, allow_empty=False)
     question = content_question("question", question)
@@ -408,7 +427,7 @@ def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
             f"context must not contain {QUESTION_MARK!r}: the prompt is cut there"
         )
     prefix, continuation = chat_prefix(
-        tokenizer, context + QUESTION_MARK + " " + question, QUESTION_MARK
+        tokenizer, context + QUESTION_SEPARATOR + question, QUESTION_MARK
     )
     state = capture(model, tokenizer, prefix)
     start = prefix.rfind(context.strip())

@@ -3,24 +3,26 @@
 An edit that moves attention onto the right passage fixes an answer lost in the middle; the
 same edit on the wrong passage (the neighbour of the right one, say) breaks an answer the model
 already had. A guard looks at the model's answers with and without the edit, never at a gold
-label, and says which state to answer from.
+label, and says which state to answer from: a :class:`Verdict`, of the guard's own subclass
+(:class:`SupportVerdict`, :class:`AgreementVerdict`) when it has more to tell.
 
-:class:`AgreementGuard` (the default of :func:`kvedit.focus`) decodes greedily from both
-states in lockstep. While they agree, nothing needs deciding. At the first answer token where
-they differ, each of the two candidate tokens is scored by its log-probability under *both*
-states (a product of the two experts): the edited state's token wins only if the unedited model
-does not find it much less likely than the edited model finds the unedited token. A wrong
-neighbour's number is very unlikely to a model that was reading the right record, so that edit
-is dropped; a right number the model had lost in the middle keeps some probability without the
-edit, so that edit is kept. Both distributions at that step are computed anyway, so the rule
-costs one extra question pass (the unedited answer) and one decode step per agreeing token.
-
-:class:`SupportGuard` reads the unedited answer instead: when at least half of its telling words
-are in the passages the edit would raise (:func:`answer_support`: words neither the question's
-nor shared by most other passages), the model is already reading them.
+:class:`SupportGuard` (the default of :func:`kvedit.focus`:
+:data:`kvedit.focusing.choice.DEFAULT_GUARD`) reads the unedited answer: when at least half of
+its telling words are in the passages the edit would raise (:func:`answer_support`: words
+neither the question's nor shared by most other passages), the model is already reading them.
 The edit can add no evidence there, only disturb the answer (on NQ it made the model copy the
 passage's opening sentence), so the unedited state answers. It costs the unedited answer (one
 question pass and its decode steps) before the edited one.
+
+:class:`AgreementGuard` decodes greedily from both states in lockstep. While they agree,
+nothing needs deciding. At the first answer token where they differ, each of the two candidate
+tokens is scored by its log-probability under *both* states (a product of the two experts): the
+edited state's token wins only if the unedited model does not find it much less likely than the
+edited model finds the unedited token. A wrong neighbour's number is very unlikely to a model
+that was reading the right record, so that edit is dropped; a right number the model had lost in
+the middle keeps some probability without the edit, so that edit is kept. Both distributions at
+that step are computed anyway, so the rule costs one extra question pass (the unedited answer)
+and one decode step per agreeing token.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ __all__ = [
     "COMMON_SHARE",
     "SUPPORT_THRESHOLD",
     "AgreementGuard",
+    "AgreementVerdict",
     "Guard",
     "SupportGuard",
+    "SupportVerdict",
     "Verdict",
     "answer_support",
     "check_guard",
@@ -53,27 +57,49 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a guard decided.
+    """What a guard decided: the fields every guard's verdict has (a guard of one's own may
+    return this class itself; :class:`SupportVerdict` and :class:`AgreementVerdict` add what
+    their guard read).
 
     Attributes:
         kept: whether the edited state should answer.
-        reason: ``"agree"`` (same greedy answer), ``"edit"`` or ``"original"`` (the token that
-            won where they first differ); for :class:`SupportGuard`, ``"supported"`` (the
-            unedited answer comes from the edited passages) or ``"unsupported"``.
-        step: the answer token where the two first differ (``None`` when they agree).
-        margin: at ``step``, the joint log-probability of the edited state's token minus that
-            of the original's (``0.0`` when they agree).
+        reason: the guard's word for why (its subclass lists them).
         answer: the greedy answer of the chosen state (up to the guard's ``max_new_tokens``).
-        support: for :class:`SupportGuard`, the share of the unedited answer's telling words
-            (:func:`answer_support`) found in the edited passages (``None`` for other guards).
     """
 
     kept: bool
     reason: str
-    step: int | None
-    margin: float
     answer: Answer
-    support: float | None = None
+
+
+@dataclass(frozen=True)
+class AgreementVerdict(Verdict):
+    """What :class:`AgreementGuard` decided.
+
+    Attributes:
+        reason: ``"agree"`` (same greedy answer), ``"edit"`` or ``"original"`` (the token that
+            won where they first differ).
+        step: the answer token where the two first differ (``None`` when they agree).
+        margin: at ``step``, the joint log-probability of the edited state's token minus that
+            of the original's (``0.0`` when they agree).
+    """
+
+    step: int | None = None
+    margin: float = 0.0
+
+
+@dataclass(frozen=True)
+class SupportVerdict(Verdict):
+    """What :class:`SupportGuard` decided.
+
+    Attributes:
+        reason: ``"supported"`` (the unedited answer comes from the edited passages: it
+            answers) or ``"unsupported"`` (the edited state answers).
+        support: the share of the unedited answer's telling words (:func:`answer_support`)
+            found in the edited passages.
+    """
+
+    support: float
 
 
 class Guard(Protocol):
@@ -114,7 +140,8 @@ class AgreementGuard:
 
     Attributes:
         margin: the joint log-probability (nats) by which the edited token must win; 0 keeps
-            the edit on any win. Chosen on tuning seeds (see ``reports/``).
+            the edit whenever both states together find its token the more likely one
+            (tuning: reports/focus/README.md).
         max_new_tokens: the longest answer decoded (the lockstep stops at the first
             difference; the chosen state then decodes on to this length or EOS).
     """
@@ -138,7 +165,7 @@ class AgreementGuard:
         evidence: Sequence[str] = (),
         others: Sequence[str] = (),
         query: str | None = None,
-    ) -> Verdict:
+    ) -> AgreementVerdict:
         """The verdict for ``edited`` (``evidence`` and ``query`` are not used)."""
         base, edit = original.decoder(continuation), edited.decoder(continuation)
         tokens: list[int] = []
@@ -156,16 +183,16 @@ class AgreementGuard:
                     answer = _finish(edit, tokens, edit_lps, b, lp_edit, step, self.max_new_tokens)
                 else:
                     answer = _finish(base, tokens, base_lps, a, lp_base, step, self.max_new_tokens)
-                return Verdict(kept, "edit" if kept else "original", step, margin, answer)
+                return AgreementVerdict(kept, "edit" if kept else "original", answer, step, margin)
             if a in edit.eos_ids:
-                return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, edit_lps, True))
+                return AgreementVerdict(True, "agree", _answer(edit, tokens, edit_lps, True))
             tokens.append(a)
             base_lps.append(float(lp_base[a]))
             edit_lps.append(float(lp_edit[a]))
             if step < self.max_new_tokens - 1:
                 base.push(a)
                 edit.push(a)
-        return Verdict(True, "agree", None, 0.0, _answer(edit, tokens, edit_lps, False))
+        return AgreementVerdict(True, "agree", _answer(edit, tokens, edit_lps, False))
 
 
 STOP_WORDS = frozenset(
@@ -218,8 +245,8 @@ def evidence_and_others(texts: Sequence[str], chosen: Sequence[int]) -> tuple[li
 COMMON_SHARE = 0.5
 """A word found in more than this share of the other passages is shared context (a template's
 "assignment", the topic's "winner"), not a sign of which passage an answer came from:
-:func:`answer_support` leaves it out. Chosen on tuning seeds (``reports/focus-tuning/README.md``
-§8; any share from 0.25 to 0.75 decided alike there)."""
+:func:`answer_support` leaves it out; half is the middle of a range of shares that decide alike
+(tuning: reports/focus/README.md)."""
 
 
 def answer_support(
@@ -250,8 +277,8 @@ def answer_support(
 
 SUPPORT_THRESHOLD = 0.5
 """The support (share of the unedited answer's telling words found in the chosen passage) at
-which :class:`SupportGuard` answers unedited; chosen on tuning seeds
-(``reports/focus-tuning/README.md`` §6 and §8: 0.75 before shared words were left out)."""
+which :class:`SupportGuard` answers unedited: when most of the answer already comes from that
+passage, the edit can only disturb it (tuning: reports/focus/README.md)."""
 
 
 @dataclass(frozen=True)
@@ -265,11 +292,11 @@ class SupportGuard:
     such word (an empty answer, or one that only repeats the question) keeps the edit.
 
     Attributes:
-        threshold: the support (a share in ``[0, 1]``) at which the unedited answer stands.
-            Chosen on tuning seeds (``reports/focus-tuning/README.md`` §6).
+        threshold: the support (a share in ``[0, 1]``) at which the unedited answer stands
+            (:data:`SUPPORT_THRESHOLD`).
         max_new_tokens: the longest answer decoded, unedited and edited.
         shared: a word found in more than this share of the other passages is left out of
-            the support (:data:`COMMON_SHARE`; 1 leaves none out, the rule before).
+            the support (:data:`COMMON_SHARE`; 1 leaves none out).
         read: the part of an answer the caller reads (``None``: all of it). A base model
             asked in a plain prompt runs on past its answer into the next question; the
             eval reads only its first line (:func:`kvedit.evals.prompts.plain_answer`), and
@@ -298,7 +325,7 @@ class SupportGuard:
         evidence: Sequence[str] = (),
         others: Sequence[str] = (),
         query: str | None = None,
-    ) -> Verdict:
+    ) -> SupportVerdict:
         """The verdict for ``edited``: the unedited answer's support in ``evidence``, with
         the words of ``query`` (default: ``continuation``) and those most of ``others`` share
         left out."""
@@ -307,9 +334,9 @@ class SupportGuard:
         asked = continuation if query is None else query
         share = answer_support(text, evidence, asked, others, self.shared)
         if share >= self.threshold:
-            return Verdict(False, "supported", None, 0.0, unedited, share)
+            return SupportVerdict(False, "supported", unedited, share)
         answer = edited.answer(continuation, self.max_new_tokens)
-        return Verdict(True, "unsupported", None, 0.0, answer, share)
+        return SupportVerdict(True, "unsupported", answer, share)
 
 
 def _finish(

@@ -26,28 +26,17 @@ SCORE_SMOOTHING = 0.5
 """The smoothing of a passage's log ratio (:func:`passage_scores`), as a fraction of the mean
 share a passage gets from the calibration query (so it scales with the number of passages).
 
-Unsmoothed (1e-6), a passage in the attention trough next to the first or last one gets a large
-ratio from tiny shares and beats the right edge passage. The former constant 0.01 (tuned with
-10 to 25 passages, where the mean share is ~0.008 to 0.03) swamps the signal at 300 passages
-(mean share ~0.0006): the question about Person150 chose Person0. On the stored tuning shares
-(``reports/focus-tuning/shares-*.safetensors``: lockers seed 3, NQ seed 1, records seed 1) and a
-300-passage example, 0.5 x the mean share scores top-1 0.98/1.00/1.00 and chooses right at 300;
-0.01 scored 1.00/1.00/1.00 and chose wrong at 300; 0.2, 0.3 (0.88-0.96 on lockers), 0.75, 1.0
-(0.978 on NQ), a per-layer mean and a multiple of 1/n were also tried
-(``benchmarks/focus_abstain.py``, ``reports/focus-scale/``)."""
+Half the mean share keeps a passage in the attention trough next to the first or last one from
+beating the right edge passage on the ratio of tiny shares, without swamping the signal when
+hundreds of passages each get a tiny share (tuning: reports/focus/README.md)."""
 ABSTAIN_THRESHOLD = 2.5
-"""The robust z-score a passage's score must reach to be emphasized (:func:`stands_out`).
-
-Tuned on the tuning seeds (``benchmarks/focus_abstain.py``): the gold passage's z was at least
-3.38 on lockers seed 3 (50 questions), 3.07 on records seed 1 (50) and 2.21 on NQ-10 seed 1
-(45; 2 of 45 below 2.5); general-knowledge questions over 8 NQ seed 1 contexts (32) reached at
-most 2.25 (over records and lockers they have no distinctive word, and every score is 0)."""
+"""The robust z-score a passage's score must reach to be emphasized (:func:`stands_out`): the
+passage a question asks about nearly always reaches it, and a question that asks about no
+passage nearly never does (tuning: reports/focus/README.md)."""
 MIN_SPREAD = 0.02
 """The floor (nats) of the score spread :func:`stands_out` divides by: scores that all agree
 (every one 0 when the question has no distinctive word) have no outlier."""
 _META_WORDS = frozenset({"question", "questions", "q", "query", "ask", "asked", "asks"})
-QUESTION_MARK = "\n\nQuestion:"
-"""Where :func:`focus_text` cuts the prompt: the context is captured, the question asked after."""
 
 
 def _words(text: str) -> list[str]:

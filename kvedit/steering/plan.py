@@ -206,7 +206,8 @@ class SpanPlan:
         self._memo_key = None
 
     def before_forward(self, model, args, kwargs) -> None:
-        """The runtime's forward pre-hook: record the sequence length; bind spans to a new prompt."""
+        """The runtime's forward pre-hook: record the sequence length; bind spans to a new
+        prompt."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             self.seq_len = None

@@ -91,6 +91,17 @@ def test_split_prompt_cuts_the_template_after_the_context(llama):
     assert "<|im_start|>assistant" in split.continuation
 
 
+def test_split_prompt_falls_back_to_the_plain_message_when_the_template_rewrites_it(llama):
+    import copy
+
+    _, tok = llama
+    odd = copy.deepcopy(tok)
+    odd.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    split = split_prompt(odd, CONTEXT, QUESTION)
+    assert (split.prefix, split.context_start) == (CONTEXT, 0)
+    assert split.continuation == highlight.QUESTION_SEPARATOR + QUESTION
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

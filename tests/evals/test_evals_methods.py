@@ -703,6 +703,22 @@ def test_a_template_that_rewrites_the_message_is_an_error(llama):
         split_prompt(odd, small_examples()[0], "chat")
 
 
+def test_a_record_holds_the_support_only_of_a_support_verdict():
+    from kvedit.evals.engines import result_record
+    from kvedit.focusing.guard import AgreementVerdict, SupportVerdict, Verdict
+    from kvedit.states.decoding import Answer
+
+    ex, answer = small_examples()[0], Answer("x", [1], [-0.5], True)
+    verdicts = [
+        (SupportVerdict(False, "supported", answer, 0.756789), {"kept": False, "support": 0.7568}),
+        (AgreementVerdict(True, "edit", answer, 0, 1.5), {"kept": True}),
+        (Verdict(True, "mine", answer), {"kept": True}),  # a guard of one's own
+    ]
+    for verdict, expected in verdicts:
+        record = result_record(ex, "auto", "1", 0.1, {"auto_verdict": verdict}, "chat")
+        assert {k: record[k] for k in ("kept", "support") if k in record} == expected
+
+
 def test_runner_answers_every_method_in_the_plain_format(llama):
     model, tok = llama
     seen = []

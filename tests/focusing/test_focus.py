@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -14,10 +15,11 @@ from kvedit.evals.tasks import records_examples
 from kvedit.focusing.choice import (
     adaptive_strengths,
     content_free_question,
+    guarded,
     passage_scores,
     passage_shares,
 )
-from kvedit.focusing.guard import AgreementGuard
+from kvedit.focusing.guard import AgreementGuard, Verdict
 from kvedit.focusing.passages import split_passages
 from kvedit.focusing.readout import attention_share
 from kvedit.testing import TINY_SLIDING_WINDOW
@@ -230,6 +232,33 @@ def test_explain_is_a_readable_table(llama):
     verdict = "kept" if default.kept else "dropped"
     assert default.explain().splitlines()[-1] == f"edit {verdict}: {said}"
     assert torch.equal(agreed.state.last_logits, found.state.last_logits)
+
+
+def test_focus_is_frozen_and_guarded_returns_a_new_one(llama):
+    state = _state(llama)
+    question = "\n\nQuestion: What is Bo's number?"
+    found = kvedit.choose(state, question, threshold=None)
+    assert found.chosen and found.verdict is None and found.state is state
+    for name, value in [("state", state), ("verdict", None), ("chosen", [])]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(found, name, value)
+    edited = ops.emphasize(state, [found.passages[found.chosen[0]]], found.strengths)
+    unguarded = guarded(found, edited, None)
+    assert unguarded is not found and unguarded.state is edited and unguarded.kept
+
+    class Refuse:  # a guard of one's own, returning the common Verdict
+        def decide(self, original, edited, continuation, *, evidence=(), others=(), query=None):
+            return Verdict(False, "refused here", original.answer(continuation, 3))
+
+    dropped = guarded(found, edited, Refuse())
+    assert dropped.state is state and not dropped.kept and dropped.verdict.reason == "refused here"
+    assert dropped.explain().splitlines()[-1] == "edit dropped: refused here"
+    assert dropped.generate(3) == state.generate(question, 3)
+    # found itself is as choose returned it
+    assert found.state is state and found.verdict is None
+    assert dataclasses.replace(dropped, verdict=None, state=state) == found
+    abstained = dataclasses.replace(found, chosen=[])
+    assert guarded(abstained, edited, Refuse()) is abstained
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 import kvedit
 from kvedit import ops
 from kvedit.errors import InvalidInputError, KVEditError
-from kvedit.focusing.guard import AgreementGuard
+from kvedit.focusing.guard import AgreementGuard, AgreementVerdict, SupportVerdict, Verdict
 
 CONTEXT = "Read the records.\n\nAnn's number is 11.\nBo's number is 22.\nCy's number is 33."
 QUESTION = "\n\nQuestion: What is Bo's number?"
@@ -51,6 +51,8 @@ def test_an_identity_edit_agrees(llama):
     state, edited = _guard_case(llama, 0.0)
     verdict = AgreementGuard(max_new_tokens=6).decide(state, edited, QUESTION)
     assert verdict.kept and verdict.reason == "agree" and verdict.step is None
+    assert type(verdict) is AgreementVerdict and isinstance(verdict, Verdict)
+    assert not hasattr(verdict, "support") and verdict.margin == 0.0
     assert verdict.answer.text == state.generate(QUESTION, 6)
 
 
@@ -164,6 +166,9 @@ def test_support_guard_answers_unedited_where_the_answer_comes_from_the_passage(
     keep = guard.decide(state, edited, QUESTION, evidence=["zzz"], query="")
     assert keep.kept and keep.reason == "unsupported" and keep.support == 0.0
     assert keep.answer == edited.answer(QUESTION, 6)
+    # each guard's verdict is its own type, with its own fields only
+    assert type(drop) is type(keep) is SupportVerdict and isinstance(drop, Verdict)
+    assert not hasattr(drop, "step") and not hasattr(drop, "margin")
     # the guard reads the answer as the caller does: here, nothing of it (no support)
     unread = SupportGuard(max_new_tokens=6, read=lambda text: "")
     assert unread.decide(state, edited, QUESTION, evidence=[unedited.text], query="").kept

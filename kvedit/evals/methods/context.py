@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvedit.errors import InvalidInputError
+from kvedit.errors import InvalidInputError, SpanNotFoundError
 from kvedit.evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from kvedit.evals.schema import Example
-from kvedit.prompts import templated_prompt
+from kvedit.prompts import split_user_message, templated_prompt
 from kvedit.states.capturing import capture
 from kvedit.states.state import KVState
 
@@ -62,19 +62,20 @@ def split_prompt(
     The prefix ends where the documents end (the captured context); the continuation asks the
     question and opens the answer (it contains ``example.question``). Spans are character
     ranges of the documents in the prefix. A chat template that does not keep the user
-    message verbatim is an error.
+    message verbatim is an error. The cut is :func:`kvedit.prompts.split_user_message`'s (as
+    in the highlight app's ``split_prompt`` for a context and a question).
     """
     user = example.user_message()
     full = format_prompt(tokenizer, user, prompt)
-    start = full.find(user)
-    if start < 0:
+    try:
+        prefix, continuation, start = split_user_message(full, user, example.documents_end())
+    except SpanNotFoundError:
         raise InvalidInputError(
             f"example {example.id!r}: the chat template rewrote the user message, so the "
             "documents cannot be located in the prompt; use the 'plain' prompt format"
-        )
-    cut = start + example.documents_end()
+        ) from None
     spans = [(start + a, start + b) for a, b in example.document_spans()]
-    return full[:cut], full[cut:], spans
+    return prefix, continuation, spans
 
 
 @dataclass

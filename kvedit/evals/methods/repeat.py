@@ -6,6 +6,7 @@ import dataclasses
 
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.registry import Method, register_method
+from kvedit.prompts import QUESTION_LABEL, QUESTION_SEPARATOR
 
 __all__ = ["RepeatQuestion"]
 
@@ -18,7 +19,6 @@ class RepeatQuestion(Method):
 
     def predict(self, ctx: ExampleContext) -> str:
         ex = ctx.example
-        instruction = (
-            (ex.instruction + "\n\n" if ex.instruction else "") + "Question: " + ex.question
-        )
+        asked = ex.instruction + QUESTION_SEPARATOR if ex.instruction else QUESTION_LABEL
+        instruction = asked + ex.question
         return ctx.generate_prompt(dataclasses.replace(ex, instruction=instruction))

@@ -38,9 +38,9 @@ from typing import Any
 from ... import ops
 from ...errors import InvalidInputError
 from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
-from ...focusing.choice import DEFAULT_GUARD, QUESTION_MARK, focus, focus_text
+from ...focusing.choice import DEFAULT_GUARD, focus, focus_text
 from ...focusing.guard import Guard, check_guard
-from ...prompts import chat_prefix
+from ...prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ...states.capturing import capture
 from ...states.decoding import eos_ids
 from .publishing import kv_transfer_params, publish_stock
@@ -119,8 +119,8 @@ class PublishedPrompt:
 
 def _prefix(tokenizer, context: str, question: str, prompt: str) -> tuple[str, str]:
     if prompt == "chat":
-        return chat_prefix(tokenizer, context + QUESTION_MARK + " " + question, QUESTION_MARK)
-    return context, QUESTION_MARK + " " + question + ANSWER_CUE
+        return chat_prefix(tokenizer, context + QUESTION_SEPARATOR + question, QUESTION_MARK)
+    return context, QUESTION_SEPARATOR + question + ANSWER_CUE
 
 
 def publish_context(
