@@ -200,7 +200,7 @@ def robust_z(scores: torch.Tensor, candidates: torch.Tensor | None = None) -> to
 def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:
     """Per layer, the bias that lifts a span's attention share ``shares[l]`` to ``target``.
 
-    Each bias is :func:`kvedit.steer.strength_for_share` of the share (clamped to
+    Each bias is :func:`kvedit.focusing.sizing.strength_for_share` of the share (clamped to
     ``[SHARE_EPS, 1 - SHARE_EPS]``), clipped to ``[0, max_strength]``: a span that already gets
     ``target`` (often the one next to the question) is left alone, never suppressed.
     """
