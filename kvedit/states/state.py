@@ -237,9 +237,7 @@ class KVState:
         _, tok = self.require_model()
         return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def run(
-        self, ids: Sequence[int], logits_to_keep: int = 0
-    ) -> tuple[torch.Tensor, CacheEntries]:
+    def run(self, ids: Sequence[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, CacheEntries]:
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
         model, _ = self.checked_model()
         n = len(ids)

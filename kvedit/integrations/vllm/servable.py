@@ -216,9 +216,7 @@ def label(
         labelled = state
     else:
         labelled = state.with_step(step)
-    return labelled, dataclasses.replace(
-        stock, digest=labelled.digest, history=labelled.history
-    )
+    return labelled, dataclasses.replace(stock, digest=labelled.digest, history=labelled.history)
 
 
 def realize(
