@@ -1,7 +1,8 @@
 """The import graph of kvedit has no cycles, and no module takes names from its own parents.
 
 Built with the standard library's ``ast`` from the source files: every import counts, including
-one inside a function; only imports under ``if TYPE_CHECKING:`` are exempt. Importing a
+one inside a function and one under ``if TYPE_CHECKING:`` (a cycle of type-only imports still
+ties the modules together: neither can be read, typed or moved without the other). Importing a
 submodule counts as importing each of its parent packages (their ``__init__`` runs), except the
 importing module's own ancestors, which are already initialising when it runs.
 """
@@ -30,24 +31,12 @@ def is_package(name: str) -> bool:
     return MODULES.get(name, Path()).name == "__init__.py"
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                skip.update(id(n) for n in ast.walk(child))
-    return skip
-
-
 def imported(name: str) -> set[str]:
     """The kvedit modules ``name`` imports (anywhere in its source)."""
     tree = ast.parse(MODULES[name].read_text())
-    skip = _type_checking_nodes(tree)
     package = name if is_package(name) else name.rpartition(".")[0]
     targets: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -131,10 +120,21 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_graph_sees_imports_inside_functions_and_skips_type_checking():
+def test_the_graph_sees_imports_inside_functions_and_under_type_checking(tmp_path, monkeypatch):
     graph = {name: imported(name) for name in MODULES}
     assert "kvedit.states.passes" in graph["kvedit.states.state"]
     assert "kvedit.runtime" in graph["kvedit.checks"]  # imported inside a function
+    pkg = tmp_path / "kvedit" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import typing\n"
+        "if TYPE_CHECKING:\n    from .low import Thing\n"
+        "if typing.TYPE_CHECKING:\n    import kvedit.sub.other\n"
+    )
+    for name in ("mod", "low", "other"):
+        monkeypatch.setitem(MODULES, f"kvedit.sub.{name}", pkg / f"{name}.py")
+    assert {"kvedit.sub.low", "kvedit.sub.other"} <= imported("kvedit.sub.mod")
     fake = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(fake) == [["a", "b", "c"]]
 

@@ -17,7 +17,7 @@ from .registry import register_layer
 
 
 @register_layer
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class LayerKV:
     """One decoder layer's cache entries.
 
@@ -30,6 +30,11 @@ class LayerKV:
         window: the layer's sliding window, or None for global attention.
 
     ``==`` is identity (tensors have no single truth value); compare tensors explicitly.
+
+    Frozen: setting an attribute raises :class:`dataclasses.FrozenInstanceError`; every edit
+    returns a new layer (``dataclasses.replace``, :meth:`map`, :meth:`append`, ...). The
+    attributes are frozen, not the data: the tensors themselves are not write-protected, and
+    no kvedit function writes into a layer's tensors.
     """
 
     kind: ClassVar[str] = "dense"

@@ -40,7 +40,7 @@ def pack_directions(x: torch.Tensor, bits: int, group: int, axis: str) -> Packed
     return PackedKV.quantize(x, bits, group, n_quant, axis)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class SharedDirections:
     """The part of a merged pair both layers share.
 
@@ -51,6 +51,9 @@ class SharedDirections:
         retained: ``LongTensor [r]``, sorted indices (in ``[0, m)``) of the merged-part entries
             each layer keeps exactly.
         bits: 0 (directions exact) or the bits they are quantized to.
+
+    Frozen (the attributes, not the tensors' data); only the memo of objects derived from it
+    (:meth:`map`, :meth:`to`) fills in.
     """
 
     uid: str

@@ -32,7 +32,7 @@ __all__ = ["MergedLayerKV"]
 
 
 @register_layer
-@dataclass(init=False, repr=False, eq=False)
+@dataclass(init=False, repr=False, eq=False, frozen=True)
 class MergedLayerKV(PackedLayerKV):
     """One layer of a merged pair (see the module doc), a global layer.
 
@@ -44,7 +44,8 @@ class MergedLayerKV(PackedLayerKV):
     (``shared`` None).
 
     ``nbytes`` counts the layer's own tensors and half of the shared part (member 0 the odd
-    byte), so a state holding both members counts the pair once.
+    byte), so a state holding both members counts the pair once. Frozen, as every layer
+    (:class:`~kvedit.cache.LayerKV`).
     """
 
     kind: ClassVar[str] = "merged"
@@ -84,37 +85,39 @@ class MergedLayerKV(PackedLayerKV):
             )
         if member not in (0, 1):
             raise InvalidInputError(f"member must be 0 or 1, not {member!r}")
-        self.token_index = token_index
-        self.positions = positions
-        self.bias = bias
-        self.window = None
-        self.member = member
-        self.shared = shared
-        self.key_norms, self.value_norms = key_norms, value_norms
-        self.retained_keys, self.retained_values = retained_keys, retained_values
-        self.tail_keys, self.tail_values = tail_keys, tail_values
+        parts = {
+            "shared": shared,
+            "key_norms": key_norms,
+            "value_norms": value_norms,
+            "retained_keys": retained_keys,
+            "retained_values": retained_values,
+            "tail_keys": tail_keys,
+            "tail_values": tail_values,
+        }
         if shared is None:
-            self._detach(tail_keys, tail_values)
+            parts = _detached(tail_keys, tail_values)
         elif any(t is None for t in (key_norms, value_norms, retained_keys, retained_values)):
             raise InvalidInputError("a merged layer needs its norms and retained entries")
         if keys is not None or values is not None:
-            self._adopt(keys, values)
+            base = MergedLayerKV(
+                token_index=token_index, positions=positions, bias=bias, member=member, **parts
+            )
+            parts = base._adopted(keys, values)
+        self._init_fields(
+            token_index=token_index,
+            positions=positions,
+            bias=bias,
+            window=None,
+            member=member,
+            **parts,
+        )
 
     # ------------------------------------------------------------ construction helpers
 
-    def _detach(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Leave the pair: every entry exact, in the tail."""
-        b, h, _, d = keys.shape
-        self.shared = None
-        self.key_norms = keys.new_zeros(b, h, 0)
-        self.value_norms = values.new_zeros(b, h, 0)
-        self.retained_keys = keys.new_zeros(b, h, 0, d)
-        self.retained_values = values.new_zeros(b, h, 0, values.shape[-1])
-        self.tail_keys, self.tail_values = keys, values
-
-    def _adopt(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
-        """Hold ``keys`` / ``values`` (dense, all entries; None: as now), keeping the merged
-        part where it is unchanged."""
+    def _adopted(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> dict:
+        """The parts (``shared`` and :data:`_OWN`) of this layer holding ``keys`` /
+        ``values`` instead (dense, all entries; None: as now), keeping the merged part where
+        it is unchanged."""
         m = self.n_merged
         if m:
             mk, mv = self._merged_part()
@@ -131,21 +134,19 @@ class MergedLayerKV(PackedLayerKV):
             same = True
         device = (keys if keys is not None else values).device
         if same:
+            parts = {name: getattr(self, name) for name in _OWN}
+            parts["shared"] = self.shared
             if device != self.device:
-                self._move(device)
+                parts = {name: t.to(device) for name, t in parts.items() if name != "shared"}
+                parts["shared"] = None if self.shared is None else self.shared.to(device)
             if keys is not None:
-                self.tail_keys = _kept(keys[:, :, m:], self.tail_keys)
+                parts["tail_keys"] = _kept(keys[:, :, m:], parts["tail_keys"])
             if values is not None:
-                self.tail_values = _kept(values[:, :, m:], self.tail_values)
-            return
+                parts["tail_values"] = _kept(values[:, :, m:], parts["tail_values"])
+            return parts
         full_k = keys if keys is not None else self.keys.to(device)
         full_v = values if values is not None else self.values.to(device)
-        self._detach(full_k, full_v)
-
-    def _move(self, device: torch.device) -> None:
-        self.shared = None if self.shared is None else self.shared.to(device)
-        for name in _OWN:
-            setattr(self, name, getattr(self, name).to(device))
+        return _detached(full_k, full_v)
 
     # ------------------------------------------------------------ reading
 
@@ -357,6 +358,21 @@ class MergedLayerKV(PackedLayerKV):
             shared=None if self.shared is None else self.shared.map(fn),
             **changes,
         )
+
+
+def _detached(keys: torch.Tensor, values: torch.Tensor) -> dict:
+    """The parts (``shared`` and :data:`_OWN`) of a layer that left its pair: every entry
+    exact, in the tail (``keys`` / ``values`` ``[batch, kv_heads, n, head_dim]``)."""
+    b, h, _, d = keys.shape
+    return {
+        "shared": None,
+        "key_norms": keys.new_zeros(b, h, 0),
+        "value_norms": values.new_zeros(b, h, 0),
+        "retained_keys": keys.new_zeros(b, h, 0, d),
+        "retained_values": values.new_zeros(b, h, 0, values.shape[-1]),
+        "tail_keys": keys,
+        "tail_values": values,
+    }
 
 
 def _kept(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

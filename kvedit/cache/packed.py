@@ -43,7 +43,7 @@ _AXES = {"keys": "channel", "values": "token"}
 Cast = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class PackedKV:
     """A ``[batch, heads, n, dim]`` tensor: ``n_quant`` leading entries as packed codes, the
     rest in full precision.
@@ -55,6 +55,9 @@ class PackedKV:
             ``axis="token"`` (values). ``x ~ code * scale + zero``.
         residual: ``[batch, heads, n - n_quant, dim]`` entries kept exact.
         bits, group, axis: how it was quantized.
+
+    Frozen (the attributes, not the tensors' data): :meth:`with_residual` and :meth:`map`
+    return new objects.
     """
 
     codes: torch.Tensor
@@ -216,10 +219,19 @@ class PackedLayerKV(LayerKV, ABC):
     A subclass gives its packed length (:attr:`n_packed`), its exact tail (:attr:`tail`) and
     the same layer with other bookkeeping and another tail (:meth:`with_tail`); selection and
     appending are then shared. Not registered: it has no ``kind`` of its own.
+
+    Frozen like :class:`LayerKV`: a subclass's own ``__init__`` sets its fields once, through
+    :meth:`_init_fields`.
     """
 
     lossless: ClassVar[bool] = False
     packed: ClassVar[bool] = True
+
+    def _init_fields(self, **fields: object) -> None:
+        """Set the fields of a layer being constructed (a frozen dataclass with its own
+        ``__init__`` has no other way); never called on a finished layer."""
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @property
     @abstractmethod

@@ -20,7 +20,7 @@ __all__ = ["QuantizedLayerKV"]
 
 
 @register_layer
-@dataclass(init=False, repr=False, eq=False)
+@dataclass(init=False, repr=False, eq=False, frozen=True)
 class QuantizedLayerKV(PackedLayerKV):
     """A global layer whose keys and values are stored packed (:class:`PackedKV`).
 
@@ -28,7 +28,7 @@ class QuantizedLayerKV(PackedLayerKV):
     as other ops do (``dataclasses.replace(layer, keys=k)``), from dense ``keys``/``values``
     and the packed data they replace: changed tensors are quantized the way the packed data
     was, unchanged ones (exactly its dequantization) keep it. The exact tail is the packed
-    data's full-precision residual.
+    data's full-precision residual. Frozen, as every layer (:class:`~kvedit.cache.LayerKV`).
     """
 
     kind: ClassVar[str] = "quantized"
@@ -52,12 +52,14 @@ class QuantizedLayerKV(PackedLayerKV):
             raise ValueError("sliding-window layers are not quantized")
         if token_index is None or positions is None:
             raise ValueError("QuantizedLayerKV needs token_index and positions")
-        self.packed_keys = packed_keys if keys is None else packed_keys.requantized(keys)
-        self.packed_values = packed_values if values is None else packed_values.requantized(values)
-        self.token_index = token_index
-        self.positions = positions
-        self.bias = bias
-        self.window = None
+        self._init_fields(
+            packed_keys=packed_keys if keys is None else packed_keys.requantized(keys),
+            packed_values=packed_values if values is None else packed_values.requantized(values),
+            token_index=token_index,
+            positions=positions,
+            bias=bias,
+            window=None,
+        )
 
     @property
     def keys(self) -> torch.Tensor:

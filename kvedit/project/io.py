@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -25,16 +26,65 @@ from ..states.files.format import crc32_of
 from ..states.files.read import read_verified
 from ..version import __version__
 
-if TYPE_CHECKING:
-    from .projector import Projector
-
-__all__ = ["FORMAT", "FORMAT_VERSION", "projector_tensors", "read_projector", "write_projector"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ProjectorFields",
+    "projector_tensors",
+    "read_projector",
+    "write_projector",
+]
 
 FORMAT = "kvedit.projector"
 FORMAT_VERSION = 1
 
 
-def projector_tensors(projector: Projector) -> dict[str, torch.Tensor]:
+class ProjectorFields(Protocol):
+    """What a projector file holds, as :class:`~kvedit.project.Projector` has it (see its
+    attributes): the writer reads these and nothing else, so it need not import the projector
+    (which imports this module)."""
+
+    @property
+    def weights(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def biases(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def a_layers(self) -> list[list[int]]: ...
+
+    @property
+    def a_inv_freq(self) -> torch.Tensor: ...
+
+    @property
+    def b_inv_freq(self) -> torch.Tensor: ...
+
+    @property
+    def a_kv_shape(self) -> tuple[int, int]: ...
+
+    @property
+    def b_kv_shape(self) -> tuple[int, int]: ...
+
+    @property
+    def b_windows(self) -> list[int | None]: ...
+
+    @property
+    def a_model(self) -> str: ...
+
+    @property
+    def a_tokenizer(self) -> str: ...
+
+    @property
+    def b_model(self) -> str: ...
+
+    @property
+    def b_tokenizer(self) -> str: ...
+
+    @property
+    def info(self) -> dict: ...
+
+
+def projector_tensors(projector: ProjectorFields) -> dict[str, torch.Tensor]:
     """The tensors a projector file holds, float32, contiguous, on CPU."""
     out = {
         "a_inv_freq": projector.a_inv_freq.float().cpu().contiguous(),
@@ -46,7 +96,7 @@ def projector_tensors(projector: Projector) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_projector(projector: Projector, path: str | os.PathLike) -> Path:
+def write_projector(projector: ProjectorFields, path: str | os.PathLike) -> Path:
     """Write ``projector`` to ``path`` atomically; returns the path.
 
     Raises:

@@ -1,21 +1,21 @@
 """Decoding from a state: the :class:`Answer` it returns, token-by-token :class:`Decoder`, the
 EOS ids greedy decoding stops at, and sampling of one token from logits.
+
+A state is typed :class:`~kvedit.states.view.StateView` here (:mod:`kvedit.states.state`
+imports this module).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache.adapter import dynamic_cache
 from ..runtime import forward
 from .passes import StateBias, appended_layers
-
-if TYPE_CHECKING:
-    from .state import KVState
+from .view import StateView
 
 __all__ = ["Answer", "Decoder", "eos_ids", "sample"]
 
@@ -48,7 +48,7 @@ class Decoder:
     """
 
     @torch.no_grad()
-    def __init__(self, state: KVState, continuation: str = "") -> None:
+    def __init__(self, state: StateView, continuation: str = "") -> None:
         ids = state.encode(continuation)
         # run() checks the state against its model; without a continuation, check here
         self.model, self.tokenizer = state.require_model() if ids else state.checked_model()

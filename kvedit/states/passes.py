@@ -5,12 +5,14 @@ and recompute a state's last input after an edit.
 with explicit positions and the stored bias (:class:`StateBias`); :func:`appended_layers` turns
 its output into layers with the new entries; :func:`recompute_last` is how every op makes its
 edit reach the first continuation token (it reruns the state's last input, wherever it sits).
+A state is typed :class:`~kvedit.states.view.StateView` here (:mod:`kvedit.states.state`
+imports this module); :func:`recompute_last` returns the type it is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -19,9 +21,9 @@ from ..cache import LayerKV
 from ..cache.adapter import CacheEntries, dynamic_cache
 from ..errors import StateAlteredError
 from ..runtime import forward
+from .view import StateView
 
-if TYPE_CHECKING:
-    from .state import KVState
+S = TypeVar("S", bound=StateView)
 
 __all__ = ["StateBias", "appended_layers", "last_input_entries", "recompute_last", "run_model"]
 
@@ -90,7 +92,7 @@ def appended_layers(layers, full_kv, ids, first_position, first_index=-1) -> lis
     return out
 
 
-def last_input_entries(state: KVState, layer: LayerKV) -> torch.Tensor:
+def last_input_entries(state: StateView, layer: LayerKV) -> torch.Tensor:
     """``BoolTensor[len(layer)]``: the layer's entries of the state's last input (its token
     index at its position; a token's other readings, such as a re-read copy or the original of
     one, are other entries)."""
@@ -100,8 +102,8 @@ def last_input_entries(state: KVState, layer: LayerKV) -> torch.Tensor:
 
 @torch.no_grad()
 def recompute_last(
-    state: KVState, edit: Callable[[int, LayerKV, torch.Tensor], LayerKV] | None = None
-) -> KVState:
+    state: S, edit: Callable[[int, LayerKV, torch.Tensor], LayerKV] | None = None
+) -> S:
     """``state`` with its last input run again over the (edited) rest of the cache.
 
     The last input (``state.last_input``) is the entry ``last_logits`` follow: the last text

@@ -30,33 +30,25 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
 from .. import checks
 from ..cache import LayerKV
+from ..cache.adapter import CacheEntries
 from ..errors import ModelNotAttachedError
 from ..provenance import History, Step, content_digest
 from ..spans import Spans, char_ranges, tokens_in_ranges
 from .decoding import Answer, Decoder, eos_ids, sample
 from .files.write import save_state
 from .passes import appended_layers, run_model
+from .view import LastInput
 
 __all__ = ["KVState", "LastInput", "LayerKV"]
 
 
-class LastInput(NamedTuple):
-    """The entry a state's ``last_logits`` follow: text token ``token_index`` at rotary
-    ``position`` (its entries are those with that token index *and* that position; a re-read
-    copy of a token is another entry than the token where it was first read)."""
-
-    token_index: int
-    position: int
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class KVState:
     """A captured KV cache of ``text`` plus what is needed to edit and continue from it.
 
@@ -75,6 +67,11 @@ class KVState:
             said).
         last_input: the entry ``last_logits`` follow (:class:`LastInput`); when not given,
             the last text token at its position (what a capture or an extension ran last).
+
+    Frozen: setting an attribute raises :class:`dataclasses.FrozenInstanceError`; every
+    operation returns a new state (:meth:`replace`, :meth:`with_step`, the ops). The
+    attributes are frozen, not the data: tensors are shared between states and not
+    write-protected, and no kvedit function writes into them.
     """
 
     layers: list[LayerKV]
@@ -92,11 +89,15 @@ class KVState:
     tokenizer: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # last_input is derived from the other fields when not given, and normalised to ints
+        # when given; set once, while the state is built
         n = int(self.token_ids.shape[0])
-        if self.last_input is None and n:
-            self.last_input = LastInput(n - 1, int(self.position_ids[n - 1]))
-        elif self.last_input is not None:
-            self.last_input = LastInput(*(int(v) for v in self.last_input))
+        last = self.last_input
+        if last is None and n:
+            last = LastInput(n - 1, int(self.position_ids[n - 1]))
+        elif last is not None:
+            last = LastInput(*(int(v) for v in last))
+        object.__setattr__(self, "last_input", last)
 
     # ---------------------------------------------------------------- basic properties
 
@@ -236,7 +237,7 @@ class KVState:
         _, tok = self.require_model()
         return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def run(self, ids: Sequence[int], logits_to_keep: int = 0):
+    def run(self, ids: Sequence[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, CacheEntries]:
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
         model, _ = self.checked_model()
         n = len(ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 
 import kvedit
 from kvedit.errors import SpanNotFoundError
+from kvedit.provenance import Step
+from kvedit.states.state import LastInput
 from kvedit.testing import TINY_SLIDING_WINDOW
 
 QUESTION = " What is Carol's secret number?"
@@ -90,6 +93,41 @@ def test_continuing_never_mutates_the_state(tiny):
     state.logits(QUESTION)
     state.extend(" more text")
     assert same(before, snapshot(state))
+
+
+def hand_built_state(n: int = 4) -> kvedit.KVState:
+    """A state built without a model: one dense layer of ``n`` entries."""
+    k = torch.randn(1, 2, n, 8)
+    layer = kvedit.LayerKV(k, k.clone(), torch.arange(n), torch.arange(n))
+    return kvedit.KVState(
+        layers=[layer],
+        token_ids=torch.arange(n),
+        offsets=torch.stack([torch.arange(n), torch.arange(1, n + 1)], dim=1),
+        text="abcd"[:n],
+        position_ids=torch.arange(n),
+        next_position=n,
+        last_logits=torch.zeros(10),
+        model_fingerprint="m",
+        tokenizer_fingerprint="t",
+    )
+
+
+def test_a_state_is_frozen_and_changes_build_new_states():
+    state = hand_built_state()
+    assert state.last_input == LastInput(3, 3)  # derived while the state was built
+    for name in ("layers", "text", "history", "last_input", "model", "next_position"):
+        before = getattr(state, name)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(state, name, before)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(state, name)
+        assert getattr(state, name) is before
+    history = state.history
+    stepped = state.with_step(Step("edit", "scale_keys", {"factor": 0.5}))
+    renamed = state.replace(text="dcba")
+    assert stepped is not state and stepped.history != history and state.history is history
+    assert (renamed.text, state.text) == ("dcba", "abcd")
+    assert renamed.layers is state.layers  # a shallow copy: tensors are shared
 
 
 def test_copy_to_len_nbytes(tiny):

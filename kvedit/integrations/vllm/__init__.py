@@ -50,7 +50,7 @@ from .engines import (
     require_vllm,
 )
 from .publishing import PublishedIds, kv_transfer_params, publish, publish_stock
-from .servable import Verdict, realize
+from .servable import Servability, realize
 from .stock import MASKED, REMOVE_AT, BiasRealization, StockCache, to_stock
 
 __all__ = [
@@ -64,8 +64,8 @@ __all__ = [
     "BiasRealization",
     "PublishedIds",
     "StockCache",
+    "Servability",
     "VLLMUnavailableError",
-    "Verdict",
     "admission",
     "check_load_failure",
     "connector_config",

@@ -25,6 +25,7 @@ vLLM's kernels take no per-key bias, so a state's biases become copies or remova
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from .stock import REMOVE_AT, BiasRealization, StockCache, to_stock
 
 __all__ = [
     "APPROXIMATE_HINT",
-    "Verdict",
+    "Servability",
     "approximation_step",
     "check",
     "judge",
@@ -59,7 +60,7 @@ def _realized(r: BiasRealization) -> bool:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Servability:
     """How a stock cache realises its state's edit (see the module doc).
 
     Attributes:
@@ -118,7 +119,7 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(out)
 
 
-def judge(stock: StockCache) -> Verdict:
+def judge(stock: StockCache) -> Servability:
     """Sort ``stock``'s realisations (pure: reads ``realizations`` and ``null_entries``)."""
     lost = tuple(r for r in stock.realizations if _lost(r))
     approx = tuple(r for r in stock.realizations if not r.exact and not _lost(r))
@@ -126,10 +127,10 @@ def judge(stock: StockCache) -> Verdict:
     asked = any(r.asked != 0 for r in stock.realizations)
     realisable = not asked or any(_realized(r) for r in stock.realizations) or nulls > 0
     exact = not lost and not approx and not nulls
-    return Verdict(exact, realisable, lost, approx, nulls)
+    return Servability(exact, realisable, lost, approx, nulls)
 
 
-def _advice(verdict: Verdict, remove_at: float) -> str:
+def _advice(verdict: Servability, remove_at: float) -> str:
     """What to ask instead of an edit that cannot be realised at all."""
     tips = []
     negative = [r.asked for r in verdict.lost if r.asked < 0]
@@ -155,8 +156,8 @@ def check(
     approximate: bool = False,
     remove_at: float = REMOVE_AT,
     what: str = "the state",
-) -> Verdict:
-    """The rule (see the module doc) for ``stock``: its :class:`Verdict`, or an error.
+) -> Servability:
+    """The rule (see the module doc) for ``stock``: its :class:`Servability`, or an error.
 
     Raises:
         InvalidInputError: the edit cannot be realised at all (always), or only approximately
@@ -203,17 +204,19 @@ def approximation_step(stock: StockCache, remove_at: float = REMOVE_AT) -> Step:
     )
 
 
-def label(state: KVState, stock: StockCache, remove_at: float = REMOVE_AT) -> KVState:
-    """``state`` with :func:`approximation_step` appended, and ``stock`` named by the labelled
-    state's digest and history (in place). A state already labelled for this stock is kept."""
+def label(
+    state: KVState, stock: StockCache, remove_at: float = REMOVE_AT
+) -> tuple[KVState, StockCache]:
+    """``(state with :func:`approximation_step` appended, stock named by the labelled state's
+    digest and history)``: new objects, ``state`` and ``stock`` are left as they are. A state
+    already labelled for this stock is kept."""
     step = approximation_step(stock, remove_at)
     last = state.history.steps[-1] if state.history.steps else None
     if last is not None and last.kind == "approximation" and last.name == step.name:
         labelled = state
     else:
         labelled = state.with_step(step)
-    stock.digest, stock.history = labelled.digest, labelled.history
-    return labelled
+    return labelled, dataclasses.replace(stock, digest=labelled.digest, history=labelled.history)
 
 
 def realize(
@@ -234,4 +237,4 @@ def realize(
     verdict = check(stock, approximate=approximate, remove_at=remove_at, what=what)
     if verdict.exact:
         return state, stock
-    return label(state, stock, remove_at), stock
+    return label(state, stock, remove_at)

@@ -89,7 +89,7 @@ class BiasRealization:
         return abs(self.asked - self.realized) <= _TOL
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class StockCache:
     """A state's cache as a stock kernel serves it (see the module doc).
 
@@ -109,6 +109,10 @@ class StockCache:
             published file's name and what a request names (empty for a cache built by hand).
         history: the state's :class:`~kvedit.provenance.History` (None for a cache built by
             hand).
+
+    Frozen: setting an attribute raises :class:`dataclasses.FrozenInstanceError`
+    (:func:`~kvedit.integrations.vllm.servable.label` returns a relabelled copy). The
+    attributes are frozen, not the data: the lists and tensors they hold are not.
     """
 
     token_ids: list[int]

@@ -1,8 +1,8 @@
 """Writing a state file (the format: :mod:`kvedit.states.files.format`), atomically.
 
 Files are written by :func:`kvedit.atomic.atomic_write` (a temporary name, fsync, rename), so a
-reader never sees a partial file. This module needs nothing of :mod:`kvedit.states.state` at run time,
-so the state can import it.
+reader never sees a partial file. This module imports nothing of :mod:`kvedit.states.state`, so
+the state can import it: a state is typed :class:`~kvedit.states.view.StateView` here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -20,10 +19,8 @@ from ...atomic import atomic_write
 from ...errors import InvalidInputError
 from ...provenance import History, cast_step, dtype_name
 from ...version import __version__
+from ..view import StateView
 from .format import FORMAT, FORMAT_VERSION, crc32_of
-
-if TYPE_CHECKING:
-    from ..state import KVState
 
 __all__ = ["save_state", "saved_history", "state_metadata", "state_tensors"]
 
@@ -39,7 +36,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
     return out
 
 
-def state_tensors(state: KVState, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def state_tensors(state: StateView, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The state's tensors by file name, on CPU (K/V cast to ``dtype`` when given).
 
     Raises:
@@ -50,7 +47,7 @@ def state_tensors(state: KVState, dtype: torch.dtype | None = None) -> dict[str,
 
 
 def _state_tensors_and_params(
-    state: KVState, dtype: torch.dtype | None, seen: set[torch.dtype] | None = None
+    state: StateView, dtype: torch.dtype | None, seen: set[torch.dtype] | None = None
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Tensors by file name and each layer's params; ``seen`` collects the dtypes the K/V data
     had before the cast."""
@@ -81,7 +78,7 @@ def _state_tensors_and_params(
     return out, params
 
 
-def saved_history(state: KVState, seen: set[torch.dtype], dtype: torch.dtype | None) -> History:
+def saved_history(state: StateView, seen: set[torch.dtype], dtype: torch.dtype | None) -> History:
     """The history of what a file holds: the state's, then the cast of its K/V to ``dtype``
     (one step per dtype the K/V had, when ``dtype`` is another)."""
     history = state.history
@@ -94,7 +91,7 @@ def saved_history(state: KVState, seen: set[torch.dtype], dtype: torch.dtype | N
 
 
 def state_metadata(
-    state: KVState,
+    state: StateView,
     tensors: dict[str, torch.Tensor],
     layer_params: list[dict] | None = None,
     *,
@@ -130,7 +127,7 @@ def state_metadata(
     }
 
 
-def _kv_dtype(state: KVState) -> torch.dtype | None:
+def _kv_dtype(state: StateView) -> torch.dtype | None:
     """The dtype of the state's keys and values, read off a lossless layer (nothing is
     dequantized to find it); None when every layer is packed."""
     for layer in state.layers:
@@ -139,7 +136,7 @@ def _kv_dtype(state: KVState) -> torch.dtype | None:
     return None
 
 
-def save_state(state: KVState, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def save_state(state: StateView, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
     """Write ``state`` to ``path`` (see module docstring); ``dtype`` down-casts keys and values.
 
     Raises:

@@ -9,6 +9,7 @@ on 3 KV heads (GQA).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -98,8 +99,7 @@ def served(case, tmp_path_factory):
     add("unknown_digest", plain_ids + qids, "f" * 32, published=plain_ids)
     dup = out["duplicate"]
     add("whole_prompt", dup["ids"], dup["digest"])
-    stock = to_stock(other)
-    stock.model_fingerprint = "0" * 32
+    stock = dataclasses.replace(to_stock(other), model_fingerprint="0" * 32)
     publish(stock, root)
     add("mismatch", stock.token_ids + qids, state=other, published=stock.token_ids)
     # a file the scheduler accepts but a worker cannot load (a layer lost a KV head)

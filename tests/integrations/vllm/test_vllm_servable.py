@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -20,7 +21,7 @@ import torch
 import kvedit
 from kvedit.errors import InvalidInputError
 from kvedit.integrations.vllm import files, kv_transfer_params, publish, publish_stock, to_stock
-from kvedit.integrations.vllm.servable import check, judge, realize
+from kvedit.integrations.vllm.servable import check, judge, label, realize
 from kvedit.integrations.vllm.stock import BiasRealization, StockCache
 from kvedit.provenance import Step
 
@@ -100,8 +101,7 @@ def test_a_malformed_digest_is_refused(bad):
 
 
 def test_a_cache_built_by_hand_gets_a_digest_of_its_contents(plain, tmp_path):
-    stock = to_stock(plain)
-    stock.digest, stock.history = "", None
+    stock = dataclasses.replace(to_stock(plain), digest="", history=None)
     path = files.write(stock, tmp_path, "x")
     stock.keys[0] = stock.keys[0] * 2
     other = files.write(stock, tmp_path, "x")
@@ -137,6 +137,26 @@ def test_an_approximation_asked_for_is_labelled_in_the_history(plain, tmp_path):
     assert meta["history"]["steps"][-1]["kind"] == "approximation"
     assert meta["digest"] == ids.digest and meta["exact"] is False
     assert stock.history == labelled.history
+
+
+def test_labelling_returns_a_new_stock_cache_and_leaves_its_input_as_it_was(plain):
+    state = kvedit.ops.emphasize(plain, SPAN, 2.0)
+    stock = to_stock(state)
+    digest, history = stock.digest, stock.history
+    labelled, named = label(state, stock)
+    assert named is not stock and (stock.digest, stock.history) == (digest, history)
+    assert (named.digest, named.history) == (labelled.digest, labelled.history)
+    assert named.digest != digest and named.keys is stock.keys  # the rest is shared
+    assert label(labelled, named)[0] is labelled  # already labelled: kept
+
+
+def test_a_stock_cache_is_frozen():
+    k = torch.zeros(3, 1, 2)
+    stock = StockCache([1, 2, 3], [k], [k], [None], 3, 0)
+    for name in ("digest", "history", "keys", "token_ids", "shift"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(stock, name, None)
+    assert stock.digest == "" and stock.history is None and stock.shift == 0
 
 
 def test_per_layer_strengths_are_an_approximation(plain, tmp_path):
