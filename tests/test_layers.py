@@ -1,0 +1,69 @@
+"""The package's layers (docs/architecture.md): a module imports only from lower layers of
+the package, never from its own callers. Counted as ``tests/test_imports.py`` counts imports
+(anywhere in a module's source, ``TYPE_CHECKING`` included)."""
+
+from __future__ import annotations
+
+import pytest
+from test_imports import MODULES, imported
+
+# Bottom up: a unit (a top-level module, or a subpackage with everything in it) may import the
+# units of lower ranks and itself. Equal ranks do not import each other.
+RANKS = {
+    "errors": 0,
+    "compat": 0,
+    "version": 0,
+    "atomic": 1,
+    "cache": 1,
+    "triton": 1,
+    "fingerprint": 1,
+    "attention": 2,
+    "runtime": 3,
+    "rope": 4,
+    "state_fit": 4,
+    "checks": 5,
+    "spans": 6,
+    "prompts": 6,
+    "provenance": 6,
+    "testing": 6,
+    "models": 7,
+    "states": 8,
+    "compress": 9,
+    "store": 9,
+    "project": 9,
+    "ops": 10,
+    "reusing": 10,
+    "focusing": 11,
+    "steering": 12,
+    "integrations": 13,
+    "evals": 14,
+    "cli": 15,
+    "__main__": 16,
+    "": 16,  # kvedit/__init__.py, the front door
+}
+# The one import against the order: vLLM's publisher formats prompts as the eval suite does.
+# (Importing kvedit.evals.prompts runs the package kvedit.evals's __init__ too.)
+EXCEPTIONS = {("integrations", "kvedit.evals.prompts"), ("integrations", "kvedit.evals")}
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_unit_has_a_rank():
+    assert {unit(m) for m in MODULES} <= set(RANKS), {unit(m) for m in MODULES} - set(RANKS)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_a_module_imports_only_lower_layers(module: str):
+    mine = unit(module)
+    wrong = [
+        target
+        for target in imported(module)
+        if unit(target) != mine
+        and RANKS[unit(target)] >= RANKS[mine]
+        and (mine, target) not in EXCEPTIONS
+        and target != "kvedit"
+    ]
+    assert wrong == [], f"{module} (rank {RANKS[mine]}) imports {wrong}"
