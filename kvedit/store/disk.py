@@ -281,7 +281,11 @@ class DiskTier:
         path = self.kv_path(key)
         try:
             seen = path.stat()
-            file_meta, tensors = read_state_file(path)
+            found = read_state_file(path)
+            file_meta, tensors = found.meta, found.tensors
+            if not found.trusted:
+                # not written by this installation (or before format 4): never a capture
+                return DiskRead(None)
             ids = tensors["token_ids"].tolist()
             if (
                 content_key(*fps, ids, self.chunk_tokens) != key
@@ -292,7 +296,7 @@ class DiskTier:
                 != fps
             ):
                 raise CorruptCacheError(f"{path}: contents do not match the key")
-            state = state_from_parts(file_meta, tensors, model, tokenizer, path=path)
+            state = state_from_parts(file_meta, tensors, model, tokenizer, path=path, trusted=True)
         except FileNotFoundError:
             return DiskRead(None)  # evicted by another writer meanwhile
         except (CorruptCacheError, KeyError) as e:
@@ -417,7 +421,10 @@ class DiskTier:
         try:
             if not is_key(key):
                 raise CorruptCacheError(f"{path}: not a store key")
-            file_meta, tensors = read_state_file(path)
+            found = read_state_file(path)
+            if not found.trusted:
+                return  # not written by this installation: never served, left as it is
+            file_meta, tensors = found.meta, found.tensors
             ids = tensors["token_ids"].tolist()
             mfp, tfp = file_meta["model_fingerprint"], file_meta["tokenizer_fingerprint"]
             if content_key(mfp, tfp, ids, self.chunk_tokens) != key:

@@ -20,7 +20,8 @@ from ...atomic import atomic_write
 from ...errors import InvalidInputError
 from ...provenance import History, cast_step, dtype_name
 from ...version import __version__
-from .format import FORMAT, FORMAT_VERSION, crc32_of
+from .format import FORMAT, FORMAT_VERSION
+from .seal import make_seal, tensors_digest
 
 if TYPE_CHECKING:
     from ..state import KVState
@@ -95,7 +96,6 @@ def saved_history(state: KVState, seen: set[torch.dtype], dtype: torch.dtype | N
 
 def state_metadata(
     state: KVState,
-    tensors: dict[str, torch.Tensor],
     layer_params: list[dict] | None = None,
     *,
     history: History | None = None,
@@ -126,7 +126,6 @@ def state_metadata(
         "history": history.to_json(),
         "kv_dtype": None if kv_dtype is None else dtype_name(kv_dtype),
         "last_input": None if last is None else [last.token_index, last.position],
-        "checksum": crc32_of(tensors),
     }
 
 
@@ -154,6 +153,7 @@ def save_state(state: KVState, path: str | os.PathLike, dtype: torch.dtype | Non
     tensors, params = _state_tensors_and_params(state, dtype, seen)
     history = saved_history(state, seen, dtype)
     kv_dtype = dtype if dtype is not None else (min(seen, key=str) if seen else None)
-    fields = state_metadata(state, tensors, params, history=history, kv_dtype=kv_dtype)
+    fields = state_metadata(state, params, history=history, kv_dtype=kv_dtype)
+    fields["seal"] = make_seal(fields, tensors_digest(tensors))
     meta = {"kvedit": json.dumps(fields, ensure_ascii=False)}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
