@@ -283,9 +283,6 @@ class DiskTier:
             seen = path.stat()
             found = read_state_file(path)
             file_meta, tensors = found.meta, found.tensors
-            if not found.trusted:
-                # not written by this installation (or before format 4): never a capture
-                return DiskRead(None)
             ids = tensors["token_ids"].tolist()
             if (
                 content_key(*fps, ids, self.chunk_tokens) != key
@@ -296,7 +293,11 @@ class DiskTier:
                 != fps
             ):
                 raise CorruptCacheError(f"{path}: contents do not match the key")
-            state = state_from_parts(file_meta, tensors, model, tokenizer, path=path, trusted=True)
+            # a file this installation did not write (or older than format 4) loads with an
+            # unknown history: the store drops it as stale, never serves it
+            state = state_from_parts(
+                file_meta, tensors, model, tokenizer, path=path, trusted=found.trusted
+            )
         except FileNotFoundError:
             return DiskRead(None)  # evicted by another writer meanwhile
         except (CorruptCacheError, KeyError) as e:
