@@ -192,8 +192,8 @@ def test_focus_passes_the_chosen_passages_to_the_guard(llama):
 
 
 def test_a_guard_without_decide_is_refused_before_any_work(llama, monkeypatch):
-    from kvedit.focusing import choice as focusing
     from kvedit.errors import InvalidTypeError
+    from kvedit.focusing import choice as focusing
     from kvedit.focusing.guard import check_guard
 
     state = _state(llama)
