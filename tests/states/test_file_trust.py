@@ -21,7 +21,8 @@ from kvedit.states.files.seal import KEY_ENV, header_digest, installation_key
 def _edit_header(path, change, out=None, reseal=False):
     """Rewrite the JSON header of a safetensors file in place (tensor bytes untouched).
     ``reseal``: recompute the header digest as anyone can (no key: the MAC stays stale)."""
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["kvedit"])
