@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ... import checks
-from ...atomic import atomic_write
+from ...atomic import atomic_write, sweep_leftovers
 from ...errors import InvalidInputError
 from ...provenance import History, cast_step, dtype_name
 from ...version import __version__
@@ -156,4 +156,5 @@ def save_state(state: KVState, path: str | os.PathLike, dtype: torch.dtype | Non
     fields = state_metadata(state, params, history=history, kv_dtype=kv_dtype)
     fields["seal"] = make_seal(fields, tensors_digest(tensors))
     meta = {"kvedit": json.dumps(fields, ensure_ascii=False)}
+    sweep_leftovers(path)  # what a killed save of this file left behind
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
