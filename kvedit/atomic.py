@@ -20,10 +20,14 @@ import contextlib
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .errors import InvalidInputError, InvalidTypeError, StorageError
+
+STALE_TEMP_SECONDS = 3600.0
+"""A temporary file older than this is a leftover whoever wrote it (no write takes an hour)."""
 
 TEMP_MARKER = ".kvedit-tmp-"
 """What every temporary name kvedit writes contains (after a leading dot and the final name)."""
@@ -38,14 +42,57 @@ __all__ = [
     "check_path",
     "is_temp_name",
     "remove_temp",
+    "sweep_leftovers",
     "temp_name",
 ]
 
 
 def temp_name(path: str | os.PathLike) -> Path:
-    """A fresh temporary path next to ``path``: ``.NAME.kvedit-tmp-<16 hex digits>``."""
+    """A fresh temporary path next to ``path``: ``.NAME.kvedit-tmp-<pid>-<16 hex digits>``
+    (the writer's process id lets :func:`sweep_leftovers` tell a dead writer's leftover)."""
     path = Path(path)
-    return path.with_name(f".{path.name}{TEMP_MARKER}{secrets.token_hex(8)}")
+    return path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(8)}")
+
+
+def _writer_alive(name: str) -> bool | None:
+    """Whether the process that made temporary name ``name`` is alive on this machine (None:
+    the name records no process id)."""
+    tail = name.rpartition(TEMP_MARKER)[2]
+    pid, sep, _ = tail.partition("-")
+    if not sep or not pid.isdigit():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def sweep_leftovers(path: str | os.PathLike, stale_seconds: float = STALE_TEMP_SECONDS) -> int:
+    """Remove what killed writers of ``path`` left next to it (``.NAME.kvedit-tmp-*``): those
+    whose writer is no longer alive and that are over a minute old (a writer on another machine
+    sharing the folder has a process id that means nothing here), and any older than
+    ``stale_seconds``. Returns how many were removed; never raises."""
+    path = Path(path)
+    prefix = f".{path.name}{TEMP_MARKER}"
+    removed = 0
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(path.parent or ".") if n.startswith(prefix)]
+    except OSError:
+        return 0
+    for name in names:
+        leftover = path.with_name(name)
+        try:
+            age = now - leftover.lstat().st_mtime
+        except OSError:
+            continue
+        if age > stale_seconds or (age > 60 and _writer_alive(name) is False):
+            remove_temp(leftover)
+            removed += 1
+    return removed
 
 
 def is_temp_name(name: str) -> bool:

@@ -113,11 +113,32 @@ class Step:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Step:
-        return cls(str(data["kind"]), str(data["name"]), dict(data["params"]), bool(data["exact"]))
+        """A step as a file recorded it, parsed strictly: ``kind`` and ``name`` strings,
+        ``params`` an object, ``exact`` a JSON boolean (``"no"`` is not false).
+
+        Raises:
+            ValueError: a field is missing or of the wrong JSON type.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a step must be an object, not {type(data).__name__}")
+        kind, name = _json_field(data, "kind", str), _json_field(data, "name", str)
+        params, exact = _json_field(data, "params", dict), _json_field(data, "exact", bool)
+        return cls(kind, name, params, exact)
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={_short(v)}" for k, v in self.params.items())
         return f"{self.name}({args}){'' if self.exact else ' ~inexact'}"
+
+
+def _json_field(data: Mapping[str, Any], name: str, kind: type) -> Any:
+    """``data[name]``, which must be of JSON type ``kind`` (a bool is not an int, nor the
+    reverse)."""
+    if name not in data:
+        raise ValueError(f"missing field {name!r}")
+    value = data[name]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ValueError(f"field {name!r} must be a JSON {kind.__name__}, not {value!r}")
+    return value
 
 
 def cast_step(source: Any, target: Any) -> Step:
@@ -239,10 +260,16 @@ class History:
         """The history a file recorded (``None``: an older file, :meth:`unknown`)."""
         if data is None:
             return cls.unknown(path)
-        origin = data["origin"]
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a history must be an object, not {type(data).__name__}")
+        origin = _json_field(data, "origin", dict)
+        params = origin.get("params", {})
+        if not isinstance(params, dict):
+            raise ValueError(f"origin params must be an object, not {type(params).__name__}")
+        steps = _json_field(data, "steps", list)
         return cls(
-            Origin(str(origin["kind"]), dict(origin.get("params", {})), path),
-            tuple(Step.from_json(s) for s in data["steps"]),
+            Origin(_json_field(origin, "kind", str), params, path),
+            tuple(Step.from_json(s) for s in steps),
         )
 
     def __str__(self) -> str:

@@ -20,6 +20,14 @@ if not _HAS_CUDA:
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# State files are sealed with a per-installation key: tests use one of their own, made on
+# first use in a fresh folder, never the user's.
+if "KVEDIT_KEY_FILE" not in os.environ:
+    import tempfile
+
+    os.environ["KVEDIT_KEY_FILE"] = os.path.join(
+        tempfile.mkdtemp(prefix="kvedit-test-key-"), "installation.key"
+    )
 
 
 import importlib.util  # noqa: E402

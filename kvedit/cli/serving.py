@@ -149,6 +149,9 @@ def _run_publish(args) -> int:
     from ..integrations.vllm.contexts import publish_context
     from ..models import load_model
 
+    for flag, value in (("--question", args.question), ("--focus", args.focus)):
+        if value is not None and not value.strip():
+            raise InvalidInputError(f"{flag} is empty: give the question requests ask")
     if args.request and args.question is None and args.focus is None:
         raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
     if args.guard is not None and args.focus is None:

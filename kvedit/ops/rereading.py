@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import checks
 from ..errors import ModelNotAttachedError
 from ..provenance import Step, token_ranges
 from ..spans import Spans
@@ -30,7 +31,13 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
     The last re-read token becomes the state's last input (``last_logits`` follow it, and an
     op after this one recomputes it, at its new position); the history records a ``reread``
     step (the tokens and the separator).
+
+    Raises:
+        InvalidTypeError: ``separator`` is not a str.
+        InvalidInputError: the re-read would reach past the model's positions (checked before
+            the model runs).
     """
+    separator = checks.text("separator", separator)
     tokens = span_tokens(state, spans)
     if state.tokenizer is None or state.model is None:
         raise ModelNotAttachedError(
@@ -40,6 +47,10 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
     ids = list(sep_ids) + state.token_ids[tokens].tolist()
     index = torch.cat([torch.full((len(sep_ids),), -1, dtype=torch.long), tokens])
     n = len(ids)
+    # positions advance past the cache: the re-read must end within the model's positions
+    checks.context_fits(
+        state.model, n_tokens=state.next_position + n, what="state after the re-read"
+    )
     device = state.device
     positions = torch.arange(state.next_position, state.next_position + n)
     logits, full_kv = run_model(

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 
-from ..errors import StateAlteredError
+from .. import checks
+from ..errors import InvalidInputError, InvalidTypeError, StateAlteredError
 from ..states.capturing import capture, encode, extend_ids
 from ..states.state import KVState
 
@@ -85,11 +86,21 @@ def reuse(
 
     Returns:
         ``(state, report)``; the state is what ``capture(model, tokenizer, text)`` returns.
+
+    Raises:
+        InvalidTypeError: ``text`` is not a str, or ``store`` not a KVStore.
+        InvalidInputError: ``text`` is empty (or tokenizes to nothing), or longer than the
+            model's positions.
     """
     t0 = time.perf_counter()
+    text = checks.text("text", text, allow_empty=False)
+    if not callable(getattr(store, "longest_prefix_ids", None)):
+        raise InvalidTypeError(f"store must be a kvedit.KVStore, not {checks.describe(store)}")
+    checks.context_fits(model, n_chars=len(text))
     ids, offsets = encode(tokenizer, text)
     if not ids:
-        raise ValueError("reuse: the text tokenizes to nothing")
+        raise InvalidInputError("reuse: the text tokenizes to nothing")
+    checks.context_fits(model, n_tokens=len(ids))
     match = store.longest_prefix_ids(model, tokenizer, ids, offsets, text)
     n = match.n_tokens
     if match.state is not None:

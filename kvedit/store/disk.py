@@ -281,7 +281,8 @@ class DiskTier:
         path = self.kv_path(key)
         try:
             seen = path.stat()
-            file_meta, tensors = read_state_file(path)
+            found = read_state_file(path)
+            file_meta, tensors = found.meta, found.tensors
             ids = tensors["token_ids"].tolist()
             if (
                 content_key(*fps, ids, self.chunk_tokens) != key
@@ -292,7 +293,11 @@ class DiskTier:
                 != fps
             ):
                 raise CorruptCacheError(f"{path}: contents do not match the key")
-            state = state_from_parts(file_meta, tensors, model, tokenizer, path=path)
+            # a file this installation did not write (or older than format 4) loads with an
+            # unknown history: the store drops it as stale, never serves it
+            state = state_from_parts(
+                file_meta, tensors, model, tokenizer, path=path, trusted=found.trusted
+            )
         except FileNotFoundError:
             return DiskRead(None)  # evicted by another writer meanwhile
         except (CorruptCacheError, KeyError) as e:
@@ -417,7 +422,10 @@ class DiskTier:
         try:
             if not is_key(key):
                 raise CorruptCacheError(f"{path}: not a store key")
-            file_meta, tensors = read_state_file(path)
+            found = read_state_file(path)
+            if not found.trusted:
+                return  # not written by this installation: never served, left as it is
+            file_meta, tensors = found.meta, found.tensors
             ids = tensors["token_ids"].tolist()
             mfp, tfp = file_meta["model_fingerprint"], file_meta["tokenizer_fingerprint"]
             if content_key(mfp, tfp, ids, self.chunk_tokens) != key:

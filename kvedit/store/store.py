@@ -73,7 +73,7 @@ class KVStore:
     history (:attr:`KVState.history <kvedit.KVState.history>`: an edit, a compression, a
     re-read, a projection, a blend, a lossy cast not allowed, or an unknown history), and a
     state read from disk is served only if its history is such a capture: an entry written
-    before kvedit 0.3 (no history) is a miss, dropped (counted as ``stale``), and recomputed
+    before state-file format 4, or by another installation (its history cannot be believed), is a miss, dropped (counted as ``stale``), and recomputed
     by whoever wanted it.
 
     Counters in :meth:`stats` (hits, misses, evictions...) are per ``KVStore`` object.
@@ -379,8 +379,8 @@ class KVStore:
         if read.state is None:
             return None
         if not read.state.history.known or read.state.history.origin.kind != "capture":
-            # written before kvedit 0.3 (or not a capture at all): a miss, recomputed by
-            # whoever wanted it, never served as a capture
+            # not written by this installation (another's key, a file older than format 4)
+            # or not a capture at all: a miss, recomputed by whoever wanted it, never served
             self._drop(key, "stale")
             return None
         if self.refusal(read.state) is not None:

@@ -146,23 +146,24 @@ def test_header_length_ending_in_0x80_is_not_mistaken_for_a_pickle(tmp_path):
 
 
 def rewrite(path, change_meta=None, change_tensors=None, version=None):
-    """Rewrite a state file with changed metadata/tensors and a recomputed CRC (a file that
-    passes its checksum but lies)."""
+    """Rewrite a state file with changed metadata/tensors, sealed again with this
+    installation's key (a file that passes its seal but lies)."""
     import json
 
     from safetensors.torch import save_file
 
-    from kvedit.states.files.format import crc32_of
     from kvedit.states.files.read import read_state_file
+    from kvedit.states.files.seal import make_seal, tensors_digest
 
-    meta, tensors = read_state_file(path)
+    found = read_state_file(path)
+    meta, tensors = found.meta, found.tensors
     if change_tensors:
         change_tensors(tensors)
     if change_meta:
         change_meta(meta)
     if version is not None:
         meta["format_version"] = version
-    meta["checksum"] = crc32_of(tensors)
+    meta["seal"] = make_seal(meta, tensors_digest(tensors))
     save_file(tensors, str(path), metadata={"kvedit": json.dumps(meta)})
 
 
@@ -176,7 +177,7 @@ def test_version_1_files_are_still_read(tmp_path, llama):
     from kvedit.states.files.format import FORMAT_VERSION, crc32_of
     from kvedit.states.files.write import state_tensors
 
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
     model, tok = llama
     state = kvedit.capture(model, tok, RECORDS)
     tensors = state_tensors(state)
@@ -200,9 +201,9 @@ def test_version_1_files_are_still_read(tmp_path, llama):
     assert loaded.model_fingerprint == model_fingerprint(model)  # upgraded on load
     assert loaded.generate(" What is", 8) == state.generate(" What is", 8)
     assert not loaded.history.known  # kvedit 0.1 recorded no history
-    loaded.save(tmp_path / "v3.kv")  # saved again: version 3, history still unknown
-    assert json.loads(_header(tmp_path / "v3.kv"))["format_version"] == 3
-    assert not kvedit.load_state(tmp_path / "v3.kv", model, tok).history.known
+    loaded.save(tmp_path / "v4.kv")  # saved again: version 4, history still unknown
+    assert json.loads(_header(tmp_path / "v4.kv"))["format_version"] == 4
+    assert not kvedit.load_state(tmp_path / "v4.kv", model, tok).history.known
     other, _ = tiny_model("llama", seed=1)
     with pytest.raises(CacheMismatchError, match="version-1"):
         kvedit.load_state(path, other, tok)
@@ -267,8 +268,8 @@ def test_version_2_files_are_still_read_with_an_unknown_history(tmp_path, llama)
 
 def test_unknown_version_is_refused(saved):
     _, model, tok, _, path = saved
-    rewrite(path, version=4)
-    with pytest.raises(CorruptCacheError, match="version 4 is not supported"):
+    rewrite(path, version=5)
+    with pytest.raises(CorruptCacheError, match="version 5 is not supported"):
         kvedit.load_state(path, model, tok)
 
 
@@ -276,14 +277,14 @@ def test_unknown_version_is_refused(saved):
 
 
 def test_history_is_saved_and_loaded(tmp_path, llama):
-    """A file records the state's history (format 3): capture, save, load is the same content
+    """A file records the state's history (format 4, sealed): capture, save, load is the same content
     (same digest, a plain capture); an edit's steps come back in order; the file read is noted
     in the origin but is no part of the digest."""
     model, tok = llama
     state = kvedit.capture(model, tok, RECORDS)
     state.save(tmp_path / "c.kv")
     meta = json.loads(_header(tmp_path / "c.kv"))
-    assert meta["format_version"] == 3 and meta["history"]["origin"]["kind"] == "capture"
+    assert meta["format_version"] == 4 and meta["history"]["origin"]["kind"] == "capture"
     assert meta["kv_dtype"] == "float32" and meta["last_input"] == [len(state) - 1] * 2
     loaded = kvedit.load_state(tmp_path / "c.kv", model, tok)
     assert loaded.digest == state.digest and loaded.is_plain_capture

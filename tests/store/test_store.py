@@ -174,7 +174,9 @@ def _as_written_by_0_2(path) -> None:
     from kvedit.states.files.format import crc32_of
     from kvedit.states.files.read import read_state_file
 
-    meta, tensors = read_state_file(path)
+    found = read_state_file(path)
+    meta, tensors = found.meta, found.tensors
+    meta.pop("seal")
     for name in ("history", "kv_dtype", "last_input"):
         del meta[name]
     meta["format_version"] = 2

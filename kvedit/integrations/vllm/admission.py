@@ -134,7 +134,7 @@ def _plain(
         except (KVEditError, OSError) as e:
             errors.append(f"{path.name}: {e}")
             continue
-        if meta.get("plain_capture") is True:
+        if meta.get("plain_capture") is True and meta.get("trusted") is True:
             plain.append((path, meta))
     if plain:
         plain.sort(key=lambda pm: pm[1].get("model_fingerprint") != fingerprint)
@@ -219,7 +219,7 @@ def admit(
             "cache's entries (turn prefix caching off)"
         )
         return Refusal("prefix-cache", detail, n, where, digest)
-    if n >= len(ids) and meta.get("plain_capture") is not True:
+    if n >= len(ids) and not (meta.get("plain_capture") is True and meta.get("trusted") is True):
         detail = (
             f"the prompt is exactly the {n} published ids: vLLM would compute the last slot "
             "from its token id, which is not the edited cache's entry; send the question (at "

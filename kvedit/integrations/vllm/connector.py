@@ -323,7 +323,7 @@ class KVEditConnector(KVConnectorBase_V1):
             raise ValueError(f"the scheduler refused it: {refused or 'no file'}")
         # Keyed by the file's own checksum: a file republished under the same name may reuse
         # the old one's inode and modification time.
-        key = (path, str(files.read_header(path).get("checksum")))
+        key = (path, str(files.read_header(path)["seal"]["tensors"]))
         if key in self._files:
             self._files.move_to_end(key)
             return self._files[key]

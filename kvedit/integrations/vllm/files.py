@@ -9,11 +9,14 @@ digest of its contents). Two states with the same ids and different digests (a p
 and a ``scale_keys`` edit of it) have two files; publishing one state again replaces its own.
 Tensors: per layer ``layer.{i}.keys`` and ``layer.{i}.values`` ``[n_i, kv_heads, head_dim]``
 (rows for the last ``n_i`` slots) and ``token_ids`` ``[n]``; the header's ``kvedit`` entry is
-JSON (format ``kvedit.vllm`` version 2, the token ids, the digest, whether the state was a plain
-capture, its history, shapes, windows, fingerprints, the realization report and a CRC-32 of the
-tensors). Files are written with :func:`kvedit.atomic.atomic_write` (a reader sees a whole file
-or none), never pickled. Version-1 files (named by their ids alone) are not served: publish
-them again.
+JSON (format ``kvedit.vllm`` version 3, the token ids, the digest, whether the state was a plain
+capture, its history, shapes, windows, fingerprints, the realization report and the seal of
+:mod:`kvedit.states.files.seal`: digests of header and tensors and this installation's MAC).
+A file whose header was edited is refused as corrupt; a file whose MAC this installation cannot
+verify (written elsewhere) is read with ``trusted`` false, and its claims (plain capture,
+history) are not believed: it is served only by the digest a request names. Files are written
+with :func:`kvedit.atomic.atomic_write` (a reader sees a whole file or none), never pickled.
+Files of versions 1 and 2 are not served: publish them again.
 
 A lookup (:class:`PublishedIndex`) lists the root's file names once per change of the folder
 (and while its last change is under 2 s old) and tries each published length, longest first:
@@ -48,12 +51,19 @@ from safetensors.torch import save_file
 
 from ...atomic import atomic_write, is_temp_name, remove_temp
 from ...errors import CorruptCacheError, InvalidInputError
-from ...states.files.format import crc32_of, crc32_step
-from ...states.files.read import read_verified
+from ...states.files.read import read_sealed
+from ...states.files.seal import (
+    Seal,
+    TensorDigester,
+    check_header,
+    check_tensors,
+    make_seal,
+    tensors_digest,
+)
 from .stock import StockCache
 
 FORMAT = "kvedit.vllm"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _NAME = re.compile(r"^(\d+)-([0-9a-f]{32})-([0-9a-f]{32})\.safetensors$")
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 LOCK_NAME = ".kvedit-publish.lock"
@@ -181,11 +191,12 @@ def digest_of(path: str | os.PathLike) -> str:
     return m.group(3)
 
 
-def _cache_digest(cache: StockCache, checksum: int) -> str:
-    """The state's digest, or for a cache built by hand (no digest) one of its contents."""
+def _cache_digest(cache: StockCache, body: str) -> str:
+    """The state's digest, or for a cache built by hand (no digest) one of its contents
+    (``body``: the tensors' digest)."""
     if cache.digest:
         return check_digest(cache.digest)
-    payload = json.dumps({"ids": list(cache.token_ids), "crc": checksum}).encode()
+    payload = json.dumps({"ids": list(cache.token_ids), "tensors": body}).encode()
     return hashlib.sha256(payload).hexdigest()[:32]
 
 
@@ -203,8 +214,8 @@ def write(cache: StockCache, root: str | os.PathLike, kvedit_version: str) -> Pa
         tensors[f"layer.{i}.keys"] = k.detach().to("cpu").contiguous()
         tensors[f"layer.{i}.values"] = v.detach().to("cpu").contiguous()
     k0 = cache.keys[0]
-    checksum = crc32_of(tensors)
-    digest = _cache_digest(cache, checksum)
+    body = tensors_digest(tensors)
+    digest = _cache_digest(cache, body)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -231,8 +242,8 @@ def write(cache: StockCache, root: str | os.PathLike, kvedit_version: str) -> Pa
         "model": cache.model,
         "model_fingerprint": cache.model_fingerprint,
         "tokenizer_fingerprint": cache.tokenizer_fingerprint,
-        "checksum": checksum,
     }
+    meta["seal"] = make_seal(meta, body)
     header = {"kvedit": json.dumps(meta)}
     path = root / file_name(cache.token_ids, digest)
     with _writing(root):
@@ -240,11 +251,20 @@ def write(cache: StockCache, root: str | os.PathLike, kvedit_version: str) -> Pa
 
 
 def read_header(path: str | os.PathLike) -> dict:
-    """The JSON metadata of a published file (the header only: no tensor is read).
+    """The JSON metadata of a published file (the header only: no tensor is read), its seal's
+    header digest checked; ``trusted`` added: whether this installation wrote the file (only
+    then are its claims, ``plain_capture`` and ``history``, to be believed).
 
     Raises:
-        CorruptCacheError: not a readable published file of this format version.
+        CorruptCacheError: not a readable published file of this format version, or a header
+            edited after it was written.
     """
+    meta, seal = _sealed_header(path)
+    return {**meta, "trusted": seal.trusted}
+
+
+def _sealed_header(path: str | os.PathLike) -> tuple[dict, Seal]:
+    """The header entry of a published file as written, and its checked seal."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["kvedit"])
@@ -254,44 +274,47 @@ def read_header(path: str | os.PathLike) -> dict:
         raise
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCacheError(f"{path}: unreadable safetensors file: {e}") from e
+    if not isinstance(meta, dict):
+        raise CorruptCacheError(f"{path}: the kvedit metadata is not a JSON object")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise CorruptCacheError(
             f"{path}: format {meta.get('format')!r} v{meta.get('format_version')} is not "
             f"{FORMAT!r} v{FORMAT_VERSION}"
         )
-    return meta
+    return meta, check_header(meta, path)
 
 
 def verify(path: str | os.PathLike) -> dict:
-    """The header of a published file whose CRC checks, read one tensor at a time (a file's
-    largest tensor in memory, not the whole file).
+    """The header of a published file (:func:`read_header`) whose tensors match its seal,
+    read one tensor at a time (a file's largest tensor in memory, not the whole file).
 
     Raises:
-        CorruptCacheError: truncated, corrupted, another format.
+        CorruptCacheError: truncated, corrupted, edited, another format.
         FileNotFoundError: no such file.
     """
-    meta = read_header(path)
-    crc = 0
+    meta, seal = _sealed_header(path)
+    digester = TensorDigester()
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in sorted(f.keys()):  # noqa: SIM118
-                crc = crc32_step(crc, name, f.get_tensor(name))
+                digester.add(name, f.get_tensor(name))
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCacheError(f"{path}: unreadable safetensors file: {e}") from e
-    if f"{crc:08x}" != meta.get("checksum"):
-        raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
-    return meta
+    check_tensors(seal, digester.hexdigest(), path)
+    return {**meta, "trusted": seal.trusted}
 
 
 def read(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(metadata, tensors)`` of a published file, its CRC verified.
+    """``(metadata, tensors)`` of a published file, its seal verified; the metadata has
+    ``trusted`` as :func:`read_header` adds it.
 
     Raises:
-        CorruptCacheError: truncated, corrupted, a pickle, another format.
+        CorruptCacheError: truncated, corrupted, edited, a pickle, another format.
     """
-    return read_verified(path, FORMAT, FORMAT_VERSION, what="published cache format")
+    found = read_sealed(path, FORMAT, FORMAT_VERSION, what="published cache format", sealed_from=3)
+    return {**found.meta, "trusted": found.trusted}, found.tensors
 
 
 class PublishedIndex:

@@ -1,4 +1,4 @@
-"""The state file format: its name, versions, and the CRC-32 every file carries.
+"""The state file format: its name, versions, and the CRC-32 files before version 4 carry.
 
 A state file is one safetensors file with JSON metadata in its header. Layout: per layer ``i``,
 the tensors its cache-layer class writes (:mod:`kvedit.cache`), named ``layer.{i}.NAME`` (dense:
@@ -8,15 +8,18 @@ points and the exact residual; merged: norms, retained entries and the exact tai
 ``shared.{key}.NAME`` for data layers share (a merged pair's directions, written once, named by
 the layers' ``shared`` param), and ``token_ids``, ``offsets``, ``position_ids``, ``last_logits``.
 The header's ``kvedit`` entry is JSON: format version, fingerprints, text, windows, each layer's
-kind and parameters, and a CRC-32 of every tensor's bytes (an integrity check).
+kind and parameters, and the file's ``seal`` (:mod:`kvedit.states.files.seal`: one digest over
+the header and every tensor, and this installation's MAC of it).
 
-Format versions: 3 (kvedit 0.3) adds the state's provenance: ``history`` (its origin and
+Format versions: 4 replaces the CRC-32 of the tensors with the seal: a file whose seal this
+installation cannot verify (written elsewhere, or by a kvedit before version 4) loads with an
+unknown history, so the store and vLLM never take it for a capture. 3 (kvedit 0.3) adds the state's provenance: ``history`` (its origin and
 every transformation, :class:`kvedit.provenance.History`, the cast of a ``save(dtype=...)``
 included), ``kv_dtype`` (the dtype its keys and values are written in) and ``last_input``
 (``[token index, position]`` of the entry its last logits follow). 2 (kvedit 0.2) records the
 model fingerprint of :func:`kvedit.fingerprint.model_fingerprint` (whole tensors,
 dtype-independent), the token count and each layer's entry count. Versions 1 (kvedit 0.1)
-and 2 are still read; their states have an unknown history.
+to 3 are still read (their CRC-32 checked); their states have an unknown history.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import zlib
 
 import torch
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "crc32_of"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "SEALED_VERSION", "crc32_of"]
 
 FORMAT = "kvedit.kvstate"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+# The first version whose files carry a seal instead of a CRC-32.
+SEALED_VERSION = 4
 
 
 def crc32_of(tensors: dict[str, torch.Tensor]) -> str:

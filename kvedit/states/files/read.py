@@ -1,9 +1,10 @@
 """Reading a state file (the format: :mod:`kvedit.states.files.format`) and checking it.
 
-:func:`load_state` reads, verifies (header sniffed, format, version, CRC-32 of every tensor) and
+:func:`load_state` reads, verifies (header sniffed, format, version, the seal over header and
+tensors: :mod:`kvedit.states.files.seal`) and
 checks the file against the model (fingerprints, layers, KV heads, head size, windows, sizes)
 before the state is built. Nothing is ever unpickled. The state's history comes from the file
-(format 3; older files: unknown), with a cast step when the file's K/V dtype is not the
+when this installation wrote it (older or foreign files: unknown), with a cast step when the file's K/V dtype is not the
 model's. Version 1 files (kvedit 0.1): their model
 fingerprint (:func:`kvedit.fingerprint.legacy_model_fingerprint`) is checked and the loaded
 state carries the current one.
@@ -15,6 +16,7 @@ import json
 import os
 import struct
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,9 +28,17 @@ from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError, 
 from ...fingerprint import legacy_model_fingerprint, model_fingerprint, tokenizer_fingerprint
 from ...provenance import History, cast_step, dtype_name
 from ..state import KVState, LastInput
-from .format import FORMAT, READABLE_VERSIONS, crc32_of
+from .format import FORMAT, READABLE_VERSIONS, SEALED_VERSION, crc32_of
+from .seal import VERIFIED, Seal, check_header, check_tensors, tensors_digest
 
-__all__ = ["load_state", "read_state_file", "read_verified", "state_from_parts"]
+__all__ = [
+    "SealedFile",
+    "load_state",
+    "read_sealed",
+    "read_state_file",
+    "read_verified",
+    "state_from_parts",
+]
 
 _MAX_HEADER = 100 * 2**20
 
@@ -71,16 +81,8 @@ def _read_path(path) -> Path:
     return Path(path)
 
 
-def read_verified(
-    path: str | os.PathLike, fmt: str, version: int | Collection[int], what: str = "format"
-) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a kvedit safetensors file of format ``fmt``: header sniffed, JSON metadata parsed,
-    format and version checked (``version``: the one readable version, or several), CRC
-    verified. Returns ``(metadata, tensors)``.
-
-    Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, a pickle).
-    """
-    path = _read_path(path)
+def _read_raw(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The header's ``kvedit`` entry (parsed JSON) and every tensor of a safetensors file."""
     _check_header(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -92,9 +94,14 @@ def read_verified(
         meta = json.loads(raw_meta["kvedit"])
     except (KeyError, json.JSONDecodeError) as e:
         raise CorruptCacheError(f"{path}: no kvedit metadata in the header") from e
+    if not isinstance(meta, dict):
+        raise CorruptCacheError(f"{path}: the kvedit metadata is not a JSON object")
+    return meta, tensors
+
+
+def _check_version(meta: dict, path, fmt: str, versions: tuple[int, ...], what: str) -> int:
     if meta.get("format") != fmt:
         raise CorruptCacheError(f"{path}: format {meta.get('format')!r} is not {fmt!r}")
-    versions = (version,) if isinstance(version, int) else tuple(version)
     found = meta.get("format_version")
     if isinstance(found, bool) or found not in versions:
         readable = " or ".join(str(v) for v in versions)
@@ -102,17 +109,73 @@ def read_verified(
             f"{path}: {what} version {found} is not supported "
             f"(this kvedit reads version {readable})"
         )
-    if crc32_of(tensors) != meta.get("checksum"):
-        raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
-    return meta, tensors
+    return found
 
 
-def read_state_file(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read and verify a state file (any of :data:`READABLE_VERSIONS`).
+@dataclass(frozen=True)
+class SealedFile:
+    """A verified file: its header entry ``meta``, its ``tensors``, and its ``seal`` (None for a
+    version before sealing, whose CRC-32 was checked instead)."""
 
-    Returns ``(metadata, tensors)`` or raises CorruptCacheError.
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+    seal: Seal | None
+
+    @property
+    def trusted(self) -> bool:
+        """This installation wrote the file (its MAC verifies): its claims can be believed."""
+        return self.seal is not None and self.seal.trusted
+
+
+def read_sealed(
+    path: str | os.PathLike,
+    fmt: str,
+    version: int | Collection[int],
+    what: str = "format",
+    sealed_from: int = SEALED_VERSION,
+) -> SealedFile:
+    """Read a kvedit safetensors file of format ``fmt``: header sniffed, JSON metadata parsed,
+    format and version checked (``version``: the one readable version, or several), then the
+    seal of a version from ``sealed_from`` on (:mod:`kvedit.states.files.seal`; a file version
+    already hashed by this process is not hashed again) or the CRC-32 of an older one.
+
+    Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, edited, a pickle).
     """
-    return read_verified(path, FORMAT, READABLE_VERSIONS)
+    path = _read_path(path)
+    before = VERIFIED.version(path)
+    meta, tensors = _read_raw(path)
+    versions = (version,) if isinstance(version, int) else tuple(version)
+    found = _check_version(meta, path, fmt, versions, what)
+    if found < sealed_from:
+        if crc32_of(tensors) != meta.get("checksum"):
+            raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
+        return SealedFile(meta, tensors, None)
+    seal = check_header(meta, path)
+    after = VERIFIED.version(path)
+    # a file version (inode, size, times) already hashed, with the same recorded digest
+    seen = (after, seal.tensors) if before is not None and before == after else None
+    if not VERIFIED.seen(seen):
+        check_tensors(seal, tensors_digest(tensors), path)
+        VERIFIED.add(seen)
+    return SealedFile(meta, tensors, seal)
+
+
+def read_verified(
+    path: str | os.PathLike, fmt: str, version: int | Collection[int], what: str = "format"
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """:func:`read_sealed` for a format whose files carry a CRC-32 (never a seal): returns
+    ``(metadata, tensors)``."""
+    found = read_sealed(path, fmt, version, what, sealed_from=10**9)
+    return found.meta, found.tensors
+
+
+def read_state_file(path: str | os.PathLike) -> SealedFile:
+    """Read and verify a state file (any of :data:`READABLE_VERSIONS`): its seal (version 4)
+    or CRC-32 (older versions). ``trusted`` says whether this installation wrote it.
+
+    Raises CorruptCacheError.
+    """
+    return read_sealed(path, FORMAT, READABLE_VERSIONS)
 
 
 def _check_layout(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -142,15 +205,16 @@ def _check_layout(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _history(meta: dict, path) -> History:
-    """The history a file records (version 3), or an unknown one (older files)."""
+def _history(meta: dict, path, trusted: bool) -> History:
+    """The history a file records, believed only when this installation wrote the file
+    (``trusted``); otherwise unknown (a foreign file, or one older than version 4)."""
     where = None if path is None else str(path)
-    if meta.get("format_version", 0) < 3:
+    if not trusted or meta.get("format_version", 0) < SEALED_VERSION:
         return History.unknown(where)
     try:
         return History.from_json(meta["history"], where)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCacheError(f"malformed history in the metadata: {e}") from e
+        raise CorruptCacheError(f"{where}: malformed history in the metadata: {e}") from e
 
 
 def _file_kv_dtype(meta: dict, tensors: dict[str, torch.Tensor]) -> str | None:
@@ -191,7 +255,13 @@ def _last_input(meta: dict, layers, n: int, next_position: int) -> LastInput | N
 
 
 def state_from_parts(
-    meta: dict, tensors: dict[str, torch.Tensor], model, tokenizer, path=None
+    meta: dict,
+    tensors: dict[str, torch.Tensor],
+    model,
+    tokenizer,
+    path=None,
+    *,
+    trusted: bool = False,
 ) -> KVState:
     """Build a state from verified file contents, on the model's device and dtype.
 
@@ -201,9 +271,10 @@ def state_from_parts(
     it can fail later inside the model. Fingerprints are not compared here (see
     :func:`load_state`).
 
-    The state's history is the file's (unknown for a file older than version 3; ``path``, the
-    file read, is noted in its origin), followed by a cast step when the file's K/V dtype is
-    not the model's (they are cast to the model's on load).
+    The state's history is the file's when ``trusted`` (this installation wrote the file:
+    :attr:`SealedFile.trusted`), else unknown (``path``, the file read, is noted in its
+    origin), followed by a cast step when the file's K/V dtype is not the model's (they are
+    cast to the model's on load).
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -246,7 +317,7 @@ def state_from_parts(
             last_logits=tensors["last_logits"].to(device),
             model_fingerprint=str(meta["model_fingerprint"]),
             tokenizer_fingerprint=str(meta["tokenizer_fingerprint"]),
-            history=_history(meta, path),
+            history=_history(meta, path, trusted),
             last_input=_last_input(meta, layers, int(token_ids.shape[0]), next_position),
             model=model,
             tokenizer=tokenizer,
@@ -299,18 +370,20 @@ def _check_fingerprints(meta: dict, model, tokenizer, path) -> dict:
 def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
     """Load a state saved with :meth:`KVState.save`, checking it belongs to ``model``/``tokenizer``.
 
-    Reads format versions 1, 2 and 3. The fingerprints are compared first, then the file's
-    structure is checked against the model (:func:`state_from_parts`). The state's history is
-    the file's (``history.origin.path`` notes the file; "unknown" for files older than format
-    3), with a cast step when the file's K/V dtype is not the model's.
+    Reads format versions 1 to 4. The seal (version 4; a CRC-32 before) is checked first, then
+    the fingerprints, then the file's structure against the model (:func:`state_from_parts`).
+    The state's history is the file's when this installation wrote it (its seal's MAC
+    verifies); any other file loads with an unknown history (``history.origin.path`` notes the
+    file): usable, but never stored or served as a capture. A cast step follows when the
+    file's K/V dtype is not the model's.
 
     Raises:
-        CorruptCacheError: truncated, corrupted, not a kvedit file, a pickle, or a structure
+        CorruptCacheError: truncated, corrupted, edited by hand, not a kvedit file, a pickle, or a structure
             (layers, KV heads, head size, windows, sizes) that does not fit the model its
             fingerprint names.
         CacheMismatchError: the state was made by another model or tokenizer.
         FileNotFoundError: there is no file at ``path``.
     """
-    meta, tensors = read_state_file(path)
-    meta = _check_fingerprints(meta, model, tokenizer, path)
-    return state_from_parts(meta, tensors, model, tokenizer, path=path)
+    found = read_state_file(path)
+    meta = _check_fingerprints(found.meta, model, tokenizer, path)
+    return state_from_parts(meta, found.tensors, model, tokenizer, path=path, trusted=found.trusted)

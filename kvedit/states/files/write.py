@@ -15,12 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 from ... import checks
-from ...atomic import atomic_write
+from ...atomic import atomic_write, sweep_leftovers
 from ...errors import InvalidInputError
 from ...provenance import History, cast_step, dtype_name
 from ...version import __version__
 from ..view import StateView
-from .format import FORMAT, FORMAT_VERSION, crc32_of
+from .format import FORMAT, FORMAT_VERSION
+from .seal import make_seal, tensors_digest
 
 __all__ = ["save_state", "saved_history", "state_metadata", "state_tensors"]
 
@@ -92,7 +93,6 @@ def saved_history(state: StateView, seen: set[torch.dtype], dtype: torch.dtype |
 
 def state_metadata(
     state: StateView,
-    tensors: dict[str, torch.Tensor],
     layer_params: list[dict] | None = None,
     *,
     history: History | None = None,
@@ -123,7 +123,6 @@ def state_metadata(
         "history": history.to_json(),
         "kv_dtype": None if kv_dtype is None else dtype_name(kv_dtype),
         "last_input": None if last is None else [last.token_index, last.position],
-        "checksum": crc32_of(tensors),
     }
 
 
@@ -151,6 +150,8 @@ def save_state(state: StateView, path: str | os.PathLike, dtype: torch.dtype | N
     tensors, params = _state_tensors_and_params(state, dtype, seen)
     history = saved_history(state, seen, dtype)
     kv_dtype = dtype if dtype is not None else (min(seen, key=str) if seen else None)
-    fields = state_metadata(state, tensors, params, history=history, kv_dtype=kv_dtype)
+    fields = state_metadata(state, params, history=history, kv_dtype=kv_dtype)
+    fields["seal"] = make_seal(fields, tensors_digest(tensors))
     meta = {"kvedit": json.dumps(fields, ensure_ascii=False)}
+    sweep_leftovers(path)  # what a killed save of this file left behind
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
