@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from .. import checks
 from ..cache import LayerKV
 from ..cache.adapter import CacheEntries
-from ..errors import ModelNotAttachedError
+from ..errors import ModelNotAttachedError, StateAlteredError
 from ..provenance import History, Step, content_digest
 from ..spans import Spans, char_ranges, tokens_in_ranges
 from .decoding import Answer, Decoder, eos_ids, sample
@@ -46,6 +46,30 @@ from .passes import appended_layers, run_model
 from .view import LastInput
 
 __all__ = ["KVState", "LastInput", "LayerKV"]
+
+
+def _tensor_versions(prefix: str, obj, out: list) -> None:
+    """``(name, version)`` of each tensor attribute of a layer ``obj`` (and of the objects it
+    holds, one level down: a merged layer's shared directions), appended to ``out``."""
+    for name, value in sorted(vars(obj).items()):
+        if isinstance(value, torch.Tensor):
+            out.append((f"{prefix}{name}", value._version))
+        elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
+            for inner_name, inner in sorted(vars(value).items()):
+                if isinstance(inner, torch.Tensor):
+                    out.append((f"{prefix}{name}.{inner_name}", inner._version))
+
+
+def tensor_stamp(state: KVState) -> tuple[tuple[str, int], ...]:
+    """The version counter of every tensor a state holds, by name (``layer 3 keys``...):
+    torch bumps a tensor's counter on each in-place write to it or to a view of it."""
+    out: list[tuple[str, int]] = [
+        (name, getattr(state, name)._version)
+        for name in ("token_ids", "offsets", "position_ids", "last_logits")
+    ]
+    for i, layer in enumerate(state.layers):
+        _tensor_versions(f"layer {i} ", layer, out)
+    return tuple(out)
 
 
 @dataclass(eq=False, frozen=True)
@@ -98,6 +122,8 @@ class KVState:
         elif last is not None:
             last = LastInput(*(int(v) for v in last))
         object.__setattr__(self, "last_input", last)
+        # the tensors' version counters as built: an in-place write after this shows
+        object.__setattr__(self, "_stamp", tensor_stamp(self))
 
     # ---------------------------------------------------------------- basic properties
 
@@ -177,8 +203,36 @@ class KVState:
         return "\n".join(lines)
 
     def replace(self, **changes) -> KVState:
-        """A shallow copy with fields replaced (tensors are shared, never mutated)."""
+        """A shallow copy with fields replaced (tensors are shared, never mutated).
+
+        Raises:
+            StateAlteredError: a tensor of this state was written in place since it was built
+                (:meth:`check_unaltered`): nothing is derived from an altered state.
+        """
+        self.check_unaltered("a new state built from it")
         return dataclasses.replace(self, **changes)
+
+    def check_unaltered(self, what: str = "this use") -> None:
+        """Raise :class:`~kvedit.errors.StateAlteredError` if a tensor of this state was
+        written in place since the state was built (``s.layers[0].keys.mul_(3)``): its history
+        and digest would no longer say what it holds. ``what`` names the use refused.
+
+        The check reads torch's version counters (a few microseconds): it sees every in-place
+        torch operation on a tensor or a view of it, not writes that bypass torch's autograd
+        bookkeeping (through ``.numpy()`` or ``.data``, DLPack, another process's shared
+        memory, raw storage). The store, ``kvedit.reuse``, ``publish`` and ``save`` call it.
+        """
+        now = tensor_stamp(self)
+        if now != self._stamp:
+            where = next(
+                (name for (name, a), (_, b) in zip(self._stamp, now, strict=True) if a != b),
+                "a tensor",
+            )
+            raise StateAlteredError(
+                f"{what} refused: the state's {where} was changed in place after the state was "
+                "made, so its history and digest no longer say what it holds; edit with "
+                "kvedit.ops (they return new states) or build a new state"
+            )
 
     def copy(self) -> KVState:
         """A deep copy: no tensor is shared with ``self``."""
@@ -377,7 +431,12 @@ class KVState:
 
     def save(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
         """Write the state to one safetensors file, atomically; returns its path (as
-        :meth:`kvedit.Projector.save` does). ``dtype`` (a float dtype) down-casts K/V."""
+        :meth:`kvedit.Projector.save` does). ``dtype`` (a float dtype) down-casts K/V.
+
+        Raises:
+            StateAlteredError: a tensor was written in place after the state was built.
+        """
+        self.check_unaltered("saving it")
         return save_state(self, path, dtype=dtype)
 
     def check_compatible(self, model: PreTrainedModel, tokenizer) -> None:

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import checks
-from ..errors import EntryNotFoundError, InvalidInputError, InvalidTypeError
+from ..errors import EntryNotFoundError, InvalidInputError, InvalidTypeError, StateAlteredError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..states.capturing import encode
 from ..states.state import KVState
@@ -154,10 +154,14 @@ class KVStore:
         copies, a re-read), a compression, a projection, a blend, a lossy cast not in
         ``allow_casts``, or an unknown history; then for tensors that do not look like a
         capture (a bias, added or moved entries, quantized layers). The memory tier keeps a
-        reference to ``state`` (states are never mutated by kvedit).
+        reference to ``state``'s tensors: if they are written in place later, the tier drops
+        its copy and serves the disk's. Raises
+        :class:`~kvedit.errors.StateAlteredError` for a state written in place since it was
+        built.
         """
         if not isinstance(state, KVState):
             raise InvalidTypeError(f"put takes a KVState, not a {type(state).__name__}")
+        state.check_unaltered("storing it")
         if ttl is not None:
             ttl = checks.real("ttl", ttl)
             if not ttl > 0:
@@ -352,6 +356,13 @@ class KVStore:
             return None
         check_fingerprints(entry.meta, fps, model)
         if self.refusal(entry.state) is not None:  # pragma: no cover - put refuses them
+            return None
+        try:
+            # the tier holds the caller's tensors: a write into them after put shows here
+            entry.state.check_unaltered("serving it from the store's memory tier")
+        except StateAlteredError as e:
+            warnings.warn(f"kvedit store: {e}; serving the disk copy", stacklevel=4)
+            self._memory.pop(key)
             return None
         return entry.state.replace(model=model, tokenizer=tokenizer)
 

@@ -167,3 +167,40 @@ def test_the_installation_key_is_private_and_checked(tmp_path, monkeypatch):
     with pytest.raises(StorageError, match="32 bytes"):
         installation_key()
     assert seal.key_path() == tmp_path / "k" / "installation.key"
+
+
+# ------------------------------------------------------------------ in-place writes
+
+
+def test_a_state_written_in_place_is_refused_where_it_matters(tmp_path, llama):
+    from kvedit.errors import StateAlteredError
+    from kvedit.integrations.vllm import publish
+
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    state.layers[0].keys.mul_(3)  # the plain capture's digest no longer says what it holds
+    for use, match in [
+        (lambda: state.save(tmp_path / "s.kv"), "saving it"),
+        (lambda: kvedit.KVStore(tmp_path / "store").put(state), "storing it"),
+        (lambda: publish(state, tmp_path / "pub"), "publishing it"),
+        (lambda: ops.emphasize(state, "Bob", 2.0), "a new state built from it"),
+    ]:
+        with pytest.raises(StateAlteredError, match=f"{match}.*layer 0 keys"):
+            use()
+    assert not (tmp_path / "s.kv").exists() and not (tmp_path / "pub").exists()
+
+
+def test_a_state_written_after_put_is_served_from_disk(tmp_path, llama):
+    from helpers import same, snapshot
+
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    pristine = snapshot(state)
+    store = kvedit.KVStore(tmp_path, memory_bytes=10**8)
+    key = store.put(state)
+    state.layers[1].values.add_(1.0)  # the memory tier shares these tensors
+    with pytest.warns(UserWarning, match="serving the disk copy"):
+        served, source = store.fetch(key, model, tok)
+    assert source == "disk" and same(snapshot(served), pristine)
+    reused, report = kvedit.reuse(model, tok, RECORDS + " More.", store)
+    assert report.tokens_reused == len(state)

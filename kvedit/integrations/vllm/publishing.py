@@ -88,6 +88,7 @@ def publish_stock(
     :func:`~kvedit.integrations.vllm.servable.realize` with ``approximate=True``)."""
     files.check_root(root)  # before any work: an empty root would be the current folder
     if isinstance(state, KVState):
+        state.check_unaltered("publishing it")
         _, cache = realize(state, approximate=approximate, remove_at=remove_at)
     elif isinstance(state, StockCache):
         cache = state
@@ -145,5 +146,6 @@ def publish(
             cannot be used (empty: it would be the current folder). Temporary files a killed
             writer left in ``root`` are removed (see :mod:`~kvedit.integrations.vllm.files`).
         StorageError: the file cannot be written.
+        StateAlteredError: a tensor of ``state`` was written in place after it was built.
     """
     return publish_stock(state, root, remove_at=remove_at, approximate=approximate)[0]
