@@ -48,8 +48,14 @@ class Decoder:
     """
 
     @torch.no_grad()
-    def __init__(self, state: StateView, continuation: str = "") -> None:
-        ids = state.encode(continuation)
+    def __init__(
+        self, state: StateView, continuation: str = "", *, max_new_tokens: int = 0
+    ) -> None:
+        # refused before any work when continuation and max_new_tokens decoded tokens after it
+        # would run past the model's positions
+        ids = state.encode(continuation, reserve=max_new_tokens)
+        if not ids:
+            state.check_room(0, max_new_tokens, what="answer")
         # run() checks the state against its model; without a continuation, check here
         self.model, self.tokenizer = state.require_model() if ids else state.checked_model()
         self.device = state.device

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from .. import checks
 from ..cache import LayerKV
 from ..cache.adapter import CacheEntries
-from ..errors import ModelNotAttachedError, StateAlteredError
+from ..errors import InvalidInputError, ModelNotAttachedError, StateAlteredError
 from ..provenance import History, Step, content_digest
 from ..spans import Spans, char_ranges, tokens_in_ranges
 from .decoding import Answer, Decoder, eos_ids, sample
@@ -285,16 +285,53 @@ class KVState:
         checks.state_fits_model(self, model, tok)
         return model, tok
 
-    def encode(self, text: str, name: str = "continuation") -> list[int]:
-        """Token ids of ``text`` (a continuation: no special tokens added)."""
+    def encode(self, text: str, name: str = "continuation", reserve: int = 0) -> list[int]:
+        """Token ids of ``text`` (a continuation: no special tokens added), refused before any
+        work when they would run past the model's positions (:meth:`check_room`; ``reserve``:
+        the tokens still to come after them, e.g. ``max_new_tokens``)."""
         text = checks.text(name, text)
-        _, tok = self.require_model()
-        return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+        model, tok = self.require_model()
+        if not text:
+            return []
+        self.check_room(0, reserve, what=name, n_chars=len(text))
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        self.check_room(len(ids), reserve, what=name)
+        return ids
+
+    def check_room(
+        self, n_tokens: int, reserve: int = 0, *, what: str = "continuation", n_chars=None
+    ) -> None:
+        """Refuse (:class:`~kvedit.errors.InvalidInputError`, before any work) ``n_tokens`` new
+        tokens and ``reserve`` more after them (tokens to decode) that would run past the
+        model's positions (:func:`kvedit.checks.positions_limit`): the count starts at
+        :attr:`next_position`, not at the cache length (a duplicated entry takes no position; a
+        re-read advances them). ``n_chars``: the text's length, refused when even
+        :data:`kvedit.checks.MAX_CHARS_PER_TOKEN` characters a token cannot fit it."""
+        limit = checks.positions_limit(self.model) if self.model is not None else None
+        if limit is None:
+            return
+        room = limit - self.next_position - reserve
+        head = (
+            f"the model attends to at most {limit} positions; the state's next position is "
+            f"{self.next_position}" + (f" and {reserve} tokens are to follow" if reserve else "")
+        )
+        hint = " (kvedit.checks.MAX_POSITIONS or the CLI's --max-positions raise the limit)"
+        if n_chars is not None and n_chars > max(room, 0) * checks.MAX_CHARS_PER_TOKEN:
+            raise InvalidInputError(
+                f"the {what} is {n_chars} characters long, more than the {max(room, 0)} "
+                f"positions left can hold: {head}{hint}"
+            )
+        if n_tokens > room:
+            raise InvalidInputError(
+                f"the {what} is {n_tokens} tokens long and would reach position "
+                f"{self.next_position + n_tokens + reserve}: {head}{hint}"
+            )
 
     def run(self, ids: Sequence[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, CacheEntries]:
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
         model, _ = self.checked_model()
         n = len(ids)
+        self.check_room(n)
         device = self.device
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
         positions = torch.arange(self.next_position, self.next_position + n, device=device)[None]
@@ -380,7 +417,7 @@ class KVState:
         """:meth:`generate`, returning an :class:`Answer`: the text, the new token ids and the
         log-probability the model gave each of them (under its unscaled distribution)."""
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
-        dec = self.decoder(continuation)
+        dec = Decoder(self, continuation, max_new_tokens=max_new_tokens)
         eos = eos_ids(dec.model, dec.tokenizer, eos_token_id)
         new_tokens: list[int] = []
         logprobs: list[float] = []
