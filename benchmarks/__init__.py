@@ -6,6 +6,8 @@ Speed and memory:
 
 * ``reuse``: time to first token of a prefill against a stored state, a KVStore and a blend.
 * ``steer_speed``: decode throughput and prefill peak memory, steered against unsteered.
+* ``integrity_cost``: capture, extend, save, load and publish of a state, and a question over a
+  loaded state against one over the state in memory (what the seal and checks cost).
 * ``packed_memory``: peak memory of ``generate`` from quantized and merged states.
 * ``compression_memory``: bytes a compressed cache holds on the lost-in-the-middle prompts.
 * ``focus_cost``: seconds of focus (scoring, edit, guarded answer) next to ``none``.
