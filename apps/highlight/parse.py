@@ -227,13 +227,29 @@ def overlap(a: Sequence[Range], b: Sequence[Range]) -> Range | None:
     return None
 
 
+def box_text(value: object, what: str) -> str:
+    """The text of an input box: ``value`` itself when a str, ``""`` for ``None`` (an empty
+    box, as an API caller may send it).
+
+    Raises:
+        InputError: ``value`` is anything else (a number, a list...); ``what`` names the box.
+    """
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InputError(f"The {what} must be text, not {type(value).__name__} ({value!r:.40}).")
+    return value
+
+
 def _context_and_question(context: str, question: str, lim: Limits) -> tuple[Marked, str]:
     """The context without its markers and the stripped question, both checked.
 
     Raises:
-        InputError: an empty or too long context or question, or bad markers.
+        InputError: an empty or too long context or question, one that is not text, or bad
+            markers.
     """
-    if not context or not context.strip():
+    context, question = box_text(context, "context"), box_text(question, "question")
+    if not context.strip():
         raise InputError("The context is empty: paste a text or load a sample.")
     marked = strip_markers(context)
     if len(marked.context) > lim.max_context_chars:
@@ -241,7 +257,7 @@ def _context_and_question(context: str, question: str, lim: Limits) -> tuple[Mar
             f"The context is too long: {len(marked.context):,} characters "
             f"(max {lim.max_context_chars:,})."
         )
-    question = (question or "").strip()
+    question = question.strip()
     if not question:
         raise InputError("Ask a question about the context.")
     if len(question) > lim.max_question_chars:
@@ -281,7 +297,8 @@ def parse_request(
         raise InputError(f"Strength must be a number of nats, not {strength!r}.") from None
     if not math.isfinite(nats) or not 0 <= nats <= lim.max_strength:
         raise InputError(f"Strength must be between 0 and {lim.max_strength:g} nats.")
-    listed_emph, listed_supp = span_lines(emphasize), span_lines(suppress)
+    listed_emph = span_lines(box_text(emphasize, "Emphasize box"))
+    listed_supp = span_lines(box_text(suppress, "Suppress box"))
     n_spans = len(listed_emph) + len(listed_supp) + len(marked.emphasize) + len(marked.suppress)
     if n_spans == 0:
         raise InputError(

@@ -231,13 +231,34 @@ def render_scores(passages: Sequence[dict], width: int = 60) -> str:
 
 
 def render_focus_status(
-    model_name: str, seconds: float, n_tokens: int, n_passages: int, picked: int, asked: int
+    model_name: str,
+    seconds: float,
+    n_tokens: int,
+    n_passages: int,
+    picked: int,
+    asked: int,
+    reason: str = "",
 ) -> str:
-    """The Markdown status of an Auto-highlight: what was picked, and that Run steers."""
+    """The Markdown status of an Auto-highlight: what was picked (``picked`` passages of
+    ``n_passages``, ``asked`` for), and that Run steers; when nothing was picked, that no
+    passage stands out, why (``reason``, :attr:`kvedit.Focus.reason`), and that the Emphasize
+    box is left empty."""
     noun = "passage" if n_passages == 1 else "passages"
-    fewer = f" (asked for {asked}; the context has only {n_passages})" if picked < asked else ""
-    return (
+    head = (
         f"**Auto-highlight** in {seconds:.1f} s on `{model_name}` ({n_tokens:,} context tokens): "
-        f"picked {picked} of {n_passages} {noun}{fewer}, now in the Emphasize box. "
+    )
+    if picked == 0:
+        return (
+            head + f"found no passage that stands out among the {n_passages} {noun}, so the "
+            f"Emphasize box is left empty. Nothing picked: {reason or 'no passage stands out'}."
+        )
+    if picked >= asked:
+        fewer = ""
+    elif picked == n_passages:
+        fewer = f" (asked for {asked}; the context has only {n_passages})"
+    else:
+        fewer = f" (asked for {asked}; only {picked} stand{'s' if picked == 1 else ''} out)"
+    return (
+        head + f"picked {picked} of {n_passages} {noun}{fewer}, now in the Emphasize box. "
         "Press **Run** to steer."
     )

@@ -187,9 +187,14 @@ class Highlighter:
             passages=passages,
             scores_html=render_scores(passages),
             status=render_focus_status(
-                self.model_name, seconds, n_tokens, len(passages), k, req.top_k
-            )
-            + ("" if found.chosen else f" Nothing picked: {found.reason}."),
+                self.model_name,
+                seconds,
+                n_tokens,
+                len(passages),
+                len(found.chosen),
+                req.top_k,
+                found.reason,
+            ),
         )
 
     def run(

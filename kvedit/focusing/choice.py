@@ -41,7 +41,9 @@ from .guard import (
     SupportGuard,
     SupportVerdict,
     Verdict,
+    call_refusal,
     check_guard,
+    check_verdict,
     evidence_and_others,
 )
 from .passages import Range, split_passages
@@ -341,15 +343,19 @@ def focus(
             chosen passage already has ``target`` of the attention gets no bias.
         edit: another edit of the chosen passages instead of the sized emphasis, called as
             ``edit(state, spans)`` with the chosen passages' character ranges, returning the
-            edited state: ``kvedit.ops.reread``, ``functools.partial(kvedit.ops.duplicate,
+            edited state (a new state of the same model, tokenizer and token ids; ``state``
+            not written in place): ``kvedit.ops.reread``, ``functools.partial(kvedit.ops.duplicate,
             copies=2)``, ... (:attr:`Focus.strengths` still report the sizing, unused then).
             It is called only when focus chooses something, and guarded like the emphasis.
 
     Raises:
         InvalidInputError: the question (or ``query``) has no content (only whitespace or
-            punctuation), or a bad argument.
-        InvalidTypeError: ``edit`` is not callable, or returned no state; ``guard`` has no
-            ``decide``.
+            punctuation), a bad argument, or ``edit`` returned a state of another model,
+            tokenizer or tokens.
+        InvalidTypeError: ``edit`` is not callable as ``edit(state, spans)``, or returned no
+            state; ``guard`` is a class, has no ``decide``, its ``decide`` cannot take what
+            focus passes, or it returned no :class:`~kvedit.focusing.guard.Verdict`.
+        StateAlteredError: ``edit`` wrote ``state`` in place.
 
     Returns:
         A :class:`Focus`: the state that answers, the passages, their scores, the chosen ones,
@@ -359,8 +365,7 @@ def focus(
     token to edit, and with the guard one more question pass (the unedited answer) plus one
     decode step per answer token on which the two agree.
     """
-    if edit is not None and not callable(edit):
-        raise InvalidTypeError(f"edit must be a function (state, spans) -> state, not {edit!r}")
+    _check_edit(edit)
     guard = check_guard(guard)
     found = choose(
         state,
@@ -381,13 +386,46 @@ def focus(
     if edit is None:
         edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
     else:
-        edited = edit(state, spans)
-        if not isinstance(edited, KVState):
-            raise InvalidTypeError(
-                f"edit {getattr(edit, '__name__', edit)!r} returned {type(edited).__name__}, "
-                "not a KVState"
-            )
+        edited = _edited(edit, state, spans)
     return guarded(found, edited, guard)
+
+
+def _check_edit(edit: object) -> None:
+    """Refuse an ``edit`` that is not a function callable as ``edit(state, spans)``."""
+    if edit is None:
+        return
+    refusal = call_refusal(edit, 2) if callable(edit) else "not callable"
+    if refusal is not None:
+        raise InvalidTypeError(
+            f"edit must be a function (state, spans) -> state, not {checks.describe(edit)}: "
+            f"{refusal}"
+        )
+
+
+def _edited(edit: Callable, state: KVState, spans: list[Range]) -> KVState:
+    """``edit(state, spans)``, refused unless it is a state of the same model, tokenizer and
+    token ids as ``state``, and ``state`` was not written in place."""
+    edited = edit(state, spans)
+    name = getattr(edit, "__name__", repr(edit))
+    if not isinstance(edited, KVState):
+        raise InvalidTypeError(f"edit {name!r} returned {type(edited).__name__}, not a KVState")
+    state.check_unaltered(f"focus with edit {name!r}")
+    differs = [
+        what
+        for what, same in (
+            ("model fingerprint", edited.model_fingerprint == state.model_fingerprint),
+            ("tokenizer fingerprint", edited.tokenizer_fingerprint == state.tokenizer_fingerprint),
+            ("token ids", torch.equal(edited.token_ids.cpu(), state.token_ids.cpu())),
+        )
+        if not same
+    ]
+    if differs:
+        raise InvalidInputError(
+            f"edit {name!r} returned a state that is not an edit of the one focused: it "
+            f"differs in its {' and '.join(differs)} (an edit keeps the model, tokenizer and "
+            "tokens)"
+        )
+    return edited
 
 
 def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
@@ -406,6 +444,7 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     verdict = guard.decide(
         original, edited, found.question, evidence=evidence, others=others, query=found.query
     )
+    verdict = check_verdict(guard, verdict)
     return dataclasses.replace(found, state=edited if verdict.kept else original, verdict=verdict)
 
 

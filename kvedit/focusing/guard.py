@@ -27,6 +27,7 @@ and one decode step per agreeing token.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +50,9 @@ __all__ = [
     "SupportVerdict",
     "Verdict",
     "answer_support",
+    "call_refusal",
     "check_guard",
+    "check_verdict",
     "content_words",
     "evidence_and_others",
 ]
@@ -121,16 +124,69 @@ class Guard(Protocol):
     ) -> Verdict: ...
 
 
+DECIDE_KEYWORDS = ("evidence", "others", "query")
+"""The keywords kvedit passes to a guard's ``decide`` (after ``original, edited,
+continuation``)."""
+
+
+def call_refusal(fn: Callable, n_positional: int, keywords: Sequence[str] = ()) -> str | None:
+    """Why ``fn`` cannot be called with ``n_positional`` arguments and ``keywords`` (by its
+    signature: a keyword it lacks is named first), or ``None`` when it can or its signature
+    cannot be read (a builtin's, say)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [k for k in keywords if k not in takes]
+        if missing:
+            return f"it takes no keyword {', '.join(f'{k}=' for k in missing)}"
+    try:
+        signature.bind(*[None] * n_positional, **dict.fromkeys(keywords))
+    except TypeError as e:
+        return str(e)
+    return None
+
+
 def check_guard(guard: object) -> Guard | None:
-    """``guard`` itself when it is ``None`` or has a callable ``decide`` (the :class:`Guard`
-    protocol); anything else is refused with :class:`~kvedit.errors.InvalidTypeError` before
-    any work is done."""
-    if guard is not None and not callable(getattr(guard, "decide", None)):
+    """``guard`` itself when it is ``None`` or has a ``decide`` that takes what kvedit passes
+    (the :class:`Guard` protocol: ``original, edited, continuation`` and the keywords
+    :data:`DECIDE_KEYWORDS`, or ``**kwargs``); anything else (a class instead of an instance,
+    say) is refused with :class:`~kvedit.errors.InvalidTypeError` before any work is done."""
+    if guard is None:
+        return None
+    if isinstance(guard, type):
+        raise InvalidTypeError(
+            f"guard must be a guard object, not the class {guard.__name__}: pass an instance, "
+            f"{guard.__name__}()"
+        )
+    decide = getattr(guard, "decide", None)
+    if not callable(decide):
         raise InvalidTypeError(
             "guard must have a decide(original, edited, continuation, *, evidence, others, "
             f"query) method (kvedit.focusing.guard.Guard), or be None, not {guard!r}"
         )
+    refusal = call_refusal(decide, 3, DECIDE_KEYWORDS)
+    if refusal is not None:
+        raise InvalidTypeError(
+            f"guard {type(guard).__name__}.decide cannot be called as kvedit calls it, "
+            "decide(original, edited, continuation, evidence=..., others=..., query=...): "
+            f"{refusal} (accept the keywords, or **kwargs)"
+        )
     return guard  # type: ignore[return-value]
+
+
+def check_verdict(guard: object, verdict: object) -> Verdict:
+    """``verdict`` when it is a :class:`Verdict`; otherwise :class:`InvalidTypeError` naming
+    ``guard`` and what its ``decide`` returned."""
+    if not isinstance(verdict, Verdict):
+        raise InvalidTypeError(
+            f"guard {type(guard).__name__}.decide returned {checks.describe(verdict)}, not a "
+            "kvedit.focusing.guard.Verdict (Verdict(kept, reason, answer))"
+        )
+    return verdict
 
 
 @dataclass(frozen=True)
@@ -314,6 +370,13 @@ class SupportGuard:
             self, "max_new_tokens", checks.count("max_new_tokens", self.max_new_tokens, minimum=1)
         )
         object.__setattr__(self, "shared", checks.share("shared", self.shared))
+        if self.read is not None:
+            refusal = call_refusal(self.read, 1) if callable(self.read) else "not callable"
+            if refusal is not None:
+                raise InvalidTypeError(
+                    "read must be a function (answer text) -> the part read, or None, not "
+                    f"{checks.describe(self.read)}: {refusal}"
+                )
 
     @torch.no_grad()
     def decide(
@@ -331,6 +394,11 @@ class SupportGuard:
         left out."""
         unedited = original.answer(continuation, self.max_new_tokens)
         text = unedited.text if self.read is None else self.read(unedited.text)
+        if not isinstance(text, str):
+            raise InvalidTypeError(
+                f"SupportGuard's read {getattr(self.read, '__name__', self.read)!r} returned "
+                f"{checks.describe(text)}, not the str of the answer it reads"
+            )
         asked = continuation if query is None else query
         share = answer_support(text, evidence, asked, others, self.shared)
         if share >= self.threshold:

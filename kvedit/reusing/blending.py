@@ -66,15 +66,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..cache import LayerKV
+from ..checks import describe
 from ..compat import cache_kwarg
-from ..errors import InvalidInputError, UnsupportedModelError
+from ..errors import InvalidInputError, InvalidTypeError, UnsupportedModelError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..provenance import History, Origin, token_ranges
 from ..rope import KeyMover, movers
@@ -134,7 +135,7 @@ class BlendReport:
 def blend(
     model: PreTrainedModel,
     tokenizer,
-    parts: Sequence[str],
+    parts: Iterable[str],
     store: KVStore,
     recompute: float = 0.15,
     *,
@@ -148,7 +149,8 @@ def blend(
 
     Args:
         model, tokenizer: the model; its fingerprints select the stored parts.
-        parts: texts, in prompt order (part 0 with the tokenizer's special tokens).
+        parts: texts, in prompt order (part 0 with the tokenizer's special tokens): a list or
+            any other ordered iterable (a generator is read once, before any work).
         store: where parts are looked up, and where missing parts are stored.
         recompute: fraction of the blend's tokens to recompute, in ``[0, 1]``.
         context: what each later part was cached after: ``"prefix"`` (part 0, the shared
@@ -173,7 +175,7 @@ def blend(
         reads from the store are plain captures (the store serves nothing else).
     """
     t0 = time.perf_counter()
-    _check_arguments(parts, recompute, context, previous)
+    parts = _check_arguments(parts, recompute, context, previous)
     rules = BlendRules.from_values(gradual=gradual, leading=leading, rescale=rescale)
     layer_movers = movers(model)
     for mover in layer_movers:  # refuse before any work
@@ -241,11 +243,19 @@ def blend(
 
 
 def _check_arguments(
-    parts: Sequence[str], recompute: float, context: str, previous: str | None
-) -> None:
-    """Refuse parts that are not a non-empty list of strings, a ``recompute`` outside
-    ``[0, 1]``, an unknown ``context``, and a ``previous`` that is empty or lacks a prefix."""
-    if isinstance(parts, str) or not parts or not all(isinstance(p, str) for p in parts):
+    parts: Iterable[str], recompute: float, context: str, previous: str | None
+) -> list[str]:
+    """``parts`` as a list (any ordered iterable, read once: a generator is fine). Refuse parts
+    that are a str, unordered or not iterable, or not a non-empty run of strings, a
+    ``recompute`` outside ``[0, 1]``, an unknown ``context``, and a ``previous`` that is
+    empty or lacks a prefix."""
+    if isinstance(parts, str | bytes | Set | Mapping) or not isinstance(parts, Iterable):
+        raise InvalidTypeError(
+            "blend: parts must be a non-empty list (or other ordered iterable) of strings, not "
+            f"{describe(parts)}"
+        )
+    parts = list(parts)
+    if not parts or not all(isinstance(p, str) for p in parts):
         raise InvalidInputError("blend: parts must be a non-empty list of strings")
     if not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
         raise InvalidInputError(f"recompute must be a fraction in [0, 1], not {recompute!r}")
@@ -256,6 +266,7 @@ def _check_arguments(
             raise InvalidInputError('blend: previous needs context="prefix"')
         if not isinstance(previous, str) or not previous.strip():
             raise InvalidInputError("blend: previous must be a non-empty passage text")
+    return parts
 
 
 def _blended_state(

@@ -656,3 +656,50 @@ def test_auto_highlight_abstains_where_no_passage_stands_out(llama):
     assert result.emphasize == ""
     assert not any(p["chosen"] for p in result.passages)
     assert "Nothing picked: no passage stands out" in result.status
+
+
+def test_auto_highlight_says_so_when_it_abstains_and_leaves_the_box_empty(llama):
+    model, tok = llama
+    result = Highlighter(model, tok, "tiny-llama").focus(RECORDS, "What is Bo's number?", 3)
+    assert result.emphasize == ""
+    assert "picked 3 of" not in result.status and "now in the Emphasize box" not in result.status
+    assert "found no passage that stands out" in result.status
+    assert "the Emphasize box is left empty" in result.status
+
+
+def test_auto_highlight_reports_how_many_stand_out_when_fewer_than_asked():
+    status = highlight.render_focus_status("m", 0.1, 10, 4, 1, 3, "")
+    assert "picked 1 of 4 passages (asked for 3; only 1 stands out)" in status
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((5, "Alice", "", 2.0, QUESTION), "The context must be text, not int"),
+        ((CONTEXT, ["Alice"], "", 2.0, QUESTION), "The Emphasize box must be text, not list"),
+        ((CONTEXT, "Alice", 3.5, 2.0, QUESTION), "The Suppress box must be text, not float"),
+        ((CONTEXT, "Alice", "", 2.0, {"q": 1}), "The question must be text, not dict"),
+    ],
+)
+def test_non_text_inputs_to_steer_get_the_normal_message(app, args, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        app.run(*args)
+    steer = next(f for f in highlight.build_app(app).fns.values() if f.api_name == "steer")
+    *_, status = steer.fn(*args)
+    assert status.startswith(f"**Not run:** {message}"), status
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([CONTEXT], QUESTION, 1), "The context must be text, not list"),
+        ((CONTEXT, 42, 1), "The question must be text, not int"),
+    ],
+)
+def test_non_text_inputs_to_focus_get_the_normal_message(app, args, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        app.focus(*args)
+    focus = next(f for f in highlight.build_app(app).fns.values() if f.api_name == "focus")
+    emphasize, scores, passages, status = focus.fn(*args)
+    assert (emphasize, scores, passages) == ("", "", [])
+    assert status.startswith(f"**Not run:** {message}"), status
