@@ -77,6 +77,7 @@ __all__ = [
     "MAX_STRENGTH",
     "context_fits",
     "count",
+    "describe",
     "layers",
     "path",
     "positions_limit",
