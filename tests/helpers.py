@@ -64,3 +64,27 @@ def check_halved_globals(out, state) -> None:
             assert len(layer) == TINY_SLIDING_WINDOW
         else:
             assert len(layer) == round(0.5 * len(state))
+
+
+def edit_file_header(path, change, reseal: bool = False) -> None:
+    """Rewrite the ``kvedit`` JSON header entry of a safetensors file in place, tensor bytes
+    untouched: ``change(meta)`` edits it. ``reseal``: recompute the seal's header digest as
+    anyone can (without this installation's key: the MAC stays stale)."""
+    import json
+    import struct
+
+    from kvedit.states.files.seal import header_digest
+
+    with open(path, "rb") as f:
+        data = f.read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["kvedit"])
+    change(meta)
+    if reseal:
+        meta["seal"]["header"] = header_digest(meta)
+    header["__metadata__"]["kvedit"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])

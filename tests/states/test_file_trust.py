@@ -6,34 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import pytest
 from conftest import RECORDS
+from helpers import edit_file_header
 
 import kvedit
 from kvedit import ops
 from kvedit.errors import CorruptCacheError, InvalidInputError, StorageError
 from kvedit.states.files import seal
-from kvedit.states.files.seal import KEY_ENV, header_digest, installation_key
-
-
-def _edit_header(path, change, out=None, reseal=False):
-    """Rewrite the JSON header of a safetensors file in place (tensor bytes untouched).
-    ``reseal``: recompute the header digest as anyone can (no key: the MAC stays stale)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8 : 8 + n])
-    meta = json.loads(header["__metadata__"]["kvedit"])
-    change(meta)
-    if reseal:
-        meta["seal"]["header"] = header_digest(meta)
-    header["__metadata__"]["kvedit"] = json.dumps(meta)
-    raw = json.dumps(header).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    with open(out or path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+from kvedit.states.files.seal import KEY_ENV, installation_key
 
 
 def _strip_steps(meta):
@@ -51,14 +33,14 @@ def edited(tmp_path, llama):
 
 def test_a_stripped_history_is_a_corrupt_file(edited):
     model, tok, _, path = edited
-    _edit_header(path, _strip_steps)
+    edit_file_header(path, _strip_steps)
     with pytest.raises(CorruptCacheError, match="edited.kv.*header was edited"):
         kvedit.load_state(path, model, tok)
 
 
 def test_a_history_stripped_and_resealed_without_the_key_loads_unknown(edited, tmp_path):
     model, tok, state, path = edited
-    _edit_header(path, _strip_steps, reseal=True)
+    edit_file_header(path, _strip_steps, reseal=True)
     loaded = kvedit.load_state(path, model, tok)  # usable when loaded explicitly ...
     assert not loaded.history.known and not loaded.is_plain_capture
     assert loaded.digest != kvedit.capture(model, tok, RECORDS).digest
@@ -80,7 +62,7 @@ def test_any_header_field_edited_by_hand_is_corrupt(tmp_path, llama, change):
     model, tok = llama
     path = tmp_path / "plain.kv"
     kvedit.capture(model, tok, RECORDS).save(path)
-    _edit_header(path, change)
+    edit_file_header(path, change)
     with pytest.raises(CorruptCacheError, match="plain.kv"):
         kvedit.load_state(path, model, tok)
 
@@ -116,7 +98,7 @@ def test_a_step_field_of_the_wrong_json_type_is_corrupt(tmp_path, llama):
         meta["history"]["steps"][0]["exact"] = "no"
         meta["seal"] = make_seal(meta, tensors_digest(tensors))
 
-    _edit_header(path, lie)
+    edit_file_header(path, lie)
     with pytest.raises(CorruptCacheError, match="exact"):
         kvedit.load_state(path, model, tok)
 

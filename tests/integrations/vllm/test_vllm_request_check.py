@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import pytest
+from helpers import edit_file_header
 
 import kvedit
 from kvedit.errors import KVEditError
@@ -259,28 +260,6 @@ def test_the_printed_serve_command_carries_the_checks_configuration(tmp_path, mo
 # ------------------------------------------------------------------ a file's claims
 
 
-def _edit_published_header(path, change, reseal=False):
-    """Rewrite a published file's JSON header (tensors untouched); ``reseal``: recompute the
-    header digest as anyone can, without this installation's key."""
-    import struct
-
-    from kvedit.states.files.seal import header_digest
-
-    with open(path, "rb") as f:
-        data = f.read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8 : 8 + n])
-    meta = json.loads(header["__metadata__"]["kvedit"])
-    change(meta)
-    if reseal:
-        meta["seal"]["header"] = header_digest(meta)
-    header["__metadata__"]["kvedit"] = json.dumps(meta)
-    raw = json.dumps(header).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
-
-
 def _claim_plain(meta):
     meta["plain_capture"] = True
     meta["history"]["steps"] = []
@@ -293,7 +272,7 @@ def test_an_edited_file_claiming_plain_capture_is_corrupt(states, tmp_path):
     _, edited = states
     ids = publish(edited, tmp_path)
     (path,) = tmp_path.glob("*.safetensors")
-    _edit_published_header(path, _claim_plain)
+    edit_file_header(path, _claim_plain)
     with pytest.raises(CorruptCacheError, match="header was edited"):
         files.verify(path)
     check = RequestCheck(Downstream(), connector_config(tmp_path, None))
@@ -308,7 +287,7 @@ def test_a_claim_resealed_without_the_key_is_not_believed(states, tmp_path):
     ids = publish(edited, tmp_path)
     (path,) = tmp_path.glob("*.safetensors")
     assert files.verify(path)["trusted"] is True
-    _edit_published_header(path, _claim_plain, reseal=True)
+    edit_file_header(path, _claim_plain, reseal=True)
     meta = files.verify(path)  # whole, but not this installation's
     assert meta["trusted"] is False and meta["plain_capture"] is True
     downstream = Downstream()
