@@ -50,7 +50,7 @@ class AutoParams(EditParams):
             (:data:`kvedit.focusing.choice.SUPPORT_THRESHOLD`).
         shared: :class:`~kvedit.focusing.guard.SupportGuard`'s share of the other documents a word
             may be found in and still count as support (:data:`kvedit.focusing.guard.COMMON_SHARE`;
-            1: none left out, session 13's rule). Recorded, so runs made before are never
+            1: none left out, the rule before shared words were left out). Recorded, so runs made before are never
             reused for this rule.
         smoothing: The share added to both sides of each score's log ratio, as a fraction
             of the mean share of a document (:data:`kvedit.focusing.choice.SCORE_SMOOTHING`;
