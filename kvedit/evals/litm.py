@@ -208,9 +208,7 @@ def evaluate(
     ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in
     each record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
     """
-    _check_specs(methods, "--methods")
-    if reuse_methods is not None:
-        _check_specs(reuse_methods, "--reuse-methods")
+    _check_specs(methods, "--methods", reuse_methods)
     check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
     prompt = resolve_prompt(prompt, model_name)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
@@ -283,14 +281,20 @@ def evaluate(
         warm = seconds - timings.get("engine_start_seconds", 0.0)
         extra["seconds_per_example_after_start"] = round(warm / max(1, len(examples)), 3)
     write_results(out, model_name, task_name, records, extra=extra)
-    if plotting_available():
-        plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
-    else:  # the results are written; a missing plotting library must not lose the run
-        (out / "curve.png").unlink(missing_ok=True)  # an earlier run's, not this one's
-        print(f"note: {out / 'curve.png'} not drawn: {PLOT_HINT}", file=sys.stderr)
+    _plot(summary, out / "curve.png", f"{model_name}: {task_name}")
     partial.unlink()
     settings_path.unlink(missing_ok=True)
     return summary
+
+
+def _plot(summary: dict, path: Path, title: str) -> None:
+    """Draw ``path``; without Matplotlib, skip it with a note on stderr (the results are
+    written by then: a missing plotting library must not lose an hour's run)."""
+    if plotting_available():
+        plot_curves(summary, path, title=title)
+    else:
+        path.unlink(missing_ok=True)  # an earlier run's, not this one's
+        print(f"note: {path} not drawn: {PLOT_HINT}", file=sys.stderr)
 
 
 def _reused(
@@ -355,8 +359,11 @@ def check_lengths(model, tokenizer, examples: Sequence[Example], prompt: str) ->
         checks.context_fits(model, n_tokens=n_tokens, what=f"prompt of example {example.id!r}")
 
 
-def _check_specs(specs: Sequence[str], option: str) -> None:
-    """Refuse an empty list of method specs or one that names a method twice."""
+def _check_specs(specs: Sequence[str], option: str, reuse_methods=None) -> None:
+    """Refuse an empty list of method specs or one that names a method twice (and the same of
+    ``reuse_methods``, when given)."""
+    if reuse_methods is not None:
+        _check_specs(reuse_methods, "--reuse-methods")
     if not specs:
         raise InvalidInputError(f"{option} names no method (give comma-separated specs: none,auto)")
     seen = set()
