@@ -48,6 +48,7 @@ def litm_parser(sub) -> None:
         "model's registered format (see below)",
     )
     p.add_argument("--out", default="runs/litm")
+    overwrite_arg(p)
     p.add_argument(
         "--limit", type=positive("--limit"), default=None, help="cap on the number of examples"
     )
@@ -89,7 +90,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _add_reuse_arguments(p: argparse.ArgumentParser) -> None:
     """``--resume``, and ``--reuse`` with its ``--reuse-methods`` and ``--reuse-unchecked``."""
     p.add_argument(
-        "--resume", action="store_true", help="keep results in DIR/partial.jsonl, compute the rest"
+        "--resume",
+        action="store_true",
+        help="keep results in DIR/partial.jsonl, compute the rest (a last line cut by a kill "
+        "is dropped with a warning)",
     )
     p.add_argument(
         "--reuse",
@@ -117,11 +121,32 @@ def _add_reuse_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+LITM_RESULTS = ("results.json", "partial.jsonl")
+"""The files of an earlier run that ``--out`` must not hold (unless ``--overwrite``/``--resume``)."""
+
+
+def overwrite_arg(p: argparse.ArgumentParser) -> None:
+    """``--overwrite``: every eval suite's leave to replace an earlier run's results in --out."""
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier run in --out (refused without it)",
+    )
+
+
 def _check_litm(args) -> None:
-    """Refuse, before any model is loaded, a run whose input is bad or that has no examples."""
+    """Refuse, before any model is loaded and before anything is written, a run whose input is
+    bad, that has no examples, or whose ``--out`` holds an earlier run's results."""
     from ..evals.jsonl import load_jsonl
     from ..evals.litm import build_examples
+    from ..evals.report import check_out
 
+    check_out(
+        args.out,
+        LITM_RESULTS,
+        overwrite=getattr(args, "overwrite", False),
+        resume=getattr(args, "resume", False),
+    )
     if args.data is not None:
         load_jsonl(args.data)  # names the file and the line of any problem
     reuse = getattr(args, "reuse", None)
@@ -154,14 +179,17 @@ def _litm_args(args) -> argparse.Namespace:
 
 def _run_litm(args) -> int:
     from ..evals.litm import main
+    from ..evals.report import hold_out
 
     set_max_positions(args)
     _check_litm(args)
-    return main(_litm_args(args))
+    with hold_out(args.out):  # one run per --out at a time
+        return main(_litm_args(args))
 
 
 def run_demo(args) -> int:
     from ..evals.litm import main
+    from ..evals.report import hold_out
 
     ns = argparse.Namespace(
         task="records",
@@ -177,10 +205,12 @@ def run_demo(args) -> int:
         max_new_tokens=32,
         no_progress=False,
         prompt="auto",
+        overwrite=args.overwrite,
     )
     _check_litm(argparse.Namespace(**{**vars(ns), "positions": [0, 5, 10, 15, 19]}))
     print(
         f"kvedit demo: lost in the middle on {args.model}: 20 records, the gold record at "
         f"positions 0/5/10/15/19, {args.trials} trials each; methods none, auto, oracle."
     )
-    return main(ns)
+    with hold_out(args.out):
+        return main(ns)

@@ -1,5 +1,7 @@
 """JSON-lines files of examples: :func:`load_jsonl` reads them strictly, :func:`write_jsonl`
-writes them atomically. Names ending in ``.gz`` are gzipped.
+writes them atomically. Names ending in ``.gz`` are gzipped. The files of a run's results are
+read strictly too: :func:`read_json` (``results.json``, ``partial.settings.json``) and
+:func:`read_records` (``partial.jsonl``), each error naming the file and the line.
 """
 
 from __future__ import annotations
@@ -7,14 +9,24 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvedit.atomic import atomic_write
-from kvedit.errors import InvalidExampleError
+from kvedit.errors import InvalidExampleError, InvalidInputError
 from kvedit.evals.schema import Example
 
-__all__ = ["load_jsonl", "read_text", "write_jsonl"]
+__all__ = [
+    "check_record",
+    "load_jsonl",
+    "matching_records",
+    "read_json",
+    "read_records",
+    "read_text",
+    "reused_records",
+    "write_jsonl",
+]
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
@@ -103,3 +115,195 @@ def write_jsonl(examples: Iterable[Example], path: str | os.PathLike[str]) -> Pa
     text = "".join(json.dumps(example.to_dict(), ensure_ascii=False) + "\n" for example in examples)
     payload = gzip.compress(text.encode("utf-8"), mtime=0) if path.suffix == ".gz" else text
     return atomic_write(path, payload)
+
+
+def read_json(path: str | os.PathLike[str], option: str) -> dict:
+    """The JSON object in the file ``path`` (``option``, e.g. ``"--reuse"``, names it in errors).
+
+    Raises:
+        InvalidInputError: naming ``option``, the file and, for bad JSON, the line: the file is
+            missing, unreadable, not UTF-8, empty, not JSON, or not a JSON object.
+    """
+    name = f"{option} {path}"
+    try:
+        text = read_text(path)
+    except InvalidExampleError as error:
+        raise InvalidInputError(f"{option} {error}") from None
+    if not text.strip():
+        raise InvalidInputError(f"{name}: the file is empty")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidInputError(
+            f"{name}:{error.lineno}: bad JSON: {error.msg} (column {error.colno})"
+        ) from None
+    except RecursionError:
+        raise InvalidInputError(f"{name}: JSON nested too deeply") from None
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"{name}: expected a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def check_record(record: object, where: str) -> dict:
+    """``record`` if it is a result record's dict with a string ``id`` and ``method``; else
+    :class:`~kvedit.errors.InvalidInputError` naming ``where`` (the file and line or index)."""
+    if not isinstance(record, dict):
+        raise InvalidInputError(
+            f"{where}: a result record must be a JSON object, not a {type(record).__name__}"
+        )
+    for key in ("id", "method"):
+        if not isinstance(record.get(key), str):
+            raise InvalidInputError(f"{where}: a result record needs a string {key!r}")
+    return record
+
+
+def read_records(path: str | os.PathLike[str], option: str) -> list[dict]:
+    """The result records of a JSON-lines file such as ``partial.jsonl``, one per line.
+
+    A run killed while writing leaves its last line cut: a last line that does not end in a
+    newline and does not parse is dropped with a warning on stderr (its pair is recomputed).
+
+    Raises:
+        InvalidInputError: naming ``option``, the file and the line: any other line that is
+            not JSON, or not a record (:func:`check_record`); an unreadable file.
+    """
+    name = f"{option} {path}"
+    try:
+        lines = read_text(path).split("\n")
+    except InvalidExampleError as error:
+        raise InvalidInputError(f"{option} {error}") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as error:
+            if number == len(lines):  # no newline after it: cut by a kill mid-write
+                print(
+                    f"warning: {name}:{number}: the last line is cut (the run was stopped "
+                    "while writing it); dropped, its answer is computed again",
+                    file=sys.stderr,
+                )
+                continue
+            raise InvalidInputError(f"{name}:{number}: bad JSON: {error}") from None
+        records.append(check_record(record, f"{name}:{number}"))
+    return records
+
+
+def matching_records(
+    records: dict[tuple[str, str], dict],
+    examples: Sequence[Example],
+    origin: str,
+    *,
+    unchecked: bool = False,
+) -> dict[tuple[str, str], dict]:
+    """The ``(id, method) -> record`` pairs of ``records`` (from ``origin``, named in errors)
+    that answer one of ``examples``: the same id and the same example digest
+    (:meth:`~kvedit.evals.schema.Example.digest`). Records of ids this run does not ask are
+    left out.
+
+    Raises:
+        InvalidInputError: a record of one of this run's ids answered another example (its
+            digest differs: the earlier run had other ``n_docs``, ``trials``, ``limit`` or
+            ``data``), or names no digest (a file from before records had one) and
+            ``unchecked`` is false.
+    """
+    digests = {example.id: example.digest() for example in examples}
+    kept = {}
+    for key, record in records.items():
+        wanted = digests.get(key[0])
+        if wanted is None:
+            continue
+        theirs = record.get("example")
+        if theirs is None and not unchecked:
+            raise InvalidInputError(
+                f"{origin}: its records name no example digest (made before kvedit recorded "
+                f"one), so it cannot be checked that its {key[0]!r} is this run's (an id does "
+                "not say --n-docs, --trials, --limit or --data); rerun those methods, or pass "
+                "--reuse-unchecked to take its answers by id"
+            )
+        if theirs is not None and theirs != wanted:
+            raise InvalidInputError(
+                f"{origin}: its {key[0]!r} is another example than this run's (the same id over "
+                "other documents or another question: was it run with other --n-docs, "
+                "--trials, --limit or --data?)"
+            )
+        kept[key] = record
+    return kept
+
+
+def reused_records(
+    path: str | Path,
+    model: str,
+    task: str,
+    seed: int,
+    params: dict[str, dict],
+    prompt: str = "chat",
+    engine: str = "transformers",
+    source: str | None = None,
+    trusted: Sequence[str] | None = None,
+) -> dict[tuple[str, str], dict]:
+    """The ``(id, method) -> record`` pairs of an earlier ``results.json`` worth reusing.
+
+    ``source`` is the running kvedit's :func:`~kvedit.version.source_digest` (``None``: not
+    checked). When the earlier run recorded another source, or none, its answers may come from
+    other code: only the specs in ``trusted`` are reused, and with no ``trusted`` that is an
+    :class:`~kvedit.errors.InvalidInputError`. ``trusted`` always limits the reuse to its specs,
+    each of which must be one of this run's.
+
+    The earlier run must be of the same model, task, seed, prompt format and engine (a file
+    that recorded no format was made with ``"chat"``, one that recorded no engine with
+    ``"transformers"``: the only ones there were). A method's records
+    are reused only when that run recorded the same resolved parameters for its spec (a spec
+    such as ``auto`` means other parameters once its defaults change), or, for files that
+    recorded none, when the method takes no parameters (``none``, ``repeat``, ...).
+    """
+    res = read_json(path, "--reuse")
+    extra = res.get("extra", {})
+    examples = res.get("examples")
+    if not isinstance(extra, dict) or not isinstance(examples, list):
+        raise InvalidInputError(
+            f"--reuse {path}: not a kvedit eval results.json (it needs an 'examples' list and "
+            "an 'extra' object)"
+        )
+    for index, record in enumerate(examples):
+        check_record(record, f"--reuse {path}: examples[{index}]")
+    theirs = (res.get("model"), res.get("task"), extra.get("seed"))
+    if theirs != (model, task, seed):
+        raise InvalidInputError(
+            f"--reuse {path}: made with model/task/seed {theirs}, not {(model, task, seed)}"
+        )
+    their_prompt = extra.get("prompt", "chat")
+    if their_prompt != prompt:
+        raise InvalidInputError(
+            f"--reuse {path}: made with the prompt format {their_prompt!r}, not {prompt!r}"
+        )
+    their_engine = extra.get("engine", "transformers")
+    if their_engine != engine:
+        raise InvalidInputError(
+            f"--reuse {path}: answered by the {their_engine!r} engine, not {engine!r}"
+        )
+    if trusted is not None:
+        unknown = [spec for spec in trusted if spec not in params]
+        if unknown:
+            raise InvalidInputError(
+                f"--reuse-methods {','.join(unknown)}: not among this run's methods "
+                f"({','.join(params)})"
+            )
+    their_source = extra.get("kvedit", {}).get("source")
+    if source is not None and their_source != source and trusted is None:
+        made = f"source {their_source[:12]}" if their_source else "a source it did not record"
+        raise InvalidInputError(
+            f"--reuse {path}: made by other kvedit code ({made}; now {source[:12]}), so its "
+            "answers may not be this code's; name the methods whose answers the change left "
+            "alone with --reuse-methods (for example none)"
+        )
+    recorded = extra.get("params", {})
+    same = {
+        spec
+        for spec, p in params.items()
+        if (recorded[spec] == p if spec in recorded else not p)
+        and (trusted is None or spec in trusted)
+    }
+    return {(r["id"], r["method"]): r for r in examples if r["method"] in same}

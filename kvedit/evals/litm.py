@@ -6,18 +6,33 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvedit import checks
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
 from kvedit.evals.engines import VLLM_BATCH, check_engine, run_on_transformers, run_on_vllm
-from kvedit.evals.jsonl import load_jsonl
+from kvedit.evals.jsonl import (
+    load_jsonl,
+    matching_records,
+    read_json,
+    read_records,
+    reused_records,
+)
 from kvedit.evals.methods import Method, parse_spec, split_specs
-from kvedit.evals.methods.context import check_prompt
+from kvedit.evals.methods.context import check_prompt, format_prompt
 from kvedit.evals.prompts import PROMPT_FORMATS
-from kvedit.evals.report import format_table, plot_curves, summarize, write_results
+from kvedit.evals.report import (
+    PLOT_HINT,
+    format_table,
+    plot_curves,
+    plotting_available,
+    summarize,
+    write_results,
+)
 from kvedit.evals.schema import Example
 from kvedit.evals.tasks import nq_examples, records_examples
 from kvedit.models import default_prompt, load_model
@@ -193,6 +208,7 @@ def evaluate(
     ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in
     each record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
     """
+    _check_specs(methods, "--methods", reuse_methods)
     check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
     prompt = resolve_prompt(prompt, model_name)
     examples = build_examples(task, data, n_docs, positions, trials, seed, limit)
@@ -210,10 +226,12 @@ def evaluate(
         "source": code["source"],
     }
     reused = _reused(reuse, reuse_methods, reuse_unchecked, settings, examples)
+    out = Path(out)
+    done = _resumed(out, settings, examples) if resume else {}
     model, tokenizer = load_model(model_name)
     check_prompt(tokenizer, prompt)  # before anything is written
-    out = Path(out)
-    partial, settings_path, done = _start_partial(out, settings, resume, examples)
+    check_lengths(model, tokenizer, examples, prompt)
+    partial, settings_path = _start_partial(out, settings, done)
     done = {**reused, **done}
 
     def keep(record: dict) -> None:
@@ -263,10 +281,20 @@ def evaluate(
         warm = seconds - timings.get("engine_start_seconds", 0.0)
         extra["seconds_per_example_after_start"] = round(warm / max(1, len(examples)), 3)
     write_results(out, model_name, task_name, records, extra=extra)
-    plot_curves(summary, out / "curve.png", title=f"{model_name}: {task_name}")
+    _plot(summary, out / "curve.png", f"{model_name}: {task_name}")
     partial.unlink()
     settings_path.unlink(missing_ok=True)
     return summary
+
+
+def _plot(summary: dict, path: Path, title: str) -> None:
+    """Draw ``path``; without Matplotlib, skip it with a note on stderr (the results are
+    written by then: a missing plotting library must not lose an hour's run)."""
+    if plotting_available():
+        plot_curves(summary, path, title=title)
+    else:
+        path.unlink(missing_ok=True)  # an earlier run's, not this one's
+        print(f"note: {path} not drawn: {PLOT_HINT}", file=sys.stderr)
 
 
 def _reused(
@@ -294,24 +322,55 @@ def _reused(
 
 
 def _start_partial(
-    out: Path, settings: dict, resume: bool, examples: Sequence[Example]
-) -> tuple[Path, Path, dict[tuple[str, str], dict]]:
-    """Create ``out`` and start ``out/partial.jsonl``: ``(partial, settings path, records)``.
-
-    With ``resume``, the records an interrupted run with ``settings`` left there are kept
-    (:func:`_resumable`, checked against ``examples``) and written back; otherwise the file
-    starts empty. The settings are written beside it.
-    """
+    out: Path, settings: dict, done: dict[tuple[str, str], dict]
+) -> tuple[Path, Path]:
+    """Create ``out`` and start ``out/partial.jsonl`` with the records ``done`` (those
+    :func:`_resumed` kept), the settings beside it: ``(partial, settings path)``."""
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "partial.jsonl"
     settings_path = out / "partial.settings.json"
-    done = {}
-    if resume and partial.exists():
-        done = _resumable(partial, settings_path, settings)
-        done = matching_records(done, examples, f"--resume: {partial}")
     atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
-    partial.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
-    return partial, settings_path, done
+    atomic_write(partial, "".join(json.dumps(r) + "\n" for r in done.values()))
+    return partial, settings_path
+
+
+def _resumed(out: Path, settings: dict, examples: Sequence[Example]) -> dict[tuple[str, str], dict]:
+    """The records ``--resume`` keeps from ``out/partial.jsonl`` (:func:`_resumable`, checked
+    against ``examples``); ``{}`` when there is none. Reads only: nothing is written."""
+    partial = out / "partial.jsonl"
+    if not partial.exists():
+        return {}
+    done = _resumable(partial, out / "partial.settings.json", settings)
+    return matching_records(done, examples, f"--resume: {partial}")
+
+
+def check_lengths(model, tokenizer, examples: Sequence[Example], prompt: str) -> None:
+    """Refuse a run with an example whose full prompt (format ``prompt``) is longer than
+    ``model`` attends to (:func:`kvedit.checks.context_fits`), before any answer is computed.
+
+    Raises:
+        InvalidInputError: naming the example, its length and the limit (``--max-positions``
+            overrides it).
+    """
+    for example in examples:
+        text = format_prompt(tokenizer, example.user_message(), prompt)
+        checks.context_fits(model, n_chars=len(text), what=f"prompt of example {example.id!r}")
+        n_tokens = len(tokenizer(text)["input_ids"])
+        checks.context_fits(model, n_tokens=n_tokens, what=f"prompt of example {example.id!r}")
+
+
+def _check_specs(specs: Sequence[str], option: str, reuse_methods=None) -> None:
+    """Refuse an empty list of method specs or one that names a method twice (and the same of
+    ``reuse_methods``, when given)."""
+    if reuse_methods is not None:
+        _check_specs(reuse_methods, "--reuse-methods")
+    if not specs:
+        raise InvalidInputError(f"{option} names no method (give comma-separated specs: none,auto)")
+    seen = set()
+    for spec in specs:
+        if spec in seen:
+            raise InvalidInputError(f"{option} names {spec!r} twice")
+        seen.add(spec)
 
 
 def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple[str, str], dict]:
@@ -326,7 +385,9 @@ def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple
             f"--resume: {partial} has no {settings_path.name}, so the run it came from cannot "
             "be checked; delete it or run without --resume"
         )
-    theirs = json.loads(settings_path.read_text())
+    theirs = read_json(settings_path, "--resume")
+    if not isinstance(theirs.get("params"), dict):
+        raise InvalidInputError(f"--resume {settings_path}: no 'params' object (not kvedit's)")
     theirs.setdefault("engine", "transformers")  # written before there was a choice
     differ = [
         f"{k} {theirs.get(k)!r} (now {v!r})"
@@ -341,123 +402,8 @@ def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple
     if differ:
         raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
     same = {spec for spec, p in settings["params"].items() if theirs["params"].get(spec) == p}
-    done = {}
-    for line in partial.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if rec["method"] in same:
-                done[(rec["id"], rec["method"])] = rec
-    return done
-
-
-def matching_records(
-    records: dict[tuple[str, str], dict],
-    examples: Sequence[Example],
-    origin: str,
-    *,
-    unchecked: bool = False,
-) -> dict[tuple[str, str], dict]:
-    """The ``(id, method) -> record`` pairs of ``records`` (from ``origin``, named in errors)
-    that answer one of ``examples``: the same id and the same example digest
-    (:meth:`~kvedit.evals.schema.Example.digest`). Records of ids this run does not ask are
-    left out.
-
-    Raises:
-        InvalidInputError: a record of one of this run's ids answered another example (its
-            digest differs: the earlier run had other ``n_docs``, ``trials``, ``limit`` or
-            ``data``), or names no digest (a file from before records had one) and
-            ``unchecked`` is false.
-    """
-    digests = {example.id: example.digest() for example in examples}
-    kept = {}
-    for key, record in records.items():
-        wanted = digests.get(key[0])
-        if wanted is None:
-            continue
-        theirs = record.get("example")
-        if theirs is None and not unchecked:
-            raise InvalidInputError(
-                f"{origin}: its records name no example digest (made before kvedit recorded "
-                f"one), so it cannot be checked that its {key[0]!r} is this run's (an id does "
-                "not say --n-docs, --trials, --limit or --data); rerun those methods, or pass "
-                "--reuse-unchecked to take its answers by id"
-            )
-        if theirs is not None and theirs != wanted:
-            raise InvalidInputError(
-                f"{origin}: its {key[0]!r} is another example than this run's (the same id over "
-                "other documents or another question: was it run with other --n-docs, "
-                "--trials, --limit or --data?)"
-            )
-        kept[key] = record
-    return kept
-
-
-def reused_records(
-    path: str | Path,
-    model: str,
-    task: str,
-    seed: int,
-    params: dict[str, dict],
-    prompt: str = "chat",
-    engine: str = "transformers",
-    source: str | None = None,
-    trusted: Sequence[str] | None = None,
-) -> dict[tuple[str, str], dict]:
-    """The ``(id, method) -> record`` pairs of an earlier ``results.json`` worth reusing.
-
-    ``source`` is the running kvedit's :func:`~kvedit.version.source_digest` (``None``: not
-    checked). When the earlier run recorded another source, or none, its answers may come from
-    other code: only the specs in ``trusted`` are reused, and with no ``trusted`` that is an
-    :class:`~kvedit.errors.InvalidInputError`. ``trusted`` always limits the reuse to its specs,
-    each of which must be one of this run's.
-
-    The earlier run must be of the same model, task, seed, prompt format and engine (a file
-    that recorded no format was made with ``"chat"``, one that recorded no engine with
-    ``"transformers"``: the only ones there were). A method's records
-    are reused only when that run recorded the same resolved parameters for its spec (a spec
-    such as ``auto`` means other parameters once its defaults change), or, for files that
-    recorded none, when the method takes no parameters (``none``, ``repeat``, ...).
-    """
-    res = json.loads(Path(path).read_text())
-    extra = res.get("extra", {})
-    theirs = (res.get("model"), res.get("task"), extra.get("seed"))
-    if theirs != (model, task, seed):
-        raise InvalidInputError(
-            f"--reuse {path}: made with model/task/seed {theirs}, not {(model, task, seed)}"
-        )
-    their_prompt = extra.get("prompt", "chat")
-    if their_prompt != prompt:
-        raise InvalidInputError(
-            f"--reuse {path}: made with the prompt format {their_prompt!r}, not {prompt!r}"
-        )
-    their_engine = extra.get("engine", "transformers")
-    if their_engine != engine:
-        raise InvalidInputError(
-            f"--reuse {path}: answered by the {their_engine!r} engine, not {engine!r}"
-        )
-    if trusted is not None:
-        unknown = [spec for spec in trusted if spec not in params]
-        if unknown:
-            raise InvalidInputError(
-                f"--reuse-methods {','.join(unknown)}: not among this run's methods "
-                f"({','.join(params)})"
-            )
-    their_source = extra.get("kvedit", {}).get("source")
-    if source is not None and their_source != source and trusted is None:
-        made = f"source {their_source[:12]}" if their_source else "a source it did not record"
-        raise InvalidInputError(
-            f"--reuse {path}: made by other kvedit code ({made}; now {source[:12]}), so its "
-            "answers may not be this code's; name the methods whose answers the change left "
-            "alone with --reuse-methods (for example none)"
-        )
-    recorded = extra.get("params", {})
-    same = {
-        spec
-        for spec, p in params.items()
-        if (recorded[spec] == p if spec in recorded else not p)
-        and (trusted is None or spec in trusted)
-    }
-    return {(r["id"], r["method"]): r for r in res["examples"] if r["method"] in same}
+    records = read_records(partial, "--resume")
+    return {(r["id"], r["method"]): r for r in records if r["method"] in same}
 
 
 def main(args) -> int:
@@ -487,5 +433,6 @@ def main(args) -> int:
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")
-    print(f"plot:    {Path(args.out) / 'curve.png'}")
+    if plotting_available():
+        print(f"plot:    {Path(args.out) / 'curve.png'}")
     return 0

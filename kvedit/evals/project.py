@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -40,13 +41,18 @@ import torch
 import torch.nn.functional as F
 
 from ..atomic import atomic_write
+from ..errors import InvalidInputError
 from ..models import load_model
 from ..project import Projector
 from ..states.capturing import capture
 from .metrics import bootstrap_ci
+from .report import check_out, hold_out
 from .tasks import load_nq
 
 FIT_POOL = 2000
+
+PROJECT_RESULTS = ("results.json", "passages.jsonl", "projector.safetensors")
+"""The files of an earlier run that ``--out`` must not hold, unless ``--overwrite``."""
 
 RESULT_KEYS = (
     "gap_closed",
@@ -162,17 +168,77 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--a", default="smollm2-135m-instruct", help="source model A")
     p.add_argument("--b", default="gemma3-270m", help="target model B")
     p.add_argument("--out", default="runs/project", help="output directory")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier run in --out (refused without it)",
+    )
     p.add_argument("--projector", default=None, help="load this projector instead of fitting")
-    p.add_argument("--n-passages", type=int, default=100, help="held-out evaluation passages")
-    p.add_argument("--n-fit", type=int, default=600, help="calibration passages (<= 2000)")
-    p.add_argument("--depth-window", type=int, default=3, help="A layers per B layer")
-    p.add_argument("--own-last", type=int, default=1, help="prefix tokens B computes itself")
-    p.add_argument("--prefix-fraction", type=float, default=0.5)
-    p.add_argument("--min-words", type=int, default=16)
+    p.add_argument(
+        "--n-passages", type=_whole(2), default=100, help="held-out evaluation passages (>= 2)"
+    )
+    p.add_argument(
+        "--n-fit",
+        type=_whole(1, FIT_POOL),
+        default=600,
+        help=f"calibration passages (<= {FIT_POOL})",
+    )
+    p.add_argument("--depth-window", type=_whole(1), default=3, help="A layers per B layer")
+    p.add_argument("--own-last", type=_whole(1), default=1, help="prefix tokens B computes itself")
+    p.add_argument("--prefix-fraction", type=_fraction, default=0.5, help="in (0, 1)")
+    p.add_argument("--min-words", type=_whole(1), default=16)
     p.add_argument("--device", default=None, help="default: CUDA when available, else CPU")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=main)
     return p
+
+
+def _whole(low: int, high: int | None = None):
+    """An argparse type: a whole number in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"at least {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not (math.isfinite(value) and 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
+    return value
+
+
+def _check_project(args) -> tuple[list[tuple[str, str]], Projector | None]:
+    """Refuse, before any model loads and before anything is written, a run whose ``--out``
+    holds an earlier run's results, whose ``--projector`` cannot be loaded, or that has fewer
+    than 2 evaluation passages: ``(the passages' splits, the loaded projector or None)``."""
+    check_out(args.out, PROJECT_RESULTS, overwrite=getattr(args, "overwrite", False))
+    projector = None
+    if args.projector:
+        path = Path(args.projector)
+        if not path.is_file():
+            what = "is a folder, not a file" if path.is_dir() else "no such file"
+            raise InvalidInputError(f"--projector {path}: {what}")
+        projector = Projector.load(path)
+    splits = eval_splits(args.n_passages, args.prefix_fraction, args.min_words)
+    if len(splits) < 2:
+        raise InvalidInputError(
+            f"only {len(splits)} held-out passages have {2 * args.min_words} words or more; "
+            "an evaluation needs at least 2 (lower --min-words)"
+        )
+    return splits, projector
 
 
 def _prefill_seconds(model, tokenizer, text: str) -> float:
@@ -195,18 +261,22 @@ def _log(args, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-@torch.no_grad()
 def main(args) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """``kvedit eval project``: check every argument, then hold ``--out`` and run."""
+    splits, loaded = _check_project(args)
+    with hold_out(args.out) as out:  # one run per --out at a time
+        return _run(args, out, splits, loaded)
+
+
+@torch.no_grad()
+def _run(args, out: Path, splits: list[tuple[str, str]], loaded: Projector | None) -> int:
     model_a, tok_a = load_model(args.a, device=args.device)
     model_b, tok_b = load_model(args.b, device=args.device)
-    splits = eval_splits(args.n_passages, args.prefix_fraction, args.min_words)
-    if len(splits) < 2:
-        raise SystemExit("kvedit eval project: need at least 2 evaluation passages")
     if len(splits) < 100:
         _log(args, f"warning: {len(splits)} passages; intervals need >= 100 to mean much")
-    projector, fit_seconds, projector_path = _projector(args, out, model_a, tok_a, model_b, tok_b)
+    projector, fit_seconds, projector_path = _projector(
+        args, out, loaded, model_a, tok_a, model_b, tok_b
+    )
 
     empty = "" if tok_b("")["input_ids"] else "\n"
     none_state = capture(model_b, tok_b, empty)
@@ -254,11 +324,13 @@ def main(args) -> int:
     return 0
 
 
-def _projector(args, out: Path, model_a, tok_a, model_b, tok_b) -> tuple[Projector, float, Path]:
-    """``(projector, fit seconds, its path)``: ``--projector``'s file, or one fitted from A to B
-    on ``--n-fit`` NQ passages and saved as ``out/projector.safetensors``."""
-    if args.projector:
-        projector = Projector.load(args.projector)
+def _projector(
+    args, out: Path, loaded: Projector | None, model_a, tok_a, model_b, tok_b
+) -> tuple[Projector, float, Path]:
+    """``(projector, fit seconds, its path)``: ``loaded`` (``--projector``'s file), or one
+    fitted from A to B on ``--n-fit`` NQ passages and saved as ``out/projector.safetensors``."""
+    if loaded is not None:
+        projector = loaded
         fit_seconds = float(projector.info.get("fit_seconds", float("nan")))
         projector_path = Path(args.projector)
     else:

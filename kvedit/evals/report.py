@@ -11,20 +11,40 @@ stores both in ``results.json``, :func:`format_table` prints the summary and
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import io
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from numbers import Real
 from pathlib import Path
 from typing import Any
+
+import filelock
 
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError, InvalidTypeError, KVEditError
 from kvedit.evals.metrics import bootstrap_ci
 
-__all__ = ["REQUIRED_KEYS", "format_table", "plot_curves", "summarize", "write_results"]
+__all__ = [
+    "LOCK_NAME",
+    "PLOT_HINT",
+    "REQUIRED_KEYS",
+    "check_out",
+    "format_table",
+    "hold_out",
+    "plot_curves",
+    "plotting_available",
+    "summarize",
+    "write_results",
+]
+
+LOCK_NAME = ".lock"
+"""The lock file an eval run holds in its output folder (one run per folder at a time)."""
+
+PLOT_HINT = "plotting needs Matplotlib; install the plot extra: pip install 'kvedit[plot]'"
 
 REQUIRED_KEYS = ("id", "method", "gold_index", "prediction", "correct")
 """Keys every result record must have (others are kept in ``results.json`` but ignored)."""
@@ -285,3 +305,88 @@ def plot_curves(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, buffer.getvalue())
+
+
+def plotting_available() -> bool:
+    """Whether Matplotlib can be imported (:func:`plot_curves` needs it: the ``plot`` extra)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError, AttributeError):  # blocked in sys.modules, or no spec
+        return False
+
+
+def check_out(
+    out: str | os.PathLike[str],
+    results: Sequence[str],
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+) -> None:
+    """Refuse an output folder ``out`` an eval run must not write into; writes nothing.
+
+    ``out`` must be a folder or not exist yet. When it holds one of ``results`` (file names:
+    an earlier run's results), the run is refused unless ``overwrite`` allows replacing them,
+    or ``resume`` finishes the interrupted run whose ``partial.jsonl`` is there.
+
+    Raises:
+        InvalidInputError: naming the folder and what it holds (exit status 2 in the CLI).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out}: is a file, not a folder; name a folder")
+    held = [name for name in results if (out / name).exists()]
+    if not held or overwrite:
+        return
+    if resume and (out / "partial.jsonl").exists():
+        return
+    if "partial.jsonl" in held and not resume:
+        raise InvalidInputError(
+            f"--out {out}: holds an interrupted run's partial.jsonl; pass --resume to finish "
+            "it, or --overwrite to start again"
+        )
+    raise InvalidInputError(
+        f"--out {out}: holds an earlier run's {', '.join(held)}"
+        f"{' and nothing to --resume' if resume else ''}; pass --overwrite to replace "
+        f"{'them' if len(held) > 1 else 'it'}, or choose another --out"
+    )
+
+
+@contextlib.contextmanager
+def hold_out(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """Hold ``out``'s lock for the ``with`` block: one eval run per output folder at a time.
+
+    The lock is ``out/.lock`` (:data:`LOCK_NAME`), an ``flock`` the kernel releases when its
+    holder dies (a killed run never leaves the folder locked); the file stays after a run. The
+    folder is made if needed; when the block fails, what this call made (the lock file, the
+    folder) is removed again, so a refused run leaves nothing.
+
+    Raises:
+        InvalidInputError: another run holds the lock (exit status 2 in the CLI).
+        OSError: the folder or its lock file cannot be made.
+    """
+    out = Path(out)
+    path = out / LOCK_NAME
+    made_dir = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    made_lock = not path.exists()
+    lock = filelock.FileLock(
+        path, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True
+    )
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise InvalidInputError(
+            f"--out {out}: another kvedit eval run is writing there (it holds {path}); wait for "
+            "it to end, or choose another --out"
+        ) from None
+    ok = False
+    try:
+        yield out
+        ok = True
+    finally:
+        if not ok and made_lock:
+            path.unlink(missing_ok=True)
+        lock.release()
+        if not ok and made_dir:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty
