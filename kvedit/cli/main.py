@@ -13,7 +13,7 @@ from ..errors import (
 from ..version import __version__
 from .app import run_app
 from .arguments import port, positive
-from .litm import litm_parser, overwrite_arg, run_demo
+from .litm import litm_parser, run_demo
 from .serving import publish_parser, serve_parser
 from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
 
@@ -37,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="smollm2-135m-instruct")
     demo.add_argument("--trials", type=positive("--trials"), default=3)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default="runs/demo")
-    overwrite_arg(demo)
+    demo.add_argument("--out", default="runs/demo", help="replaced on every run (runs/demo)")
     demo.set_defaults(run=run_demo)
     ev = sub.add_parser("eval", help="evaluations")
     ev_sub = ev.add_subparsers(dest="suite", required=True)

@@ -395,7 +395,7 @@ def test_cli_litm_writes_results_and_plot(tmp_path, capsys):
         assert summary["n"] == 3 and set(summary["by_position"]) == {"0", "1", "2"}
     assert (tmp_path / "out" / "curve.png").stat().st_size > 1000
     first = [e["prediction"] for e in res["examples"]]
-    assert cli_main(args) == 0  # same seed, same results
+    assert cli_main([*args, "--overwrite"]) == 0  # same seed, same results
     res2 = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [e["prediction"] for e in res2["examples"]] == first
 
