@@ -1,8 +1,9 @@
-"""Entry points refuse what they cannot use before any work: a guard given as a class, a
-guard whose ``decide`` cannot take kvedit's keywords or returns no verdict, a ``SupportGuard`` with a ``read`` that is no function, an ``edit`` that is not ``(state, spans)
--> state`` of the same model and tokens, ``blend`` parts given as a generator (accepted),
-``reuse``'s text and store, ``reread``'s separator and positions, ``publish``'s empty
-question; and a save sweeps what a killed save of the same file left."""
+"""Entry points refuse what they cannot use before any work: a guard given as a class, a guard
+whose ``decide`` cannot take kvedit's keywords or returns no verdict, a ``SupportGuard`` with a
+``read`` that is no function, an ``edit`` that is not ``(state, spans) -> state`` of the same
+model and tokens, ``blend`` parts given as a generator (accepted), ``reuse``'s text and store,
+``reread``'s separator and positions, ``publish``'s empty question; and a save sweeps what a
+killed save of the same file left."""
 
 from __future__ import annotations
 
