@@ -365,7 +365,7 @@ class FakeLLM:
         seen, outs = [], []
         for p, digest in zip(prompts, params, strict=True):
             path, n = self.index.find(p["prompt_token_ids"], digest)
-            seen.append(files.read_header(path)["checksum"])
+            seen.append(files.read_header(path)["seal"]["tensors"])
             report = {"served": n, "published": n, "file": path.name, "digest": digest}
             outs.append(
                 SimpleNamespace(
@@ -419,7 +419,7 @@ def test_states_with_the_same_ids_are_answered_each_from_its_own_file(fake, tmp_
     assert len(list(answerer.root.glob("*.safetensors"))) == 3
     answers = answerer.flush()
     crc = [
-        files.read_header(files.write(to_stock(s), tmp_path / f"ref{i}", "x"))["checksum"]
+        files.read_header(files.write(to_stock(s), tmp_path / f"ref{i}", "x"))["seal"]["tensors"]
         for i, s in enumerate((plain, scaled, duplicated))
     ]
     assert llm.rounds == [crc]  # each prompt read its own state's file, in one round
