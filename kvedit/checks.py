@@ -9,9 +9,10 @@ was expected. A value of the wrong type raises :class:`~kvedit.errors.InvalidTyp
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -76,6 +77,7 @@ __all__ = [
     "MAX_SCALE_FACTOR",
     "MAX_STRENGTH",
     "context_fits",
+    "call_refusal",
     "count",
     "describe",
     "layers",
@@ -190,6 +192,27 @@ def count(name: str, value, *, minimum: int = 0, maximum: int | None = None) -> 
     if maximum is not None and number > maximum:
         raise InvalidInputError(f"{name} must be <= {maximum}, not {number}")
     return number
+
+
+def call_refusal(fn: Callable, n_positional: int, keywords: Sequence[str] = ()) -> str | None:
+    """Why ``fn`` cannot be called with ``n_positional`` arguments and ``keywords`` (by its
+    signature: a keyword it lacks is named first), or ``None`` when it can or its signature
+    cannot be read (a builtin's, say)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [k for k in keywords if k not in takes]
+        if missing:
+            return f"it takes no keyword {', '.join(f'{k}=' for k in missing)}"
+    try:
+        signature.bind(*[None] * n_positional, **dict.fromkeys(keywords))
+    except TypeError as e:
+        return str(e)
+    return None
 
 
 def text(name: str, value, *, allow_empty: bool = True) -> str:

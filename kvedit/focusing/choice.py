@@ -41,7 +41,6 @@ from .guard import (
     SupportGuard,
     SupportVerdict,
     Verdict,
-    call_refusal,
     check_guard,
     check_verdict,
     evidence_and_others,
@@ -394,7 +393,7 @@ def _check_edit(edit: object) -> None:
     """Refuse an ``edit`` that is not a function callable as ``edit(state, spans)``."""
     if edit is None:
         return
-    refusal = call_refusal(edit, 2) if callable(edit) else "not callable"
+    refusal = checks.call_refusal(edit, 2) if callable(edit) else "not callable"
     if refusal is not None:
         raise InvalidTypeError(
             f"edit must be a function (state, spans) -> state, not {checks.describe(edit)}: "

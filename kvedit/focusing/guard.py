@@ -27,7 +27,6 @@ and one decode step per agreeing token.
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ __all__ = [
     "SupportVerdict",
     "Verdict",
     "answer_support",
-    "call_refusal",
     "check_guard",
     "check_verdict",
     "content_words",
@@ -129,27 +127,6 @@ DECIDE_KEYWORDS = ("evidence", "others", "query")
 continuation``)."""
 
 
-def call_refusal(fn: Callable, n_positional: int, keywords: Sequence[str] = ()) -> str | None:
-    """Why ``fn`` cannot be called with ``n_positional`` arguments and ``keywords`` (by its
-    signature: a keyword it lacks is named first), or ``None`` when it can or its signature
-    cannot be read (a builtin's, say)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    params = signature.parameters.values()
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        missing = [k for k in keywords if k not in takes]
-        if missing:
-            return f"it takes no keyword {', '.join(f'{k}=' for k in missing)}"
-    try:
-        signature.bind(*[None] * n_positional, **dict.fromkeys(keywords))
-    except TypeError as e:
-        return str(e)
-    return None
-
-
 def check_guard(guard: object) -> Guard | None:
     """``guard`` itself when it is ``None`` or has a ``decide`` that takes what kvedit passes
     (the :class:`Guard` protocol: ``original, edited, continuation`` and the keywords
@@ -168,7 +145,7 @@ def check_guard(guard: object) -> Guard | None:
             "guard must have a decide(original, edited, continuation, *, evidence, others, "
             f"query) method (kvedit.focusing.guard.Guard), or be None, not {guard!r}"
         )
-    refusal = call_refusal(decide, 3, DECIDE_KEYWORDS)
+    refusal = checks.call_refusal(decide, 3, DECIDE_KEYWORDS)
     if refusal is not None:
         raise InvalidTypeError(
             f"guard {type(guard).__name__}.decide cannot be called as kvedit calls it, "
@@ -371,7 +348,7 @@ class SupportGuard:
         )
         object.__setattr__(self, "shared", checks.share("shared", self.shared))
         if self.read is not None:
-            refusal = call_refusal(self.read, 1) if callable(self.read) else "not callable"
+            refusal = checks.call_refusal(self.read, 1) if callable(self.read) else "not callable"
             if refusal is not None:
                 raise InvalidTypeError(
                     "read must be a function (answer text) -> the part read, or None, not "

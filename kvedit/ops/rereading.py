@@ -47,10 +47,7 @@ def reread(state: KVState, spans: Spans, separator: str = "") -> KVState:
     ids = list(sep_ids) + state.token_ids[tokens].tolist()
     index = torch.cat([torch.full((len(sep_ids),), -1, dtype=torch.long), tokens])
     n = len(ids)
-    # positions advance past the cache: the re-read must end within the model's positions
-    checks.context_fits(
-        state.model, n_tokens=state.next_position + n, what="state after the re-read"
-    )
+    state.check_room(n, what="re-read")  # positions advance past the cache
     device = state.device
     positions = torch.arange(state.next_position, state.next_position + n)
     logits, full_kv = run_model(

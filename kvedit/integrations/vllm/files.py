@@ -28,7 +28,7 @@ A writer killed mid-write (``kill -9``) leaves its temporary ``.NAME.kvedit-tmp-
 directory in the root. Writers hold a shared ``flock`` on ``ROOT/.kvedit-publish.lock`` while
 they write; the next :func:`write` that gets the lock exclusively (no other writer is alive)
 removes every leftover, and otherwise (a writer is running) only those older than
-:data:`STALE_TEMP_SECONDS`. Each sweep that removes something logs how many it removed.
+:data:`kvedit.atomic.STALE_TEMP_SECONDS`. Each sweep that removes something logs how many it removed.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ...atomic import atomic_write, is_temp_name, remove_temp
+from ...atomic import STALE_TEMP_SECONDS, atomic_write, is_temp_name, remove_temp
 from ...errors import CorruptCacheError, InvalidInputError
 from ...states.files.read import read_sealed
 from ...states.files.seal import (
@@ -67,8 +67,6 @@ FORMAT_VERSION = 3
 _NAME = re.compile(r"^(\d+)-([0-9a-f]{32})-([0-9a-f]{32})\.safetensors$")
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 LOCK_NAME = ".kvedit-publish.lock"
-STALE_TEMP_SECONDS = 3600.0
-"""Leftover temporary files older than this are removed even while another writer runs."""
 
 logger = logging.getLogger(__name__)
 

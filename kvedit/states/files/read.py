@@ -132,12 +132,13 @@ def read_sealed(
     fmt: str,
     version: int | Collection[int],
     what: str = "format",
-    sealed_from: int = SEALED_VERSION,
+    sealed_from: int | None = SEALED_VERSION,
 ) -> SealedFile:
     """Read a kvedit safetensors file of format ``fmt``: header sniffed, JSON metadata parsed,
     format and version checked (``version``: the one readable version, or several), then the
     seal of a version from ``sealed_from`` on (:mod:`kvedit.states.files.seal`; a file version
-    already hashed by this process is not hashed again) or the CRC-32 of an older one.
+    already hashed by this process is not hashed again) or the CRC-32 of an older one
+    (``sealed_from=None``: a format never sealed, always its CRC-32).
 
     Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, edited, a pickle).
     """
@@ -146,7 +147,7 @@ def read_sealed(
     meta, tensors = _read_raw(path)
     versions = (version,) if isinstance(version, int) else tuple(version)
     found = _check_version(meta, path, fmt, versions, what)
-    if found < sealed_from:
+    if sealed_from is None or found < sealed_from:
         if crc32_of(tensors) != meta.get("checksum"):
             raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
         return SealedFile(meta, tensors, None)
@@ -165,7 +166,7 @@ def read_verified(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """:func:`read_sealed` for a format whose files carry a CRC-32 (never a seal): returns
     ``(metadata, tensors)``."""
-    found = read_sealed(path, fmt, version, what, sealed_from=10**9)
+    found = read_sealed(path, fmt, version, what, sealed_from=None)
     return found.meta, found.tensors
 
 
