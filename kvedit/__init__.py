@@ -20,6 +20,8 @@ from .focusing.guard import (
     Verdict,
 )
 from .focusing.readout import AttentionShare, attention_share
+from .memory.conversation import Memory
+from .memory.records import Turn
 from .models import load_model
 from .project import Projector
 from .prompts import chat_prefix, templated_prompt
@@ -47,12 +49,14 @@ __all__ = [
     "KVState",
     "KVStore",
     "LayerKV",
+    "Memory",
     "ModelSpec",
     "Projector",
     "ReuseReport",
     "Steering",
     "SupportGuard",
     "SupportVerdict",
+    "Turn",
     "Verdict",
     "__version__",
     "attention_share",

@@ -23,6 +23,7 @@ class                           raised when
 ``StoreLockTimeout``            another writer held a KVStore's lock too long (``TimeoutError``)
 ``NestedSteeringError``         a second steering of one model in one context (``RuntimeError``)
 ``UnsupportedModelError``       the model's architecture cannot be captured or edited
+``TemplateError``               a prompt format a Memory cannot follow exactly (also ``ValueError``)
 ``ModelNotAvailableError``      a bundled model's weights are not installed
 ``UnknownModelError``           a model name names no model (also ``InvalidInputError``)
 ``InvalidExampleError``         an evaluation example is malformed (``ValueError``)
@@ -91,6 +92,12 @@ class StateAlteredError(KVEditError, RuntimeError):
 
 class UnsupportedModelError(KVEditError):
     """The model's architecture cannot be captured or edited by kvedit."""
+
+
+class TemplateError(UnsupportedModelError, ValueError):
+    """A prompt format :class:`kvedit.Memory` cannot follow exactly: a chat template that
+    rewrites earlier text (not append-only), or a message boundary that tokenizes differently
+    once more text follows."""
 
 
 class ModelNotAvailableError(KVEditError):
@@ -177,6 +184,7 @@ __all__ = [
     "StorageError",
     "StoreLockTimeout",
     "StoreUnavailableError",
+    "TemplateError",
     "TritonUnavailableError",
     "VLLMUnavailableError",
     "UnknownModelError",

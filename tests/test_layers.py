@@ -35,6 +35,7 @@ RANKS = {
     "reusing": 10,
     "focusing": 11,
     "steering": 12,
+    "memory": 12,
     "integrations": 13,
     "evals": 14,
     "cli": 15,

@@ -124,12 +124,14 @@ class CacheEntries(Sequence):
     """Each layer's entries after a forward over :func:`dynamic_cache`: item ``i`` is
     ``(keys, values)`` ``[batch, kv_heads, len + n, head_dim]`` (stored entries, then the ``n``
     new ones), expanded on access for a packed layer; :meth:`new_entries` gives only the new
-    ones without expanding anything."""
+    ones without expanding anything. ``drop``: trailing entries of the cache left out (the
+    cache as it was ``drop`` tokens earlier, :meth:`first`)."""
 
-    def __init__(self, cache: DynamicCache, n_layers: int, n_new: int) -> None:
+    def __init__(self, cache: DynamicCache, n_layers: int, n_new: int, drop: int = 0) -> None:
         self._cache = cache
         self._n = n_layers
         self._new = n_new
+        self._drop = drop
 
     def __len__(self) -> int:
         return self._n
@@ -142,8 +144,18 @@ class CacheEntries(Sequence):
         layer = self._cache.layers[i % self._n]
         source = getattr(layer, "packed_source", None)
         if source is not None:  # expanded once for both
-            return source.dense_kv(layer.new_keys, layer.new_values)
-        return layer.keys, layer.values
+            keys, values = source.dense_kv(layer.new_keys, layer.new_values)
+        else:
+            keys, values = layer.keys, layer.values
+        end = keys.shape[-2] - self._drop
+        return keys[:, :, :end], values[:, :, :end]
+
+    def first(self, k: int) -> CacheEntries:
+        """These entries with only the first ``k`` of the new ones (``0 <= k <= n``): the
+        cache as it was after the first ``k`` new tokens (views, nothing copied)."""
+        if not 0 <= k <= self._new:
+            raise ValueError(f"first: k must be in [0, {self._new}], not {k}")
+        return CacheEntries(self._cache, self._n, k, self._drop + self._new - k)
 
     def new_entries(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[batch, kv_heads, n, head_dim]`` of the new entries of layer ``i``."""
@@ -152,5 +164,5 @@ class CacheEntries(Sequence):
             keys, values = layer.new_keys, layer.new_values
         else:
             keys, values = layer.keys, layer.values
-        first = keys.shape[-2] - self._new
-        return keys[:, :, first:], values[:, :, first:]
+        end = keys.shape[-2] - self._drop
+        return keys[:, :, end - self._new : end], values[:, :, end - self._new : end]

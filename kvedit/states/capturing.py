@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .. import checks
 from ..cache import LayerKV
+from ..cache.adapter import CacheEntries
 from ..compat import text_config
 from ..errors import InvalidInputError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -27,6 +28,7 @@ from .passes import appended_layers
 from .state import KVState, LastInput
 
 __all__ = [
+    "appended_state",
     "capture",
     "capture_passage",
     "capture_tokens",
@@ -193,6 +195,23 @@ def extend_ids(state: KVState, ids: Sequence[int], offsets: torch.Tensor, text: 
     if not ids:
         return state.replace(text=text)
     logits, full_kv = state.run(ids, logits_to_keep=1)
+    return appended_state(state, ids, full_kv, logits[-1], offsets, text)
+
+
+def appended_state(
+    state: KVState,
+    ids: Sequence[int],
+    full_kv: CacheEntries,
+    last_logits: torch.Tensor,
+    offsets: torch.Tensor,
+    text: str,
+) -> KVState:
+    """``state`` followed by the tokens ``ids`` whose entries a forward pass already made:
+    ``full_kv`` (:class:`~kvedit.cache.adapter.CacheEntries`, the state's entries then one per
+    id, from :meth:`KVState.run` or a :class:`~kvedit.states.decoding.Decoder`),
+    ``last_logits`` ``[vocab]`` the prediction after the last id, ``offsets`` ``[len(ids), 2]``
+    and ``text`` as for :func:`extend_ids`. Nothing is run."""
+    ids = [int(i) for i in ids]
     positions = torch.arange(state.next_position, state.next_position + len(ids))
     return state.replace(
         layers=appended_layers(
@@ -203,7 +222,7 @@ def extend_ids(state: KVState, ids: Sequence[int], offsets: torch.Tensor, text: 
         text=text,
         position_ids=torch.cat([state.position_ids, positions]),
         next_position=state.next_position + len(ids),
-        last_logits=logits[-1].float(),
+        last_logits=last_logits.float(),
         last_input=LastInput(len(state) + len(ids) - 1, state.next_position + len(ids) - 1),
     )
 

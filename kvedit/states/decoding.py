@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.adapter import dynamic_cache
+from ..cache.adapter import CacheEntries, dynamic_cache
 from ..runtime import forward
 from .passes import StateBias, appended_layers
 from .view import StateView
@@ -72,6 +72,8 @@ class Decoder:
             self.next_logits = state.last_logits
         self._cache = dynamic_cache(layers)
         self._plan = StateBias(layers)
+        self.pushed: list[int] = []
+        """The tokens :meth:`push` has fed, in order."""
 
     @torch.no_grad()
     def push(self, token: int) -> torch.Tensor:
@@ -84,7 +86,15 @@ class Decoder:
             plan=self._plan,
         )[0, -1]
         self.position += 1
+        self.pushed.append(int(token))
         return self.next_logits
+
+    def entries(self) -> CacheEntries:
+        """The cache the decoder holds now: the state's entries (and the continuation's), then
+        one per :attr:`pushed` token (:class:`~kvedit.cache.adapter.CacheEntries`, views of
+        the decoder's own tensors; :meth:`~kvedit.cache.adapter.CacheEntries.first` cuts it
+        back). For keeping the K/V of decoded tokens instead of computing them again."""
+        return CacheEntries(self._cache, len(self._cache.layers), len(self.pushed))
 
 
 def eos_ids(model, tok, override: int | Sequence[int] | None = None) -> set[int]:

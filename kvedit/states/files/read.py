@@ -32,6 +32,7 @@ from .format import FORMAT, READABLE_VERSIONS, SEALED_VERSION, crc32_of
 from .seal import VERIFIED, Seal, check_header, check_tensors, tensors_digest
 
 __all__ = [
+    "load_attached",
     "SealedFile",
     "load_state",
     "read_sealed",
@@ -385,6 +386,23 @@ def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
         CacheMismatchError: the state was made by another model or tokenizer.
         FileNotFoundError: there is no file at ``path``.
     """
+    return load_attached(path, model, tokenizer)[0]
+
+
+def load_attached(path: str | os.PathLike, model, tokenizer) -> tuple[KVState, dict | None]:
+    """:func:`load_state`, and the file's ``attachment`` (the metadata
+    :func:`~kvedit.states.files.write.save_state` was given; None when it was given none).
+    The attachment is covered by the seal: a file edited by hand is refused like any other.
+
+    Raises:
+        CorruptCacheError: as :func:`load_state`, or an ``attachment`` that is not a JSON object.
+    """
     found = read_state_file(path)
     meta = _check_fingerprints(found.meta, model, tokenizer, path)
-    return state_from_parts(meta, found.tensors, model, tokenizer, path=path, trusted=found.trusted)
+    state = state_from_parts(
+        meta, found.tensors, model, tokenizer, path=path, trusted=found.trusted
+    )
+    attachment = found.meta.get("attachment")
+    if attachment is not None and not isinstance(attachment, dict):
+        raise CorruptCacheError(f"{path}: the header's attachment is not a JSON object")
+    return state, attachment

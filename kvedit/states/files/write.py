@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from ... import checks
 from ...atomic import atomic_write, sweep_leftovers
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, InvalidTypeError
 from ...provenance import History, cast_step, dtype_name
 from ...version import __version__
 from ..view import StateView
@@ -135,8 +135,17 @@ def _kv_dtype(state: StateView) -> torch.dtype | None:
     return None
 
 
-def save_state(state: StateView, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def save_state(
+    state: StateView,
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    *,
+    attachment: dict | None = None,
+) -> Path:
     """Write ``state`` to ``path`` (see module docstring); ``dtype`` down-casts keys and values.
+    ``attachment``: JSON-ready metadata of whoever holds the state (a
+    :class:`kvedit.Memory`'s messages), written in the header under ``attachment`` and covered
+    by the seal; :func:`~kvedit.states.files.read.load_attached` reads it back.
 
     Raises:
         InvalidInputError: ``path`` is empty or a directory; ``dtype`` is not float16,
@@ -151,6 +160,10 @@ def save_state(state: StateView, path: str | os.PathLike, dtype: torch.dtype | N
     history = saved_history(state, seen, dtype)
     kv_dtype = dtype if dtype is not None else (min(seen, key=str) if seen else None)
     fields = state_metadata(state, params, history=history, kv_dtype=kv_dtype)
+    if attachment is not None:
+        if not isinstance(attachment, dict):
+            raise InvalidTypeError(f"attachment must be a dict, not {type(attachment).__name__}")
+        fields["attachment"] = attachment
     fields["seal"] = make_seal(fields, tensors_digest(tensors))
     meta = {"kvedit": json.dumps(fields, ensure_ascii=False)}
     sweep_leftovers(path)  # what a killed save of this file left behind

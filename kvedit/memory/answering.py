@@ -1,0 +1,163 @@
+"""Answering over a memory: decoding with stop strings, and committing the answer's tokens
+without computing them twice.
+
+:func:`decode` runs a :class:`~kvedit.states.decoding.Decoder` over the state that holds the
+question and the generation prompt, token by token, until EOS, a stop string or
+``max_new_tokens``. :func:`commit` then builds the memory's next state from the answer as the
+renderer renders it: the decoded tokens' K/V are kept up to the first token where the rendering
+differs (a stop string cut, an answer that tokenizes differently as text), and only the rest
+(the end-of-turn markup, and any differing tail) is run through the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..states.capturing import appended_state, extend_ids
+from ..states.decoding import Decoder, eos_ids, sample
+from ..states.state import KVState
+from .rendering import Rendering
+
+__all__ = ["Commit", "Decoded", "commit", "common_prefix", "decode"]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """An answer decoded over a memory: its ``text`` (cut before a stop string, special tokens
+    skipped), the generated ``token_ids``, the :class:`Decoder` that made them (its
+    :attr:`~kvedit.states.decoding.Decoder.pushed` tokens hold K/V), and why it ended
+    (``"eos"``, ``"stop"`` or ``"length"``)."""
+
+    text: str
+    token_ids: list[int]
+    decoder: Decoder
+    ended: str
+
+
+@torch.no_grad()
+def decode(
+    state: KVState,
+    max_new_tokens: int,
+    stops: Sequence[str] = (),
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """Decode from ``state`` (which ends with the generation prompt) until EOS, a stop string
+    or ``max_new_tokens``; the answer's text is cut before the first stop string."""
+    dec = Decoder(state, max_new_tokens=max_new_tokens)
+    eos = eos_ids(dec.model, dec.tokenizer)
+    tokens: list[int] = []
+    ended = "length"
+    for step in range(max_new_tokens):
+        token = sample(dec.next_logits, do_sample, temperature, top_k, top_p, generator)
+        if token in eos:
+            ended = "eos"
+            break
+        tokens.append(token)
+        text = dec.tokenizer.decode(tokens, skip_special_tokens=True)
+        if stops and any(s in text for s in stops):
+            ended = "stop"
+            break
+        if step < max_new_tokens - 1:
+            dec.push(token)
+    text = dec.tokenizer.decode(tokens, skip_special_tokens=True)
+    if ended == "stop":
+        text = text[: min(text.find(s) for s in stops if s in text)]
+    return Decoded(text, tokens, dec, ended)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The memory's next state after an answer, and how it was built: ``kept`` decoded tokens
+    whose K/V were kept, the model run from token ``rerun_from`` to the end, ``recomputed``
+    tokens of that run that had been computed once already (while asking or decoding), and
+    ``note`` saying why."""
+
+    state: KVState
+    kept: int
+    rerun_from: int
+    recomputed: int
+    note: str
+
+
+def commit(
+    memory: KVState, prompt: KVState, decoded: Decoded, full: Rendering, *, focused: bool
+) -> Commit:
+    """The state of ``full`` (the conversation with the answer, as rendered) built from what
+    answering computed.
+
+    Args:
+        memory: the memory's state before the question (a prefix of ``full``).
+        prompt: ``memory`` followed by the question and the generation prompt, the state the
+            answer was decoded from (over the unedited memory unless ``focused``).
+        decoded: the answer (:func:`decode`).
+        full: the rendering to commit.
+        focused: the answer was decoded over a focused view: nothing it computed is kept, the
+            question and the answer are run again over the unedited memory.
+    """
+    ids = full.ids
+    n_mem, n_prompt = len(memory), len(prompt)
+    pushed = decoded.decoder.pushed
+    if focused:
+        return _rerun(
+            memory,
+            full,
+            n_prompt - n_mem + min(len(pushed), len(ids) - n_prompt),
+            "decoded over a focused view: the question and the answer are run again over "
+            "the unedited memory",
+        )
+    held = prompt.token_ids.tolist() + pushed
+    m = common_prefix(held, ids)
+    if m == len(ids) and m < len(held):
+        m -= 1  # the answer ends inside what was decoded: rerun its last token for its logits
+    if m < n_prompt:
+        return _rerun(
+            memory,
+            full,
+            n_prompt - n_mem + min(len(pushed), len(ids) - n_prompt),
+            "the answer's first tokens merge with the generation prompt's last token when "
+            "rendered: the question is run again with them",
+        )
+    k = m - n_prompt
+    base = prompt
+    if k:
+        last = decoded.decoder.next_logits if m == len(held) else None
+        if last is None:  # the logits after token m come from the run of the rest below
+            last = torch.zeros_like(prompt.last_logits)
+        entries = decoded.decoder.entries().first(k)
+        base = appended_state(
+            prompt, ids[n_prompt:m], entries, last, full.offsets[n_prompt:m], full.text
+        )
+    state = extend_ids(base, ids[m:], full.offsets[m:], full.text) if m < len(ids) else base
+    again = max(0, min(len(held), len(ids)) - m)
+    note = (
+        f"{again} decoded tokens render differently (a stop string cut, or text that "
+        "tokenizes otherwise): run again as rendered"
+        if again
+        else ""
+    )
+    return Commit(state, k, m, again, note)
+
+
+def _rerun(memory: KVState, full: Rendering, recomputed: int, note: str) -> Commit:
+    """Everything after the memory run again over it."""
+    n = len(memory)
+    return Commit(
+        extend_ids(memory, full.ids[n:], full.offsets[n:], full.text), 0, n, recomputed, note
+    )

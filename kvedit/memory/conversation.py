@@ -1,0 +1,431 @@
+"""A conversation kept as one exact cache: :class:`Memory`.
+
+Each :meth:`Memory.add` renders the whole conversation (:mod:`kvedit.memory.rendering`),
+checks that the ids the cache holds are a prefix of the new rendering's ids (and its text a
+prefix of the new text), and runs only the new ids through the model. So the cache is at
+every turn what a fresh :func:`kvedit.capture_tokens` of the rendering's ids would hold: the
+same ids, the same digest, logits equal up to float rounding. :meth:`Memory.ask` decodes an
+answer and commits it the same way, keeping the decoded tokens' K/V
+(:mod:`kvedit.memory.answering`). Nothing is forgotten here, so the memory's state is a plain
+capture of its transcript: :class:`kvedit.KVStore` takes it and :func:`kvedit.reuse` finds it
+as a prefix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import checks
+from ..errors import CorruptCacheError, InvalidInputError, InvalidTypeError, TemplateError
+from ..focusing.choice import DEFAULT_GUARD, Focus, focus
+from ..focusing.guard import Guard, check_guard
+from ..states.capturing import empty_state, extend_ids
+from ..states.files.read import load_attached
+from ..states.files.write import save_state
+from ..states.state import KVState
+from .answering import commit, decode
+from .records import Turn
+from .rendering import ROLES, Message, Rendering, renderer_for
+
+__all__ = ["ATTACHMENT_KIND", "MAX_MESSAGES", "Memory"]
+
+ATTACHMENT_KIND = "kvedit.memory"
+"""What a memory file's header attachment says it is."""
+
+MAX_MESSAGES = 100_000
+"""The most messages a memory holds: every turn renders the whole conversation, so a count far
+past any context the bundled models read (8K-32K positions) only makes each turn slower."""
+
+
+class Memory:
+    """A conversation an agent keeps as one exact KV cache.
+
+    ``Memory(model, tokenizer, system=..., prompt="chat")`` renders messages with the
+    tokenizer's chat template (``"plain"``: the documented format for base models,
+    :mod:`kvedit.memory.rendering`; default: ``"chat"`` when the tokenizer has a template,
+    else ``"plain"``). A ``system`` text is the first message, computed now.
+
+    Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
+    question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        system: str | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        if prompt is None:
+            prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+        self.renderer = renderer_for(prompt, tokenizer)
+        self.model = model
+        self.tokenizer = tokenizer
+        self._state = empty_state(model, tokenizer)
+        self._messages: list[Message] = []
+        self._turns: list[Turn] = []
+        self._rendering = self.renderer.render([])
+        self.last_focus: Focus | None = None
+        """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
+        if system is not None:
+            self.add("system", system)
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def prompt(self) -> str:
+        """The prompt format's name (``"chat"`` or ``"plain"``)."""
+        return self.renderer.name
+
+    @property
+    def state(self) -> KVState:
+        """The cache of the whole conversation (a :class:`~kvedit.KVState`, never edited)."""
+        return self._state
+
+    @property
+    def turns(self) -> tuple[Turn, ...]:
+        """One :class:`~kvedit.memory.records.Turn` per message, in order."""
+        return tuple(self._turns)
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return tuple(self._messages)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (keys, values; every layer)."""
+        return self._state.nbytes
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __repr__(self) -> str:
+        return (
+            f"Memory({len(self._messages)} messages, {len(self._state)} tokens, "
+            f"{self.nbytes / 2**20:.1f} MiB, prompt {self.prompt!r})"
+        )
+
+    def _bytes_per_token(self) -> float:
+        return sum(
+            layer.nbytes / max(len(layer), 1)
+            for layer in self._state.layers
+            if layer.window is None
+        )
+
+    # ------------------------------------------------------------------ adding
+
+    def add(self, role: str, content: str) -> Turn:
+        """Add one message and compute only its tokens. Returns its :class:`Turn`.
+
+        Raises:
+            InvalidInputError: an unknown role, an empty message, a message past the model's
+                positions (refused before any work).
+            TemplateError: the template rewrites earlier text when the message follows.
+        """
+        message = self._message(role, content)
+        self._check_count()
+        rendering = self._render_after([*self._messages, message], message.role)
+        n = len(self._state)
+        self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
+        state = extend_ids(self._state, rendering.ids[n:], rendering.offsets[n:], rendering.text)
+        turn = self._turn(message, n, len(rendering.ids), "computed", len(rendering.ids) - n)
+        self._keep(state, [message], rendering, [turn])
+        return turn
+
+    def _message(self, role: str, content: str) -> Message:
+        if not isinstance(role, str) or role not in ROLES:
+            raise InvalidInputError(f"role must be one of {list(ROLES)}, not {role!r}")
+        content = checks.text(f"the {role} message", content)
+        if not content.strip():
+            raise InvalidInputError(f"the {role} message is empty")
+        self._state.check_room(0, what=f"{role} message", n_chars=len(content))
+        return Message(role, content)
+
+    def _check_count(self, more: int = 1) -> None:
+        if len(self._messages) + more > MAX_MESSAGES:
+            raise InvalidInputError(
+                f"a memory holds at most {MAX_MESSAGES} messages; it has {len(self._messages)}"
+            )
+
+    def _render_after(
+        self, messages: Sequence[Message], what: str, generation_prompt: bool = False
+    ) -> Rendering:
+        """The rendering of ``messages``, refused unless the cache's ids (and text) are a
+        prefix of it and it adds tokens."""
+        rendering = self.renderer.render(messages, generation_prompt)
+        self._check_prefix(self._rendering, rendering, what)
+        return rendering
+
+    def _check_prefix(self, held: Rendering, new: Rendering, what: str) -> None:
+        n = len(held.ids)
+        if new.ids[:n] != held.ids or not new.text.startswith(held.text):
+            at = next(
+                (i for i, (a, b) in enumerate(zip(held.ids, new.ids, strict=False)) if a != b),
+                min(n, len(new.ids)),
+            )
+            raise TemplateError(
+                f"the {self.prompt!r} prompt format is not append-only here: with the {what} "
+                f"added, the rendering differs from the {n} tokens already held at token {at} "
+                f"(held {self.tokenizer.decode(held.ids[at : at + 8])!r}, now "
+                f"{self.tokenizer.decode(new.ids[at : at + 8])!r}); the memory is unchanged"
+            )
+        if len(new.ids) == n:
+            raise TemplateError(f"the {what} renders to no new tokens; the memory is unchanged")
+
+    def _turn(
+        self, message: Message, start: int, end: int, source: str, computed: int, **kw
+    ) -> Turn:
+        kw.setdefault("index", len(self._messages))
+        return Turn(
+            role=message.role,
+            content=message.content,
+            start=start,
+            end=end,
+            source=source,
+            computed=computed,
+            **kw,
+        )
+
+    def _keep(
+        self, state: KVState, messages: list[Message], rendering: Rendering, turns: list[Turn]
+    ) -> None:
+        """Make the new state the memory's: every field at once, after all work is done."""
+        self._state = state
+        self._messages = [*self._messages, *messages]
+        self._rendering = rendering
+        self._turns = [*self._turns, *turns]
+        if self._turns and turns:
+            per_token = self._bytes_per_token()
+            self._turns[-len(turns) :] = [
+                _with_bytes(t, round(per_token * t.n_tokens)) for t in self._turns[-len(turns) :]
+            ]
+
+    # ------------------------------------------------------------------ asking
+
+    @torch.no_grad()
+    def ask(
+        self,
+        question: str,
+        max_new_tokens: int = 64,
+        *,
+        focus: bool | Guard = False,
+        stop: Sequence[str] | None = None,
+        remember: bool = True,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> str:
+        """Ask ``question`` as a user message and return the answer's text (stripped of
+        surrounding whitespace, as it is committed).
+
+        The answer ends at EOS, a stop string (``stop``, plus the prompt format's own: the
+        ``"plain"`` format's next message label) or ``max_new_tokens``; a cut answer is
+        still a whole message. With ``remember`` (the default) the question and the answer
+        are added to the memory, the answer's decoded K/V kept (:mod:`kvedit.memory.answering`);
+        otherwise the memory is left as it was.
+
+        ``focus``: ``True`` (with :data:`kvedit.DEFAULT_GUARD`) or a guard emphasizes the
+        messages the question points at (:func:`kvedit.focus`, the messages' contents as
+        passages) for this answer only: the memory itself is never edited, and what is
+        committed is what an unedited memory would hold (the question and the answer are run
+        again over it; :attr:`Turn.recomputed` says so). :attr:`last_focus` keeps the choice.
+
+        Raises:
+            InvalidInputError: an empty question, a bad argument, or a question and answer
+                past the model's positions (before any work).
+            TemplateError: the template is not append-only with the question or the answer.
+        """
+        guard = _guard_of(focus)
+        max_new_tokens = checks.count("max_new_tokens", max_new_tokens, minimum=1)
+        stops = self._stops(stop)
+        message = self._message("user", question)
+        self._check_count(2)
+        asked = [*self._messages, message]
+        q = self._render_after(asked, "question")
+        p = self.renderer.render(asked, generation_prompt=True)
+        self._check_prefix(q, p, "generation prompt")
+        n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
+        self._state.check_room(n_p - n, max_new_tokens, what="question")
+        focused = guard is not None and self._focused(question, p, guard)
+        prompt_from = self.last_focus.state if focused else self._state
+        prompt = extend_ids(prompt_from, p.ids[n:], p.offsets[n:], p.text)
+        decoded = decode(
+            prompt,
+            max_new_tokens,
+            stops,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+        text = decoded.text.strip()
+        if not remember:
+            return text
+        if not text:  # an empty answer is still a whole message
+            text = decoded.text or " "
+        answer = Message("assistant", text)
+        full = self.renderer.render([*asked, answer])
+        self._check_prefix(p, full, "answer")
+        done = commit(self._state, prompt, decoded, full, focused=focused)
+        end = len(full.ids)
+        again = done.rerun_from <= n  # the question was run again with the answer
+        turns = [
+            self._turn(
+                message,
+                n,
+                n_q,
+                "computed",
+                n_q - n,
+                recomputed=(n_q - n) if again else 0,
+                note=done.note if again else "",
+            ),
+            self._turn(
+                answer,
+                n_q,
+                end,
+                "decoded" if done.kept else "computed",
+                (end - n_q) if again else (n_p - n_q) + (end - done.rerun_from),
+                kept=done.kept,
+                recomputed=done.recomputed - (n_q - n if again else 0),
+                note=done.note,
+                index=len(self._messages) + 1,
+            ),
+        ]
+        self._keep(done.state, [message, answer], full, turns)
+        return answer.content.strip()
+
+    def _stops(self, stop: Sequence[str] | None) -> tuple[str, ...]:
+        if stop is None:
+            stop = ()
+        if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidInputError(f"stop must be a list of non-empty strings, not {stop!r}")
+        return (*self.renderer.stops, *stop)
+
+    def _focused(self, question: str, p: Rendering, guard: Guard | None) -> bool:
+        """Run focus over the memory for ``question``; whether it kept an edit."""
+        passages = [r for r in self._rendering.contents if r is not None]
+        if not passages:
+            self.last_focus = None
+            return False
+        n_text = len(self._rendering.text)
+        self.last_focus = focus(
+            self._state,
+            p.text[n_text:],
+            passages,
+            query=question,
+            guard=guard,
+        )
+        return bool(self.last_focus.chosen) and self.last_focus.kept
+
+    # ------------------------------------------------------------------ reading it
+
+    def explain(self) -> str:
+        """Per message: role, tokens, computed / kept / loaded, bytes; the memory's size; and
+        what focus chose for the last question asked with focus."""
+        lines = [repr(self)]
+        for t in self._turns:
+            how = {"computed": f"computed {t.computed}", "loaded": "loaded from file"}.get(
+                t.source, f"decoded, kept {t.kept}, computed {t.computed}"
+            )
+            if t.recomputed:
+                how += f", {t.recomputed} recomputed ({t.note})"
+            lines.append(
+                f"{t.index:4d} {t.role:9s} {t.n_tokens:6d} tok  {how}; "
+                f"{t.nbytes / 1024:.0f} KiB  {_preview(t.content)}"
+            )
+        if self.last_focus is not None:
+            f = self.last_focus
+            if f.chosen and f.kept:
+                chosen = ", ".join(self._message_at(f.passages[i]) for i in f.chosen)
+                lines.append(f"last focus: emphasized {chosen}")
+            elif f.chosen:
+                lines.append(f"last focus: edit dropped by the guard ({f.verdict})")
+            else:
+                lines.append(f"last focus: abstained ({f.reason})")
+        return "\n".join(lines)
+
+    def _message_at(self, span: tuple[int, int]) -> str:
+        for i, r in enumerate(self._rendering.contents):
+            if r is not None and r[0] <= span[0] < r[1]:
+                return (
+                    f"message {i} ({self._messages[i].role}: {_preview(self._messages[i].content)})"
+                )
+        return f"characters {span[0]}..{span[1]}"
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the memory to one state file (the cache, sealed, with the messages in its
+        header), atomically; returns the path. The whole file is written each time (46 KB per
+        token on SmolLM2 in float32): save on demand (``kvedit chat`` saves on exit), not
+        every turn."""
+        attachment = {
+            "kind": ATTACHMENT_KIND,
+            "version": 1,
+            "prompt": self.prompt,
+            "messages": [m.as_dict() for m in self._messages],
+            "turns": [t.to_json() for t in self._turns],
+        }
+        return save_state(self._state, path, attachment=attachment)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model, tokenizer) -> Memory:
+        """A memory saved with :meth:`save`, for ``model`` and ``tokenizer``.
+
+        The messages are rendered again and must give the file's token ids exactly.
+
+        Raises:
+            CacheMismatchError: the file was made by another model or tokenizer.
+            CorruptCacheError: not a memory file, damaged, or messages that do not render to
+                its tokens.
+        """
+        state, attachment = load_attached(path, model, tokenizer)
+        if not isinstance(attachment, dict) or attachment.get("kind") != ATTACHMENT_KIND:
+            raise CorruptCacheError(f"{path}: a state file, not a memory (Memory.save writes one)")
+        try:
+            messages = [Message(m["role"], m["content"]) for m in attachment["messages"]]
+            prompt = attachment["prompt"]
+            turns = [Turn(**t) for t in attachment["turns"]]
+        except (KeyError, TypeError) as e:
+            raise CorruptCacheError(f"{path}: the memory's header is malformed ({e})") from None
+        memory = cls(model, tokenizer, prompt=prompt)
+        rendering = memory.renderer.render(messages)
+        if rendering.ids != state.token_ids.tolist() or len(turns) != len(messages):
+            raise CorruptCacheError(
+                f"{path}: the memory's {len(messages)} messages do not render to its "
+                f"{len(state)} tokens"
+            )
+        memory._state = state
+        memory._messages = messages
+        memory._rendering = rendering
+        memory._turns = [
+            Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0}) for t in turns
+        ]
+        return memory
+
+
+def _with_bytes(turn: Turn, nbytes: int) -> Turn:
+    return Turn(**{**turn.to_json(), "nbytes": nbytes})
+
+
+def _preview(text: str, width: int = 48) -> str:
+    one = " ".join(text.split())
+    return repr(one if len(one) <= width else one[: width - 1] + "…")
+
+
+def _guard_of(focus: bool | Guard) -> Guard | None:
+    """The guard ``ask(focus=...)`` asks for, None for no focus."""
+    if focus is False or focus is None:
+        return None
+    if focus is True:
+        return DEFAULT_GUARD
+    if isinstance(focus, bool):
+        raise InvalidTypeError(f"focus must be True, False or a guard, not {focus!r}")
+    return check_guard(focus)

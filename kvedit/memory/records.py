@@ -1,0 +1,50 @@
+"""What a :class:`kvedit.Memory` records of each message: :class:`Turn`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["SOURCES", "Turn"]
+
+SOURCES = ("computed", "decoded", "loaded")
+"""Where a message's entries came from: run through the model when it was added, kept from
+decoding the answer (the end-of-turn tokens computed), or read from a memory file."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a memory and what it cost.
+
+    Attributes:
+        index: the message's place in the conversation (0 first).
+        role: ``system``, ``user``, ``assistant`` or ``tool``.
+        content: the message's text.
+        start, end: its tokens are ``state.token_ids[start:end]`` (the template's markup
+            around it included; an answer's generation prompt belongs to the answer).
+        source: one of :data:`SOURCES`.
+        computed: tokens run through the model for it (0 when loaded).
+        kept: tokens whose K/V were kept from decoding the answer (answers only).
+        recomputed: of ``computed``, tokens that had already been computed once (see ``note``).
+        note: why tokens were computed again (empty when none were).
+        nbytes: bytes its entries hold in the global-attention layers (a sliding-window layer
+            holds a fixed window, counted in :attr:`kvedit.Memory.nbytes` only).
+    """
+
+    index: int
+    role: str
+    content: str
+    start: int
+    end: int
+    source: str
+    computed: int
+    kept: int = 0
+    recomputed: int = 0
+    note: str = ""
+    nbytes: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+    def to_json(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,217 @@
+"""How a conversation becomes token ids: the renderers of :class:`kvedit.Memory`, by name.
+
+A renderer turns the messages into a :class:`Rendering` (ids, text, each token's character
+range, where each message's content lies) and gives the ids that open an assistant answer (the
+generation prompt). Two are registered (:data:`RENDERERS`):
+
+- ``"chat"`` (:class:`ChatRenderer`): the tokenizer's own chat template, rendered to text and
+  tokenized as a whole without added special tokens (a template that writes the BOS token
+  itself does not get a second one). This is what
+  ``tokenizer.apply_chat_template(messages, tokenize=True)`` gives.
+- ``"plain"`` (:class:`PlainRenderer`), for a base model: the BOS token when the tokenizer adds
+  one, then per message its label (``"User:"``), a space and the content, and a blank line::
+
+      System: You are terse.
+
+      User: My locker code is 4821.
+
+      Assistant: Noted.
+
+  Each of the three parts is tokenized on its own and the ids concatenated, so a message's
+  boundaries can never merge into one token with its neighbours (a text-level rendering would
+  let ``"...4821."`` and the blank line after it tokenize differently once the next message
+  follows). The generation prompt is the label ``"Assistant:"``; a base model must be stopped
+  before it writes the next label (:data:`PLAIN_STOPS`).
+
+A renderer is exact when its rendering of a conversation starts with the ids of the same
+conversation less its last message (append-only); :class:`kvedit.Memory` checks that every
+turn and refuses a template that rewrites earlier text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInputError, UnsupportedModelError
+
+__all__ = [
+    "LABELS",
+    "PLAIN_STOPS",
+    "RENDERERS",
+    "ROLES",
+    "ChatRenderer",
+    "Message",
+    "PlainRenderer",
+    "Renderer",
+    "Rendering",
+    "renderer_for",
+]
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a message may have."""
+
+LABELS = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+"""Each role's label in the ``"plain"`` format."""
+
+PLAIN_STOPS = tuple(f"\n{label}:" for label in LABELS.values())
+"""Where an answer in the ``"plain"`` format ends: a base model goes on writing the next
+message (``"\\nUser: ..."``) after its answer."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a conversation: its ``role`` (one of :data:`ROLES`) and ``content``."""
+
+    role: str
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """A conversation as the model reads it.
+
+    Attributes:
+        ids: the token ids.
+        text: the rendered text.
+        offsets: ``[len(ids), 2]`` each token's character range in ``text`` (special tokens:
+            zero width, so spans never select them).
+        contents: per message, the character range of its content in ``text`` (``None``
+            where the template does not hold the content verbatim).
+    """
+
+    ids: list[int]
+    text: str
+    offsets: torch.Tensor
+    contents: list[tuple[int, int] | None]
+
+
+class Renderer:
+    """Renders messages for one tokenizer. Subclasses define :meth:`render`."""
+
+    name = ""
+    stops: tuple[str, ...] = ()
+    """Strings that end an answer (besides the model's EOS tokens)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> Rendering:
+        """The ids of ``messages``; with ``generation_prompt``, followed by what opens an
+        assistant answer."""
+        raise NotImplementedError
+
+
+def _zero_special(tokenizer, ids: Sequence[int], offsets: np.ndarray) -> torch.Tensor:
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    out = torch.from_numpy(np.asarray(offsets, dtype=np.int64).reshape(-1, 2).copy())
+    for i, tid in enumerate(ids):
+        if tid in special:
+            out[i, 1] = out[i, 0]
+    return out
+
+
+class ChatRenderer(Renderer):
+    """The tokenizer's chat template (``prompt="chat"``)."""
+
+    name = "chat"
+
+    def __init__(self, tokenizer) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UnsupportedModelError(
+                "the tokenizer has no chat template: use prompt='plain' (a base model's format)"
+            )
+        if not getattr(tokenizer, "is_fast", False):
+            raise UnsupportedModelError(
+                "prompt='chat' needs a fast tokenizer (its character offsets place each message)"
+            )
+        super().__init__(tokenizer)
+
+    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> Rendering:
+        if not messages and not generation_prompt:
+            return Rendering([], "", torch.zeros(0, 2, dtype=torch.long), [])
+        text = self.tokenizer.apply_chat_template(
+            [m.as_dict() for m in messages],
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        offsets = _zero_special(self.tokenizer, ids, enc["offset_mapping"])
+        contents: list[tuple[int, int] | None] = []
+        cursor = 0
+        for m in messages:
+            at = text.find(m.content, cursor) if m.content else -1
+            if at < 0:
+                contents.append(None)
+                continue
+            contents.append((at, at + len(m.content)))
+            cursor = at + len(m.content)
+        return Rendering(ids, text, offsets, contents)
+
+
+class PlainRenderer(Renderer):
+    """The ``"plain"`` format for base models (module docstring)."""
+
+    name = "plain"
+    stops = PLAIN_STOPS
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        probe = tokenizer("x")["input_ids"]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self._bos = [int(bos)] if bos is not None and probe and probe[0] == bos else []
+        self._bos_text = tokenizer.bos_token if self._bos else ""
+
+    def _part(self, text: str) -> tuple[list[int], np.ndarray]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), np.asarray(enc["offset_mapping"], dtype=np.int64)
+
+    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> Rendering:
+        ids = list(self._bos)
+        text = self._bos_text
+        offsets = [np.zeros((len(ids), 2), dtype=np.int64)]
+        contents: list[tuple[int, int] | None] = []
+
+        def put(part: str) -> None:
+            nonlocal text
+            part_ids, part_offsets = self._part(part)
+            ids.extend(part_ids)
+            offsets.append(part_offsets.reshape(-1, 2) + len(text))
+            text += part
+
+        for m in messages:
+            put(f"{LABELS[m.role]}:")
+            contents.append((len(text) + 1, len(text) + 1 + len(m.content)))
+            put(" " + m.content)
+            put("\n\n")
+        if generation_prompt:
+            put(f"{LABELS['assistant']}:")
+        return Rendering(
+            ids, text, _zero_special(self.tokenizer, ids, np.concatenate(offsets)), contents
+        )
+
+
+RENDERERS: dict[str, Callable[[object], Renderer]] = {
+    ChatRenderer.name: ChatRenderer,
+    PlainRenderer.name: PlainRenderer,
+}
+"""The prompt formats by name (``Memory(prompt=NAME)``); register another here."""
+
+
+def renderer_for(prompt: str, tokenizer) -> Renderer:
+    """The renderer registered as ``prompt`` for ``tokenizer``.
+
+    Raises:
+        InvalidInputError: no renderer of that name.
+        UnsupportedModelError: ``"chat"`` for a tokenizer without a chat template.
+    """
+    if not isinstance(prompt, str) or prompt not in RENDERERS:
+        raise InvalidInputError(f"prompt must be one of {sorted(RENDERERS)}, not {prompt!r}")
+    return RENDERERS[prompt](tokenizer)
