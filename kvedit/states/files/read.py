@@ -263,6 +263,7 @@ def state_from_parts(
     path=None,
     *,
     trusted: bool = False,
+    max_positions: int | None = None,
 ) -> KVState:
     """Build a state from verified file contents, on the model's device and dtype.
 
@@ -275,8 +276,11 @@ def state_from_parts(
     The state's history is the file's when ``trusted`` (this installation wrote the file:
     :attr:`SealedFile.trusted`), else unknown (``path``, the file read, is noted in its
     origin), followed by a cast step when the file's K/V dtype is not the model's (they are
-    cast to the model's on load).
+    cast to the model's on load). ``max_positions`` is the state's
+    :attr:`~kvedit.KVState.max_positions` (a runtime setting no file holds).
     """
+    if max_positions is not None:  # outside the try: a bad value is no corrupt file
+        max_positions = checks.count("max_positions", max_positions, minimum=1)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     try:
@@ -320,6 +324,7 @@ def state_from_parts(
             tokenizer_fingerprint=str(meta["tokenizer_fingerprint"]),
             history=_history(meta, path, trusted),
             last_input=_last_input(meta, layers, int(token_ids.shape[0]), next_position),
+            max_positions=max_positions,
             model=model,
             tokenizer=tokenizer,
         )
@@ -368,7 +373,9 @@ def _check_fingerprints(meta: dict, model, tokenizer, path) -> dict:
     return meta
 
 
-def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
+def load_state(
+    path: str | os.PathLike, model, tokenizer, *, max_positions: int | None = None
+) -> KVState:
     """Load a state saved with :meth:`KVState.save`, checking it belongs to ``model``/``tokenizer``.
 
     Reads format versions 1 to 4. The seal (version 4; a CRC-32 before) is checked first, then
@@ -376,7 +383,9 @@ def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
     The state's history is the file's when this installation wrote it (its seal's MAC
     verifies); any other file loads with an unknown history (``history.origin.path`` notes the
     file): usable, but never stored or served as a capture. A cast step follows when the
-    file's K/V dtype is not the model's.
+    file's K/V dtype is not the model's. ``max_positions``: the most positions the model
+    attends to, for the checks of every later call (:attr:`KVState.max_positions`; None: the
+    model config's); files do not hold it.
 
     Raises:
         CorruptCacheError: truncated, corrupted, edited by hand, not a kvedit file, a pickle, or a structure
@@ -385,6 +394,16 @@ def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
         CacheMismatchError: the state was made by another model or tokenizer.
         FileNotFoundError: there is no file at ``path``.
     """
+    if max_positions is not None:  # before reading: a bad value is no corrupt file
+        max_positions = checks.count("max_positions", max_positions, minimum=1)
     found = read_state_file(path)
     meta = _check_fingerprints(found.meta, model, tokenizer, path)
-    return state_from_parts(meta, found.tensors, model, tokenizer, path=path, trusted=found.trusted)
+    return state_from_parts(
+        meta,
+        found.tensors,
+        model,
+        tokenizer,
+        path=path,
+        trusted=found.trusted,
+        max_positions=max_positions,
+    )
