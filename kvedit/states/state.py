@@ -91,11 +91,10 @@ class KVState:
             said).
         last_input: the entry ``last_logits`` follow (:class:`LastInput`); when not given,
             the last text token at its position (what a capture or an extension ran last).
-        max_positions: the most positions the model attends to, for the checks of every call
-            that adds tokens (:meth:`check_room`); None (the default): the model config's
-            ``max_position_embeddings``. A runtime setting, not content: set by
-            ``capture(..., max_positions=)`` and ``load_state(..., max_positions=)``, carried
-            to every state derived from this one, never saved nor part of :attr:`digest`.
+        max_positions: the most positions the model attends to, for every call that adds
+            tokens (:meth:`check_room`); None: the model config's ``max_position_embeddings``.
+            A runtime setting, not content: set by ``capture``/``load_state(...,
+            max_positions=)``, kept by every derived state, never saved nor in :attr:`digest`.
 
     Frozen: setting an attribute raises :class:`dataclasses.FrozenInstanceError`; every
     operation returns a new state (:meth:`replace`, :meth:`with_step`, the ops). The
@@ -333,10 +332,8 @@ class KVState:
             f"the model attends to at most {limit} positions; the state's next position is "
             f"{self.next_position}" + (f" and {reserve} tokens are to follow" if reserve else "")
         )
-        hint = (
-            " (a model whose config understates its context: capture or load the state with "
-            "max_positions=, or give the CLI --max-positions)"
-        )
+        hint = " (a model whose config understates its context: capture or load the state "
+        hint += "with max_positions=, or give the CLI --max-positions)"
         if n_chars is not None and n_chars > max(room, 0) * checks.MAX_CHARS_PER_TOKEN:
             raise InvalidInputError(
                 f"the {what} is {n_chars} characters long, more than the {max(room, 0)} "
