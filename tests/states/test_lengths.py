@@ -170,3 +170,22 @@ def test_the_bound_leaves_the_bundled_models_their_context():
     checks.call_size(n_tokens=32_768 - 64, reserve=64, what="context")
     with pytest.raises(InvalidInputError, match="131073 tokens in all"):
         checks.call_size(n_tokens=checks.MAX_TOKENS_PER_CALL, reserve=1, what="context")
+
+
+def test_the_entry_points_that_take_a_text_take_the_limit(llama, tmp_path):
+    from kvedit.store import KVStore
+
+    model, tok = llama
+    store = KVStore(tmp_path / "store")
+    state, first = kvedit.reuse(model, tok, RECORDS, store, max_positions=3000)
+    assert state.max_positions == 3000
+    assert store.get(first.key, model, tok).max_positions is None  # a setting, not stored
+    again, report = kvedit.reuse(model, tok, RECORDS + " More.", store)
+    assert report.tokens_reused > 0 and again.max_positions is None  # the call's, not the entry's
+    assert kvedit.reuse(model, tok, RECORDS, store, max_positions=99)[0].max_positions == 99
+    blended, _ = kvedit.blend(model, tok, ["Prefix. ", " A passage."], store, max_positions=3000)
+    assert blended.max_positions == 3000
+    found = kvedit.focus_text(model, tok, RECORDS, "What does Bob hold?", max_positions=3000)
+    assert found.state.max_positions == 3000
+    with pytest.raises(InvalidInputError, match=r"prompt is \d+ tokens long .* attends to 40 pos"):
+        kvedit.steer(model, tok, emphasize="Bob", max_positions=40).generate(RECORDS)
