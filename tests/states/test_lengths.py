@@ -176,7 +176,7 @@ def test_the_entry_points_that_take_a_text_take_the_limit(llama, tmp_path):
     from kvedit.store import KVStore
 
     model, tok = llama
-    store = KVStore(tmp_path / "store")
+    store = KVStore(tmp_path / "store", memory_bytes=2**30)  # the memory tier keeps objects
     state, first = kvedit.reuse(model, tok, RECORDS, store, max_positions=3000)
     assert state.max_positions == 3000
     assert store.get(first.key, model, tok).max_positions is None  # a setting, not stored
