@@ -172,10 +172,18 @@ def test_an_unexpected_error_is_one_line_and_status_1(inputs, capsys, monkeypatc
     assert "kvedit publish: error: RuntimeError: something broke" in err and "--debug" in err
 
 
-def test_max_positions_of_the_cli_does_not_leak(inputs, capsys):
-    args = ["publish", "--context", "context.txt", "--model", "tiny-llama"]
-    assert cli_main([*args, "--max-positions", "64"]) == EXIT_USAGE
-    assert checks.MAX_POSITIONS is None
+def test_max_positions_of_the_cli_reaches_the_check_and_does_not_leak(inputs, capsys):
+    """``--max-positions`` travels in the command's arguments: it refuses this call's context,
+    and the next call in the same process (without it) has the model's own limit again."""
+    from kvedit.cli.main import run
+
+    args = ["publish", "--context", "context.txt", "--model", "tiny-llama", "--root", "pub"]
+    with pytest.raises(InvalidInputError, match="does not fit: the model attends to at most 64"):
+        run([*args, "--max-positions", "64"])
+    assert not (inputs / "pub").exists()
+    assert run(args) == 0  # within tiny-llama's own 4096 positions
+    assert len(list((inputs / "pub").rglob("*.safetensors"))) == 1
+    assert not hasattr(checks, "MAX_POSITIONS")
 
 
 # ------------------------------------------------------------------------ the length limit
@@ -197,7 +205,7 @@ def test_capture_refuses_a_context_longer_than_the_model_attends_to(short_llama)
     n = len(tok(LONG)["input_ids"])
     with pytest.raises(InvalidInputError, match=f"is {n} tokens long .* at most 16 positions"):
         capture(model, tok, LONG)
-    with pytest.raises(InvalidInputError, match="pass max_positions=, set kvedit.checks"):
+    with pytest.raises(InvalidInputError, match="pass max_positions= or give the CLI"):
         capture(model, tok, LONG)  # capture takes the keyword, so its message offers it
 
 
@@ -219,15 +227,11 @@ def test_a_huge_context_is_refused_before_tokenizing(short_llama):
         capture(model, NoTokenizer(), text)
 
 
-@pytest.mark.parametrize("how", ["keyword", "module"])
-def test_the_limit_can_be_overridden(short_llama, monkeypatch, how):
+def test_the_limit_can_be_overridden(short_llama):
     model, tok = short_llama
-    if how == "keyword":
-        state = capture(model, tok, LONG, max_positions=4096)
-    else:
-        monkeypatch.setattr(checks, "MAX_POSITIONS", 4096)
-        state = capture(model, tok, LONG)
+    state = capture(model, tok, LONG, max_positions=4096)
     assert len(state) > 16
+    assert not hasattr(checks, "MAX_POSITIONS")  # a keyword, no module-wide setting
 
 
 def test_room_for_the_question_and_answer_is_kept(short_llama):
@@ -483,9 +487,8 @@ def test_blend_refuses_more_than_the_model_attends_to_before_any_work(
     with pytest.raises(InvalidInputError, match=problem) as refused:
         kvedit.blend(model, tok, parts, KVStore(store_dir), previous=previous)
     assert not store_dir.exists() or not any(store_dir.rglob("*.safetensors"))  # nothing stored
-    # blend takes no max_positions=, so its message must not offer one
-    assert "max_positions=" not in str(refused.value)
-    assert "kvedit.checks.MAX_POSITIONS" in str(refused.value)
+    # blend takes max_positions=, so its message offers it
+    assert "pass max_positions=" in str(refused.value)
 
 
 def test_focus_refuses_an_edit_that_is_not_a_function(llama):

@@ -194,10 +194,10 @@ def test_reread_refuses_a_separator_that_is_not_a_str(llama):
         ops.reread(state, "Bob", separator=5)
 
 
-def test_reread_refuses_to_run_past_the_models_positions(llama, monkeypatch):
+def test_reread_refuses_to_run_past_the_models_positions(llama):
     model, tok = llama
     state = kvedit.capture(model, tok, RECORDS)
-    monkeypatch.setattr(kvedit.checks, "MAX_POSITIONS", state.next_position + 2)
+    state = state.replace(max_positions=state.next_position + 2)
     with pytest.raises(InvalidInputError, match="re-read"):
         ops.reread(state, RECORDS[:60])
 

@@ -107,10 +107,3 @@ def max_positions_arg(p) -> None:
         help="the most positions the model attends to, for a model whose config understates "
         "it (default: its max_position_embeddings); longer contexts are refused",
     )
-
-
-def set_max_positions(args) -> None:
-    from .. import checks
-
-    if getattr(args, "max_positions", None) is not None:
-        checks.MAX_POSITIONS = args.max_positions

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import max_positions_arg, positions, positive, set_max_positions
+from .arguments import max_positions_arg, positions, positive
 from .status import UsageError
 
 _LITM_EPILOG = """\
@@ -181,7 +181,6 @@ def _run_litm(args) -> int:
     from ..evals.litm import main
     from ..evals.report import hold_out
 
-    set_max_positions(args)
     _check_litm(args)
     with hold_out(args.out):  # one run per --out at a time
         return main(_litm_args(args))

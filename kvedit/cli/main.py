@@ -85,14 +85,9 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def _execute(args) -> int:
-    """Run the parsed command; settings it changed (``--max-positions``) are restored after."""
-    from .. import checks
-
-    saved = checks.MAX_POSITIONS
-    try:
-        return int(args.run(args) or 0)
-    finally:
-        checks.MAX_POSITIONS = saved
+    """Run the parsed command (its settings, such as ``--max-positions``, travel in ``args``
+    to the calls that use them: nothing global is set)."""
+    return int(args.run(args) or 0)
 
 
 def _command_name(argv: list[str]) -> str:

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from .arguments import max_positions_arg, nonempty, port, positive, read_input, set_max_positions
+from .arguments import max_positions_arg, nonempty, port, positive, read_input
 
 _SERVE_EPILOG = """\
 Further arguments after -- go to vLLM's server as they are, e.g.
@@ -156,7 +156,6 @@ def _run_publish(args) -> int:
         raise InvalidInputError("--request needs --question or --focus (a whole prompt)")
     if args.guard is not None and args.focus is None:
         raise InvalidInputError("--guard needs --focus: only focus's edit is guarded")
-    set_max_positions(args)
     context = read_input(args.context, "--context")
     prompt = resolve_prompt(args.prompt, args.model)
     model, tok = load_model(args.model)
@@ -178,6 +177,7 @@ def _run_publish(args) -> int:
         guard=None if args.guard == "none" else DEFAULT_GUARD,
         prompt=prompt,
         served_model_name=args.served_model_name or args.model,
+        max_positions=args.max_positions,
     )
     out = published.to_dict()
     if published.prompt_token_ids is not None:
@@ -206,6 +206,7 @@ def _check_context_length(model, tok, context: str, args) -> None:
     if question:
         reserve += len(tok(question, add_special_tokens=False)["input_ids"])
     what = f"--context {'stdin' if args.context == '-' else args.context}"
-    checks.context_fits(model, n_chars=len(context), reserve=reserve, what=what)
+    limits = {"reserve": reserve, "max_positions": args.max_positions, "keyword": None}
+    checks.context_fits(model, n_chars=len(context), what=what, **limits)
     n_tokens = len(tok(context)["input_ids"])
-    checks.context_fits(model, n_tokens=n_tokens, reserve=reserve, what=what)
+    checks.context_fits(model, n_tokens=n_tokens, what=what, **limits)

@@ -181,6 +181,7 @@ def evaluate(
     batch: int = VLLM_BATCH,
     approximate: bool = False,
     reuse_unchecked: bool = False,
+    max_positions: int | None = None,
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
@@ -207,6 +208,8 @@ def evaluate(
     answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``).
     ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in
     each record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
+    ``max_positions`` overrides the model config's maximum positions for the prompt-length
+    check (:func:`check_lengths`; the CLI's ``--max-positions``).
     """
     _check_specs(methods, "--methods", reuse_methods)
     check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
@@ -230,7 +233,7 @@ def evaluate(
     done = _resumed(out, settings, examples) if resume else {}
     model, tokenizer = load_model(model_name)
     check_prompt(tokenizer, prompt)  # before anything is written
-    check_lengths(model, tokenizer, examples, prompt)
+    check_lengths(model, tokenizer, examples, prompt, max_positions=max_positions)
     partial, settings_path = _start_partial(out, settings, done)
     done = {**reused, **done}
 
@@ -344,9 +347,17 @@ def _resumed(out: Path, settings: dict, examples: Sequence[Example]) -> dict[tup
     return matching_records(done, examples, f"--resume: {partial}")
 
 
-def check_lengths(model, tokenizer, examples: Sequence[Example], prompt: str) -> None:
+def check_lengths(
+    model,
+    tokenizer,
+    examples: Sequence[Example],
+    prompt: str,
+    *,
+    max_positions: int | None = None,
+) -> None:
     """Refuse a run with an example whose full prompt (format ``prompt``) is longer than
-    ``model`` attends to (:func:`kvedit.checks.context_fits`), before any answer is computed.
+    ``model`` attends to (:func:`kvedit.checks.context_fits`; ``max_positions`` overrides the
+    model config's maximum), before any answer is computed.
 
     Raises:
         InvalidInputError: naming the example, its length and the limit (``--max-positions``
@@ -354,9 +365,11 @@ def check_lengths(model, tokenizer, examples: Sequence[Example], prompt: str) ->
     """
     for example in examples:
         text = format_prompt(tokenizer, example.user_message(), prompt)
-        checks.context_fits(model, n_chars=len(text), what=f"prompt of example {example.id!r}")
+        what = f"prompt of example {example.id!r}"
+        limits = {"max_positions": max_positions, "what": what, "keyword": None}
+        checks.context_fits(model, n_chars=len(text), **limits)
         n_tokens = len(tokenizer(text)["input_ids"])
-        checks.context_fits(model, n_tokens=n_tokens, what=f"prompt of example {example.id!r}")
+        checks.context_fits(model, n_tokens=n_tokens, **limits)
 
 
 def _check_specs(specs: Sequence[str], option: str, reuse_methods=None) -> None:
@@ -430,6 +443,7 @@ def main(args) -> int:
         batch=getattr(args, "batch", VLLM_BATCH),
         approximate=getattr(args, "approximate", False),
         reuse_unchecked=getattr(args, "reuse_unchecked", False),
+        max_positions=getattr(args, "max_positions", None),
     )
     print(format_table(summary))
     print(f"results: {Path(args.out) / 'results.json'}")

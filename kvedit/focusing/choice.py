@@ -447,7 +447,9 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     return dataclasses.replace(found, state=edited if verdict.kept else original, verdict=verdict)
 
 
-def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
+def focus_text(
+    model, tokenizer, context: str, question: str, *, max_positions: int | None = None, **kw
+) -> Focus:
     """Capture ``context`` in the chat template and :func:`focus` it for ``question``.
 
     The user message is ``context + QUESTION_SEPARATOR + question``
@@ -455,7 +457,8 @@ def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
     holds the templated prompt up to the question (cut at :data:`kvedit.prompts.QUESTION_MARK`),
     passages are cut from the context only, and :meth:`Focus.generate` asks the question.
     ``kw`` goes to :func:`focus` (``passages``, ``top_k``, ``target``, ``max_strength``,
-    ``layers``).
+    ``layers``). ``max_positions``: as :func:`kvedit.capture` takes it (the captured state
+    keeps it for every later call).
     """
     context = checks.text("context", context, allow_empty=False)
     question = content_question("question", question)
@@ -467,7 +470,7 @@ def focus_text(model, tokenizer, context: str, question: str, **kw) -> Focus:
     prefix, continuation = chat_prefix(
         tokenizer, context + QUESTION_SEPARATOR + question, QUESTION_MARK
     )
-    state = capture(model, tokenizer, prefix)
+    state = capture(model, tokenizer, prefix, max_positions=max_positions)
     start = prefix.rfind(context.strip())
     region = (start, start + len(context.strip())) if start >= 0 else None
     return focus(state, continuation, query=question, region=region, **kw)

@@ -46,16 +46,23 @@ class PreviousPassage:
 
 
 def encode_parts(
-    model: PreTrainedModel, tokenizer, parts: Sequence[str], previous: str | None
+    model: PreTrainedModel,
+    tokenizer,
+    parts: Sequence[str],
+    previous: str | None,
+    *,
+    max_positions: int | None = None,
 ) -> tuple[list[tuple[list[int], torch.Tensor]], PreviousPassage]:
     """Every part's ``(ids, offsets)`` (part 0 with special tokens) and the ``previous`` passage.
 
-    The blend, and each later part behind the prefix (and ``previous``), must fit the model:
-    checked on the characters before tokenizing, then on the tokens, before any model work.
+    The blend, and each later part behind the prefix (and ``previous``), must fit the model
+    (``max_positions``, else its config's maximum): checked on the characters before
+    tokenizing, then on the tokens, before any model work.
     """
-    checks.context_fits(model, n_chars=sum(map(len, parts)), what="blend")
+    limit = {"max_positions": max_positions}
+    checks.context_fits(model, n_chars=sum(map(len, parts)), what="blend", **limit)
     if previous:
-        checks.context_fits(model, n_chars=len(previous), what="blend's previous passage")
+        checks.context_fits(model, n_chars=len(previous), what="blend's previous passage", **limit)
     previous_ids, previous_offsets = (
         encode(tokenizer, previous, special_tokens=False) if previous else ([], None)
     )
@@ -65,12 +72,15 @@ def encode_parts(
     for i, (ids, _) in enumerate(encoded):
         if not ids:
             raise InvalidInputError(f"blend: part {i} tokenizes to nothing")
-    checks.context_fits(model, n_tokens=sum(len(ids) for ids, _ in encoded), what="blend")
+    checks.context_fits(model, n_tokens=sum(len(ids) for ids, _ in encoded), what="blend", **limit)
     if previous:
         longest = max((len(ids) for ids, _ in encoded[2:]), default=0)
         n_behind = len(encoded[0][0]) + len(previous_ids) + longest
         checks.context_fits(
-            model, n_tokens=n_behind, what="prefix, previous passage and longest later part"
+            model,
+            n_tokens=n_behind,
+            what="prefix, previous passage and longest later part",
+            **limit,
         )
     return encoded, PreviousPassage(previous, previous_ids, previous_offsets)
 
@@ -83,12 +93,15 @@ def part_states(
     previous: PreviousPassage,
     store: KVStore,
     context: str,
+    *,
+    max_positions: int | None = None,
 ) -> tuple[list[KVState], list[PartReport]]:
     """Each part's state as it is placed in the blend, and its report, in order.
 
     A part is fetched from ``store`` or computed and stored (part 0 captured; a later part run
     behind the prefix, and behind ``previous`` after part 1, or captured alone); a later part
-    cached behind the prefix is then cut out of that capture.
+    cached behind the prefix is then cut out of that capture. Every part's state carries
+    ``max_positions`` (:attr:`KVState.max_positions`), a fetched one included.
     """
     states, reports = [], []
     prefix_ids: list[int] = []
@@ -101,9 +114,10 @@ def part_states(
         state, source = store.fetch(key, model, tokenizer)
         if state is not None:
             require_plain(state, store, f"blend part {i}")
+            state = state.replace(max_positions=max_positions)
         if state is None:
             if i == 0:
-                state = capture(model, tokenizer, text)
+                state = capture(model, tokenizer, text, max_positions=max_positions)
             elif behind:
                 if lead and behind_previous is None:
                     behind_previous = extend_ids(
@@ -115,8 +129,10 @@ def part_states(
                 base = behind_previous if lead else prefix
                 state = extend_ids(base, ids, offsets + len(base.text), base.text + text)
             else:
-                state = capture_passage(model, tokenizer, text)
-            store.put(state)  # a plain capture (or a plain capture extended): storable
+                state = capture_passage(model, tokenizer, text, max_positions=max_positions)
+            # a plain capture (or a plain capture extended): storable; the limit is this
+            # call's setting, not the entry's
+            store.put(state.replace(max_positions=None))
             source = "computed"
         if i == 0:
             prefix, prefix_ids = state, ids

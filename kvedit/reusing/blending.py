@@ -144,6 +144,7 @@ def blend(
     leading: int | None = None,
     rescale: float | None = None,
     previous: str | None = None,
+    max_positions: int | None = None,
 ) -> tuple[KVState, BlendReport]:
     """The cache of ``parts`` in order, from the parts' caches in ``store`` (see module doc).
 
@@ -164,6 +165,9 @@ def blend(
             nats of stored bias (a ``rescale`` step in the history).
         previous: a neutral passage every part after part 1 is cached behind, between the
             prefix and it (``context="prefix"`` only; see the module doc). None: none.
+        max_positions: the most positions the model attends to, for the length checks of the
+            blend and of every later call on its state (:attr:`KVState.max_positions`); None:
+            the model config's ``max_position_embeddings``.
 
     The rules (:mod:`kvedit.reusing.blend_rules`) are off when None (the default) and compose.
 
@@ -181,9 +185,18 @@ def blend(
     for mover in layer_movers:  # refuse before any work
         if mover.kind == "refused":
             raise UnsupportedModelError(f"blend cannot move cached keys: {mover.reason}")
-    encoded, previous_passage = encode_parts(model, tokenizer, parts, previous)
+    encoded, previous_passage = encode_parts(
+        model, tokenizer, parts, previous, max_positions=max_positions
+    )
     states, reports = part_states(
-        model, tokenizer, parts, encoded, previous_passage, store, context
+        model,
+        tokenizer,
+        parts,
+        encoded,
+        previous_passage,
+        store,
+        context,
+        max_positions=max_positions,
     )
 
     starts = [0]
@@ -297,6 +310,7 @@ def _blended_state(
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         history=History(Origin("blend", origin)),
         last_input=LastInput(n - 1, n - 1),
+        max_positions=states[0].max_positions,
         model=model,
         tokenizer=tokenizer,
     )

@@ -73,6 +73,8 @@ def reuse(
     store: KVStore,
     save: bool = True,
     ttl: float | None = None,
+    *,
+    max_positions: int | None = None,
 ) -> tuple[KVState, ReuseReport]:
     """The state of ``text``, reusing the longest prefix of it that ``store`` holds.
 
@@ -83,6 +85,9 @@ def reuse(
         save: store the resulting state (when any token was computed), so later prompts can
             reuse it in turn.
         ttl: seconds the stored result lives (see :meth:`KVStore.put`).
+        max_positions: the most positions the model attends to (None: its config's
+            ``max_position_embeddings``); the state keeps it (:attr:`KVState.max_positions`),
+            whatever the stored entry it came from was made with.
 
     Returns:
         ``(state, report)``; the state is what ``capture(model, tokenizer, text)`` returns.
@@ -96,24 +101,26 @@ def reuse(
     text = checks.text("text", text, allow_empty=False)
     if not callable(getattr(store, "longest_prefix_ids", None)):
         raise InvalidTypeError(f"store must be a kvedit.KVStore, not {checks.describe(store)}")
-    checks.context_fits(model, n_chars=len(text))
+    checks.context_fits(model, n_chars=len(text), max_positions=max_positions)
     ids, offsets = encode(tokenizer, text)
     if not ids:
         raise InvalidInputError("reuse: the text tokenizes to nothing")
-    checks.context_fits(model, n_tokens=len(ids))
+    checks.context_fits(model, n_tokens=len(ids), max_positions=max_positions)
     match = store.longest_prefix_ids(model, tokenizer, ids, offsets, text)
     n = match.n_tokens
     if match.state is not None:
         require_plain(match.state, store, "reuse")
     if match.state is None:
-        state = capture(model, tokenizer, text)
-    elif n < len(ids):
-        state = extend_ids(match.state, ids[n:], offsets[n:], text)
-    else:
-        state = match.state.replace(text=text)
+        state = capture(model, tokenizer, text, max_positions=max_positions)
+    else:  # the caller's limit, not the one the stored state was made with
+        found = match.state.replace(max_positions=max_positions)
+        if n < len(ids):
+            state = extend_ids(found, ids[n:], offsets[n:], text)
+        else:
+            state = found.replace(text=text)
     key = match.key if n == len(ids) else None
     if save and n < len(ids):
-        key = store.put(state, ttl=ttl)
+        key = store.put(state.replace(max_positions=None), ttl=ttl)  # the call's limit stays
     report = ReuseReport(
         tokens_reused=n,
         tokens_computed=len(ids) - n,

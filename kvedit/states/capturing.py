@@ -49,23 +49,21 @@ def capture(
     Returns a :class:`KVState` whose continuation matches ``model.generate`` token for token.
     ``max_positions`` overrides the model's maximum positions (``max_position_embeddings``)
     for a model whose configuration understates its context (see
-    :func:`kvedit.checks.context_fits`; :data:`kvedit.checks.MAX_POSITIONS` sets it for all).
+    :func:`kvedit.checks.context_fits`); the state keeps it (:attr:`KVState.max_positions`),
+    and so does every state derived from it, for the checks of each later call.
 
     Raises:
         UnsupportedModelError: a cache kvedit cannot hold.
-        InvalidInputError: the text is longer than the model's maximum positions (refused from
-            its length in characters, before tokenizing, when that already decides it).
+        InvalidInputError: the text is longer than the model's maximum positions, or than
+            :data:`kvedit.checks.MAX_TOKENS_PER_CALL` (refused from its length in characters,
+            before tokenizing, when that already decides it).
     """
     text = checks.text("text", text)
-    checks.context_fits(
-        model, n_chars=len(text), max_positions=max_positions, keyword="max_positions"
-    )
+    checks.context_fits(model, n_chars=len(text), max_positions=max_positions)
     enc = tokenizer(text, return_offsets_mapping=True)
-    checks.context_fits(
-        model, n_tokens=len(enc["input_ids"]), max_positions=max_positions, keyword="max_positions"
-    )
+    checks.context_fits(model, n_tokens=len(enc["input_ids"]), max_positions=max_positions)
     offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
-    return _capture(model, tokenizer, list(enc["input_ids"]), text, offsets)
+    return _capture(model, tokenizer, list(enc["input_ids"]), text, offsets, max_positions)
 
 
 def capture_tokens(
@@ -89,18 +87,16 @@ def capture_tokens(
             )
         token_ids = token_ids.tolist()
     if hasattr(token_ids, "__len__"):
-        checks.context_fits(
-            model, n_tokens=len(token_ids), max_positions=max_positions, keyword="max_positions"
-        )
+        checks.context_fits(model, n_tokens=len(token_ids), max_positions=max_positions)
     ids = [checks.count("token id", t) for t in token_ids]
-    checks.context_fits(
-        model, n_tokens=len(ids), max_positions=max_positions, keyword="max_positions"
-    )
+    checks.context_fits(model, n_tokens=len(ids), max_positions=max_positions)
     text, offsets = token_offsets(tokenizer, ids)
-    return _capture(model, tokenizer, ids, text, offsets)
+    return _capture(model, tokenizer, ids, text, offsets, max_positions)
 
 
-def _capture(model, tokenizer, ids: list[int], text: str, offsets: torch.Tensor) -> KVState:
+def _capture(
+    model, tokenizer, ids: list[int], text: str, offsets: torch.Tensor, max_positions
+) -> KVState:
     windows = layer_windows(model)  # the gate: refuses what kvedit cannot run exactly
     if not ids:
         raise InvalidInputError("capture: the text tokenizes to nothing")
@@ -127,6 +123,7 @@ def _capture(model, tokenizer, ids: list[int], text: str, offsets: torch.Tensor)
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         history=History.captured(layers[0].keys.dtype),
         last_input=LastInput(n - 1, n - 1),
+        max_positions=max_positions,
         model=model,
         tokenizer=tokenizer,
     )
@@ -144,11 +141,11 @@ def encode(tokenizer, text: str, special_tokens: bool = True) -> tuple[list[int]
     return ids, torch.from_numpy(offsets)
 
 
-def empty_state(model: PreTrainedModel, tokenizer) -> KVState:
+def empty_state(model: PreTrainedModel, tokenizer, *, max_positions: int | None = None) -> KVState:
     """A state of no tokens: every layer holds ``[1, kv_heads, 0, head_dim]`` K/V.
 
     Extending it (:func:`extend_ids`) prefills from scratch through the same path as
-    ``KVState.extend``.
+    ``KVState.extend``, checked against ``max_positions`` (:attr:`KVState.max_positions`).
     """
     cfg = text_config(model)
     param = next(model.parameters())
@@ -176,6 +173,7 @@ def empty_state(model: PreTrainedModel, tokenizer) -> KVState:
         model_fingerprint=model_fingerprint(model),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         history=History.captured(param.dtype),
+        max_positions=max_positions,
         model=model,
         tokenizer=tokenizer,
     )
@@ -227,17 +225,20 @@ def appended_state(
     )
 
 
-def capture_passage(model: PreTrainedModel, tokenizer, text: str) -> KVState:
+def capture_passage(
+    model: PreTrainedModel, tokenizer, text: str, *, max_positions: int | None = None
+) -> KVState:
     """``text`` cached on its own, without special tokens, at positions ``0..n-1``.
 
     This is the passage convention of :func:`~kvedit.blend`: no BOS in front, so the entries
     can be moved after any other part. For tokenizers that add no special tokens (SmolLM2)
-    this is exactly :func:`~kvedit.capture`.
+    this is exactly :func:`~kvedit.capture` (``max_positions`` as it takes it).
     """
     ids, offsets = encode(tokenizer, text, special_tokens=False)
     if not ids:
         raise ValueError("capture_passage: the text tokenizes to nothing")
-    return extend_ids(empty_state(model, tokenizer), ids, offsets, text)
+    empty = empty_state(model, tokenizer, max_positions=max_positions)
+    return extend_ids(empty, ids, offsets, text)
 
 
 def passage_after(state: KVState, n_prefix: int, text_start: int) -> KVState:

@@ -91,6 +91,10 @@ class KVState:
             said).
         last_input: the entry ``last_logits`` follow (:class:`LastInput`); when not given,
             the last text token at its position (what a capture or an extension ran last).
+        max_positions: the most positions the model attends to, for every call that adds
+            tokens (:meth:`check_room`); None: the model config's ``max_position_embeddings``.
+            A runtime setting, not content: set by ``capture``/``load_state(...,
+            max_positions=)``, kept by every derived state, never saved nor in :attr:`digest`.
 
     Frozen: setting an attribute raises :class:`dataclasses.FrozenInstanceError`; every
     operation returns a new state (:meth:`replace`, :meth:`with_step`, the ops). The
@@ -109,6 +113,7 @@ class KVState:
     tokenizer_fingerprint: str
     history: History = field(default_factory=History.unknown)
     last_input: LastInput | None = None
+    max_positions: int | None = field(default=None, compare=False)
     model: PreTrainedModel | None = field(default=None, repr=False, compare=False)
     tokenizer: object | None = field(default=None, repr=False, compare=False)
 
@@ -122,6 +127,10 @@ class KVState:
         elif last is not None:
             last = LastInput(*(int(v) for v in last))
         object.__setattr__(self, "last_input", last)
+        if self.max_positions is not None:
+            object.__setattr__(
+                self, "max_positions", checks.count("max_positions", self.max_positions, minimum=1)
+            )
         # the tensors' version counters as built: an in-place write after this shows
         object.__setattr__(self, "_stamp", tensor_stamp(self))
 
@@ -303,19 +312,28 @@ class KVState:
     ) -> None:
         """Refuse (:class:`~kvedit.errors.InvalidInputError`, before any work) ``n_tokens`` new
         tokens and ``reserve`` more after them (tokens to decode) that would run past the
-        model's positions (:func:`kvedit.checks.positions_limit`): the count starts at
-        :attr:`next_position`, not at the cache length (a duplicated entry takes no position; a
-        re-read advances them). ``n_chars``: the text's length, refused when even
+        model's positions (:attr:`max_positions`, else the model config's; see
+        :func:`kvedit.checks.positions_limit`): the count starts at :attr:`next_position`, not
+        at the cache length (a duplicated entry takes no position; a re-read advances them).
+        Whatever the positions, a call adding more than
+        :data:`kvedit.checks.MAX_TOKENS_PER_CALL` tokens is refused too (a memory bound).
+        ``n_chars``: the text's length, refused when even
         :data:`kvedit.checks.MAX_CHARS_PER_TOKEN` characters a token cannot fit it."""
-        limit = checks.positions_limit(self.model) if self.model is not None else None
-        if limit is None:
-            return
+        n_tokens = checks.count("n_tokens", n_tokens)
+        reserve = checks.count("reserve", reserve)
+        limit = checks.positions_limit(self.model, self.max_positions)
+        if limit is not None:
+            self._check_positions(limit, n_tokens, reserve, what, n_chars)
+        checks.call_size(n_tokens=n_tokens, n_chars=n_chars, reserve=reserve, what=what)
+
+    def _check_positions(self, limit: int, n_tokens: int, reserve: int, what: str, n_chars):
         room = limit - self.next_position - reserve
         head = (
             f"the model attends to at most {limit} positions; the state's next position is "
             f"{self.next_position}" + (f" and {reserve} tokens are to follow" if reserve else "")
         )
-        hint = " (kvedit.checks.MAX_POSITIONS or the CLI's --max-positions raise the limit)"
+        hint = " (a model whose config understates its context: capture or load the state "
+        hint += "with max_positions=, or give the CLI --max-positions)"
         if n_chars is not None and n_chars > max(room, 0) * checks.MAX_CHARS_PER_TOKEN:
             raise InvalidInputError(
                 f"the {what} is {n_chars} characters long, more than the {max(room, 0)} "

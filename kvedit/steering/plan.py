@@ -32,6 +32,7 @@ class FocusRequest:
     top_k: int = 1
     guard: object = None  # a kvedit.focusing.guard.Guard, or None
     threshold: float | None = ABSTAIN_THRESHOLD
+    max_positions: int | None = None  # the captured prompt's limit (KVState.max_positions)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class SpanPlan:
         ids = [int(t) for t in ids]
         tok, model = self.tokenizer, self.model
         with detached(model):
-            state = capture_tokens(model, tok, ids[:n_prefix])
+            state = capture_tokens(model, tok, ids[:n_prefix], max_positions=request.max_positions)
             continuation = tok.decode(ids[n_prefix:], skip_special_tokens=False)
             if state.encode(continuation) != ids[n_prefix:]:
                 raise InvalidInputError(

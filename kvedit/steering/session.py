@@ -58,10 +58,22 @@ class Steering:
     model inside the block raises :class:`~kvedit.errors.NestedSteeringError`.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer, config: SteerConfig):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer,
+        config: SteerConfig,
+        *,
+        max_positions: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        self.max_positions = (
+            None
+            if max_positions is None
+            else checks.count("max_positions", max_positions, minimum=1)
+        )
         text_cfg = model.config.get_text_config()
         self._n_layers = text_cfg.num_hidden_layers
         self._n_heads = text_cfg.num_attention_heads
@@ -122,12 +134,16 @@ class Steering:
             gen_kwargs["max_new_tokens"] = checks.count(
                 "max_new_tokens", gen_kwargs["max_new_tokens"], minimum=1
             )
-        new_tokens = gen_kwargs.get("max_new_tokens", 32)
-        checks.context_fits(self.model, n_chars=len(prompt), reserve=new_tokens, what="prompt")
+        limits = {
+            "reserve": gen_kwargs.get("max_new_tokens", 32),
+            "max_positions": self.max_positions,
+            "what": "prompt",
+        }
+        checks.context_fits(self.model, n_chars=len(prompt), **limits)
         tok = self.tokenizer
         enc = tok(prompt, return_offsets_mapping=True, return_tensors="pt")
         ids = enc["input_ids"]
-        checks.context_fits(self.model, n_tokens=ids.shape[1], reserve=new_tokens, what="prompt")
+        checks.context_fits(self.model, n_tokens=ids.shape[1], **limits)
         plan = self._new_plan()
         bias = plan.bind_text(prompt, enc["offset_mapping"][0], ids[0].tolist())
         plan.token_bias = bias[None].to(self.model.device)
@@ -164,6 +180,7 @@ def steer(
     top_k: int = 1,
     guard: Guard | None = DEFAULT_GUARD,
     threshold: float | None = ABSTAIN_THRESHOLD,
+    max_positions: int | None = None,
 ) -> Steering:
     """Steer ``model``'s attention toward ``emphasize`` and away from ``suppress``.
 
@@ -195,6 +212,9 @@ def steer(
         passages, top_k, guard, threshold: with ``focus``, as :func:`kvedit.focus` takes them
             (the default guard is :data:`kvedit.focusing.choice.DEFAULT_GUARD`; a guard that drops
             the edit, or a threshold no passage reaches, leaves the prompt unsteered).
+        max_positions: the most positions the model attends to, for the length check of
+            :meth:`Steering.generate` (prompt plus ``max_new_tokens``); None: the model
+            config's ``max_position_embeddings``.
 
     Returns:
         A :class:`Steering` handle (context manager, and ``.generate(prompt)``).
@@ -202,7 +222,8 @@ def steer(
     strength = checks.strength("strength", strength)
     if focus:
         _refuse_with_focus(emphasize, suppress, layers, heads, scope)
-        return _focus_steering(model, tokenizer, question, passages, top_k, guard, threshold)
+        config = _focus_config(question, passages, top_k, guard, threshold, max_positions)
+        return Steering(model, tokenizer, config, max_positions=max_positions)
     scope = "all" if scope is None else scope
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, not {scope!r}")
@@ -228,7 +249,7 @@ def steer(
                     f"heads {{{layer}: {list(hs)}}} out of range ({n_heads} heads)"
                 )
     config = SteerConfig(emph, supp, float(strength), layers, head_map, scope, protect_special)
-    return Steering(model, tokenizer, config)
+    return Steering(model, tokenizer, config, max_positions=max_positions)
 
 
 def _refuse_with_focus(emphasize, suppress, layers, heads, scope) -> None:
@@ -242,7 +263,7 @@ def _refuse_with_focus(emphasize, suppress, layers, heads, scope) -> None:
         raise InvalidInputError(f"steer(focus=True) steers in scope 'decode', not {scope!r}")
 
 
-def _focus_steering(model, tokenizer, question, passages, top_k, guard, threshold) -> Steering:
+def _focus_config(question, passages, top_k, guard, threshold, max_positions) -> SteerConfig:
     if question is None:
         raise InvalidInputError("steer(focus=True) needs question=: the question's text")
     question = content_question("question", question)
@@ -250,6 +271,5 @@ def _focus_steering(model, tokenizer, question, passages, top_k, guard, threshol
     guard = check_guard(guard)
     if threshold is not None:
         threshold = checks.real("threshold", threshold)
-    request = FocusRequest(question, passages, top_k, guard, threshold)
-    config = SteerConfig((), (), 1.0, None, None, "decode", False, request)
-    return Steering(model, tokenizer, config)
+    request = FocusRequest(question, passages, top_k, guard, threshold, max_positions)
+    return SteerConfig((), (), 1.0, None, None, "decode", False, request)

@@ -50,7 +50,7 @@ class MemoryTier:
             return
         with self._mutex:
             self._entries[key] = MemoryEntry(
-                state.replace(model=None, tokenizer=None), meta, nbytes
+                state.replace(model=None, tokenizer=None, max_positions=None), meta, nbytes
             )
             self._entries.move_to_end(key)
             self.shrink(protect=key)

@@ -141,6 +141,7 @@ def publish_context(
     served_model_name: str = "",
     approximate: bool = False,
     guard: Guard | None = DEFAULT_GUARD,
+    max_positions: int | None = None,
 ) -> PublishedPrompt:
     """Capture ``context``, edit it, publish it under ``root``; returns what to send.
 
@@ -156,6 +157,8 @@ def publish_context(
             model name).
         approximate: publish an edit vLLM realises only approximately, labelled (see
             :mod:`~kvedit.integrations.vllm.servable`).
+        max_positions: the most positions the model attends to (None: its config's), for the
+            capture and every edit after it (:attr:`kvedit.KVState.max_positions`).
         guard: with ``focus_on``, the answer guard :func:`kvedit.focus` applies (default
             :data:`kvedit.focusing.choice.DEFAULT_GUARD`: no edit where the unedited answer already
             comes from the chosen passage; then nothing is chosen); ``None``: none.
@@ -183,14 +186,16 @@ def publish_context(
     prefix, continuation = _prefix(tokenizer, context, question or PLACEHOLDER, prompt)
     chosen: list[str] = []
     if focus_on is not None and prompt == "chat":
-        found = focus_text(model, tokenizer, context, focus_on, guard=guard)
+        found = focus_text(
+            model, tokenizer, context, focus_on, guard=guard, max_positions=max_positions
+        )
         state = found.state
     elif focus_on is not None:
-        state = capture(model, tokenizer, prefix)
+        state = capture(model, tokenizer, prefix, max_positions=max_positions)
         found = focus(state, continuation, region=(0, len(context)), query=focus_on, guard=guard)
         state = found.state
     else:
-        state = capture(model, tokenizer, prefix)
+        state = capture(model, tokenizer, prefix, max_positions=max_positions)
     if focus_on is not None and found.kept:  # a guard that dropped the edit chose nothing
         chosen = [state.text[a:b] for a, b in (found.passages[i] for i in found.chosen)]
     if emphasize:

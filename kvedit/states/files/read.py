@@ -264,6 +264,7 @@ def state_from_parts(
     path=None,
     *,
     trusted: bool = False,
+    max_positions: int | None = None,
 ) -> KVState:
     """Build a state from verified file contents, on the model's device and dtype.
 
@@ -276,8 +277,11 @@ def state_from_parts(
     The state's history is the file's when ``trusted`` (this installation wrote the file:
     :attr:`SealedFile.trusted`), else unknown (``path``, the file read, is noted in its
     origin), followed by a cast step when the file's K/V dtype is not the model's (they are
-    cast to the model's on load).
+    cast to the model's on load). ``max_positions`` is the state's
+    :attr:`~kvedit.KVState.max_positions` (a runtime setting no file holds).
     """
+    if max_positions is not None:  # outside the try: a bad value is no corrupt file
+        max_positions = checks.count("max_positions", max_positions, minimum=1)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     try:
@@ -321,6 +325,7 @@ def state_from_parts(
             tokenizer_fingerprint=str(meta["tokenizer_fingerprint"]),
             history=_history(meta, path, trusted),
             last_input=_last_input(meta, layers, int(token_ids.shape[0]), next_position),
+            max_positions=max_positions,
             model=model,
             tokenizer=tokenizer,
         )
@@ -369,7 +374,9 @@ def _check_fingerprints(meta: dict, model, tokenizer, path) -> dict:
     return meta
 
 
-def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
+def load_state(
+    path: str | os.PathLike, model, tokenizer, *, max_positions: int | None = None
+) -> KVState:
     """Load a state saved with :meth:`KVState.save`, checking it belongs to ``model``/``tokenizer``.
 
     Reads format versions 1 to 4. The seal (version 4; a CRC-32 before) is checked first, then
@@ -377,7 +384,9 @@ def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
     The state's history is the file's when this installation wrote it (its seal's MAC
     verifies); any other file loads with an unknown history (``history.origin.path`` notes the
     file): usable, but never stored or served as a capture. A cast step follows when the
-    file's K/V dtype is not the model's.
+    file's K/V dtype is not the model's. ``max_positions``: the most positions the model
+    attends to, for the checks of every later call (:attr:`KVState.max_positions`; None: the
+    model config's); files do not hold it.
 
     Raises:
         CorruptCacheError: truncated, corrupted, edited by hand, not a kvedit file, a pickle, or a structure
@@ -386,10 +395,12 @@ def load_state(path: str | os.PathLike, model, tokenizer) -> KVState:
         CacheMismatchError: the state was made by another model or tokenizer.
         FileNotFoundError: there is no file at ``path``.
     """
-    return load_attached(path, model, tokenizer)[0]
+    return load_attached(path, model, tokenizer, max_positions=max_positions)[0]
 
 
-def load_attached(path: str | os.PathLike, model, tokenizer) -> tuple[KVState, dict | None]:
+def load_attached(
+    path: str | os.PathLike, model, tokenizer, *, max_positions: int | None = None
+) -> tuple[KVState, dict | None]:
     """:func:`load_state`, and the file's ``attachment`` (the metadata
     :func:`~kvedit.states.files.write.save_state` was given; None when it was given none).
     The attachment is covered by the seal: a file edited by hand is refused like any other.
@@ -397,10 +408,18 @@ def load_attached(path: str | os.PathLike, model, tokenizer) -> tuple[KVState, d
     Raises:
         CorruptCacheError: as :func:`load_state`, or an ``attachment`` that is not a JSON object.
     """
+    if max_positions is not None:  # before reading: a bad value is no corrupt file
+        max_positions = checks.count("max_positions", max_positions, minimum=1)
     found = read_state_file(path)
     meta = _check_fingerprints(found.meta, model, tokenizer, path)
     state = state_from_parts(
-        meta, found.tensors, model, tokenizer, path=path, trusted=found.trusted
+        meta,
+        found.tensors,
+        model,
+        tokenizer,
+        path=path,
+        trusted=found.trusted,
+        max_positions=max_positions,
     )
     attachment = found.meta.get("attachment")
     if attachment is not None and not isinstance(attachment, dict):
