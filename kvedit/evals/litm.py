@@ -35,6 +35,7 @@ from kvedit.evals.report import (
 )
 from kvedit.evals.schema import Example
 from kvedit.evals.tasks import nq_examples, records_examples
+from kvedit.compat import text_config
 from kvedit.models import default_prompt, load_model
 from kvedit.version import __version__, source_digest
 
@@ -208,8 +209,9 @@ def evaluate(
     answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``).
     ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in
     each record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
-    ``max_positions`` overrides the model config's maximum positions for the prompt-length
-    check (:func:`check_lengths`; the CLI's ``--max-positions``).
+    ``max_positions`` overrides the model config's maximum positions (the CLI's
+    ``--max-positions``): the run's own model (loaded here, never shared) gets it as its text
+    config's ``max_position_embeddings``, so every capture and check of the run reads it.
     """
     _check_specs(methods, "--methods", reuse_methods)
     check_engine(engine, [parse_spec(spec) for spec in methods], batch)  # before loading
@@ -232,6 +234,8 @@ def evaluate(
     out = Path(out)
     done = _resumed(out, settings, examples) if resume else {}
     model, tokenizer = load_model(model_name)
+    if max_positions is not None:  # this run's own model object: nothing else sees it
+        text_config(model).max_position_embeddings = max_positions
     check_prompt(tokenizer, prompt)  # before anything is written
     check_lengths(model, tokenizer, examples, prompt, max_positions=max_positions)
     partial, settings_path = _start_partial(out, settings, done)

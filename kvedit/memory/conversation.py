@@ -48,6 +48,9 @@ class Memory:
     tokenizer's chat template (``"plain"``: the documented format for base models,
     :mod:`kvedit.memory.rendering`; default: ``"chat"`` when the tokenizer has a template,
     else ``"plain"``). A ``system`` text is the first message, computed now.
+    ``max_positions``: the most positions the model attends to (default: its config's), for
+    a model whose config understates its context; every message and answer is refused before
+    any work when it would run past it.
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
@@ -59,13 +62,15 @@ class Memory:
         tokenizer,
         system: str | None = None,
         prompt: str | None = None,
+        *,
+        max_positions: int | None = None,
     ) -> None:
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
         self.renderer = renderer_for(prompt, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
-        self._state = empty_state(model, tokenizer)
+        self._state = empty_state(model, tokenizer, max_positions=max_positions)
         self._messages: list[Message] = []
         self._turns: list[Turn] = []
         self._rendering = self.renderer.render([])
@@ -376,7 +381,9 @@ class Memory:
         return save_state(self._state, path, attachment=attachment)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model, tokenizer) -> Memory:
+    def load(
+        cls, path: str | os.PathLike, model, tokenizer, *, max_positions: int | None = None
+    ) -> Memory:
         """A memory saved with :meth:`save`, for ``model`` and ``tokenizer``.
 
         The messages are rendered again and must give the file's token ids exactly.
@@ -386,7 +393,7 @@ class Memory:
             CorruptCacheError: not a memory file, damaged, or messages that do not render to
                 its tokens.
         """
-        state, attachment = load_attached(path, model, tokenizer)
+        state, attachment = load_attached(path, model, tokenizer, max_positions=max_positions)
         if not isinstance(attachment, dict) or attachment.get("kind") != ATTACHMENT_KIND:
             raise CorruptCacheError(f"{path}: a state file, not a memory (Memory.save writes one)")
         try:
@@ -395,7 +402,7 @@ class Memory:
             turns = [Turn(**t) for t in attachment["turns"]]
         except (KeyError, TypeError) as e:
             raise CorruptCacheError(f"{path}: the memory's header is malformed ({e})") from None
-        memory = cls(model, tokenizer, prompt=prompt)
+        memory = cls(model, tokenizer, prompt=prompt, max_positions=max_positions)
         rendering = memory.renderer.render(messages)
         if rendering.ids != state.token_ids.tolist() or len(turns) != len(messages):
             raise CorruptCacheError(

@@ -845,3 +845,31 @@ def test_reread_with_a_guard_answers_from_the_state_the_guard_keeps(llama, monke
         guard = AgreementGuard(margin, max_new_tokens=32)
         monkeypatch.setattr(example_focus_module, "AGREEMENT_GUARD", guard)
         assert parse_spec("reread:guard=True:threshold=None").predict(ctx) == expected
+
+
+def test_max_positions_above_the_config_reaches_every_capture_of_the_run(tmp_path, monkeypatch):
+    """The run's own model gets the limit: the shared capture and each method read it."""
+    from kvedit.compat import text_config
+    from kvedit.errors import InvalidInputError
+    from kvedit.evals import litm
+    from kvedit.testing import tiny_model
+
+    def short_config(name):
+        model, tok = tiny_model("llama")
+        text_config(model).max_position_embeddings = 24  # understated: prompts are longer
+        return model, tok
+
+    monkeypatch.setattr(litm, "load_model", short_config)
+    kwargs = dict(
+        model_name="tiny-llama",
+        methods=["none", "oracle"],
+        n_docs=3,
+        positions=[0],
+        trials=1,
+        max_new_tokens=2,
+        progress=False,
+    )
+    with pytest.raises(InvalidInputError, match="24 positions"):
+        litm.evaluate(out=tmp_path / "refused", **kwargs)
+    summary = litm.evaluate(out=tmp_path / "run", max_positions=4096, **kwargs)
+    assert summary
