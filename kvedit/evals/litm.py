@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvedit import checks
 from kvedit.atomic import atomic_write
+from kvedit.compat import text_config
 from kvedit.errors import InvalidInputError
 from kvedit.evals.engines import VLLM_BATCH, check_engine, run_on_transformers, run_on_vllm
 from kvedit.evals.jsonl import (
@@ -35,7 +36,6 @@ from kvedit.evals.report import (
 )
 from kvedit.evals.schema import Example
 from kvedit.evals.tasks import nq_examples, records_examples
-from kvedit.compat import text_config
 from kvedit.models import default_prompt, load_model
 from kvedit.version import __version__, source_digest
 
