@@ -28,7 +28,7 @@ __all__ = ["Commit", "Decoded", "commit", "common_prefix", "decode"]
 class Decoded:
     """An answer decoded over a memory: its ``text`` (cut before a stop string, special tokens
     skipped), the generated ``token_ids``, the :class:`Decoder` that made them (its
-    :attr:`~kvedit.states.decoding.Decoder.pushed` tokens hold K/V), and why it ended
+    ``pushed`` tokens hold K/V), and why it ended
     (``"eos"``, ``"stop"`` or ``"length"``)."""
 
     text: str
