@@ -20,21 +20,24 @@ from pathlib import Path
 import torch
 
 from .. import checks
-from ..errors import CorruptCacheError, InvalidInputError, InvalidTypeError, TemplateError
+from ..errors import InvalidInputError, InvalidTypeError, TemplateError
 from ..focusing.choice import DEFAULT_GUARD, Focus, focus
 from ..focusing.guard import Guard, check_guard
+from ..spans import Spans
 from ..states.capturing import empty_state, extend_ids
-from ..states.files.read import load_attached
 from ..states.files.write import save_state
 from ..states.state import KVState
 from .answering import commit, decode
+from .files import memory_attachment, read_memory
+from .forgetting import Round, budget_from, global_entries
 from .records import Turn
 from .rendering import ROLES, Message, Rendering, renderer_for
 
-__all__ = ["ATTACHMENT_KIND", "MAX_MESSAGES", "Memory"]
+__all__ = ["ANSWER_MARKUP", "MAX_MESSAGES", "Memory"]
 
-ATTACHMENT_KIND = "kvedit.memory"
-"""What a memory file's header attachment says it is."""
+ANSWER_MARKUP = 16
+"""Room kept for an answer's end-of-turn markup (its template's closing tokens) when a memory
+with a budget makes room for a question."""
 
 MAX_MESSAGES = 100_000
 """The most messages a memory holds: every turn renders the whole conversation, so a count far
@@ -52,6 +55,14 @@ class Memory:
     a model whose config understates its context; every message and answer is refused before
     any work when it would run past it.
 
+    Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (entries of each
+    global-attention layer) or ``max_bytes`` (those entries' bytes in bfloat16), a message that
+    would take the memory past its budget first makes it forget, with the ``forget`` policy,
+    down to :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
+    last ``recent`` messages and the ``protect`` spans are never forgotten. Each round is a
+    history step (the memory is no longer a plain capture) and a
+    :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`.
+
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
     """
@@ -64,6 +75,11 @@ class Memory:
         prompt: str | None = None,
         *,
         max_positions: int | None = None,
+        max_tokens: int | None = None,
+        max_bytes: int | None = None,
+        forget: str = "window",
+        recent: int = 2,
+        protect: Spans | None = None,
     ) -> None:
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
@@ -74,6 +90,9 @@ class Memory:
         self._messages: list[Message] = []
         self._turns: list[Turn] = []
         self._rendering = self.renderer.render([])
+        self._rounds: list[Round] = []
+        self.budget = budget_from(self._state, max_tokens, max_bytes, forget, recent, protect)
+        """The :class:`~kvedit.memory.forgetting.Budget` (None: nothing is ever forgotten)."""
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
         if system is not None:
@@ -99,6 +118,11 @@ class Memory:
     @property
     def messages(self) -> tuple[Message, ...]:
         return tuple(self._messages)
+
+    @property
+    def forgetting(self) -> tuple[Round, ...]:
+        """The forgetting rounds so far (:class:`~kvedit.memory.forgetting.Round`), in order."""
+        return tuple(self._rounds)
 
     @property
     def nbytes(self) -> int:
@@ -136,10 +160,23 @@ class Memory:
         rendering = self._render_after([*self._messages, message], message.role)
         n = len(self._state)
         self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
-        state = extend_ids(self._state, rendering.ids[n:], rendering.offsets[n:], rendering.text)
+        held, rounds = self._room(len(rendering.ids) - n)
+        state = extend_ids(held, rendering.ids[n:], rendering.offsets[n:], rendering.text)
         turn = self._turn(message, n, len(rendering.ids), "computed", len(rendering.ids) - n)
-        self._keep(state, [message], rendering, [turn])
+        self._keep(state, [message], rendering, [turn], rounds)
         return turn
+
+    def _room(self, n_new: int, recent_kept: int = 1) -> tuple[KVState, list[Round]]:
+        """The state with room for ``n_new`` entries under the budget (forgetting if need
+        be; the memory itself is changed only when the message is kept). ``recent_kept``: how
+        many of the ``recent`` messages are the ones being added."""
+        if self.budget is None:
+            return self._state, []
+        last = self._turns[len(self._turns) - max(self.budget.recent - recent_kept, 0) :]
+        ranges = [(t.start, t.end) for t in self._turns if t.role == "system"]
+        ranges += [(t.start, t.end) for t in last] if self.budget.recent > recent_kept else []
+        state, done = self.budget.make_room(self._state, ranges, n_new, len(self._messages))
+        return state, [] if done is None else [done]
 
     def _message(self, role: str, content: str) -> Message:
         if not isinstance(role, str) or role not in ROLES:
@@ -196,9 +233,15 @@ class Memory:
         )
 
     def _keep(
-        self, state: KVState, messages: list[Message], rendering: Rendering, turns: list[Turn]
+        self,
+        state: KVState,
+        messages: list[Message],
+        rendering: Rendering,
+        turns: list[Turn],
+        rounds: Sequence[Round] = (),
     ) -> None:
         """Make the new state the memory's: every field at once, after all work is done."""
+        self._rounds = [*self._rounds, *rounds]
         self._state = state
         self._messages = [*self._messages, *messages]
         self._rendering = rendering
@@ -257,8 +300,10 @@ class Memory:
         self._check_prefix(q, p, "generation prompt")
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
         self._state.check_room(n_p - n, max_new_tokens, what="question")
-        focused = guard is not None and self._focused(question, p, guard)
-        prompt_from = self.last_focus.state if focused else self._state
+        # room for the question, the answer and its end-of-turn markup
+        held, rounds = self._room(n_p - n + max_new_tokens + ANSWER_MARKUP, recent_kept=2)
+        focused = guard is not None and self._focused(held, question, p, guard)
+        prompt_from = self.last_focus.state if focused else held
         prompt = extend_ids(prompt_from, p.ids[n:], p.offsets[n:], p.text)
         decoded = decode(
             prompt,
@@ -278,7 +323,7 @@ class Memory:
         answer = Message("assistant", text)
         full = self.renderer.render([*asked, answer])
         self._check_prefix(p, full, "answer")
-        done = commit(self._state, prompt, decoded, full, focused=focused)
+        done = commit(held, prompt, decoded, full, focused=focused)
         end = len(full.ids)
         again = done.rerun_from <= n  # the question was run again with the answer
         turns = [
@@ -303,7 +348,7 @@ class Memory:
                 index=len(self._messages) + 1,
             ),
         ]
-        self._keep(done.state, [message, answer], full, turns)
+        self._keep(done.state, [message, answer], full, turns, rounds)
         return answer.content.strip()
 
     def _stops(self, stop: Sequence[str] | None) -> tuple[str, ...]:
@@ -313,15 +358,16 @@ class Memory:
             raise InvalidInputError(f"stop must be a list of non-empty strings, not {stop!r}")
         return (*self.renderer.stops, *stop)
 
-    def _focused(self, question: str, p: Rendering, guard: Guard | None) -> bool:
-        """Run focus over the memory for ``question``; whether it kept an edit."""
+    def _focused(self, held: KVState, question: str, p: Rendering, guard: Guard | None) -> bool:
+        """Run focus over ``held`` (the memory's state) for ``question``; whether it kept an
+        edit."""
         passages = [r for r in self._rendering.contents if r is not None]
         if not passages:
             self.last_focus = None
             return False
         n_text = len(self._rendering.text)
         self.last_focus = focus(
-            self._state,
+            held,
             p.text[n_text:],
             passages,
             query=question,
@@ -344,6 +390,14 @@ class Memory:
             lines.append(
                 f"{t.index:4d} {t.role:9s} {t.n_tokens:6d} tok  {how}; "
                 f"{t.nbytes / 1024:.0f} KiB  {_preview(t.content)}"
+            )
+        if self._rounds:
+            spent = sum(r.seconds for r in self._rounds)
+            lines.append(
+                f"forgetting ({self.budget.policy}, budget {self.budget.max_entries} entries): "
+                f"{len(self._rounds)} rounds, {spent:.2f} s, "
+                f"{spent / max(len(self._messages), 1):.3f} s per message; holds "
+                f"{global_entries(self._state)} entries of {len(self._state)} tokens"
             )
         if self.last_focus is not None:
             f = self.last_focus
@@ -371,49 +425,40 @@ class Memory:
         header), atomically; returns the path. The whole file is written each time (46 KB per
         token on SmolLM2 in float32): save on demand (``kvedit chat`` saves on exit), not
         every turn."""
-        attachment = {
-            "kind": ATTACHMENT_KIND,
-            "version": 1,
-            "prompt": self.prompt,
-            "messages": [m.as_dict() for m in self._messages],
-            "turns": [t.to_json() for t in self._turns],
-        }
+        attachment = memory_attachment(self.prompt, self._messages, self._turns, self._rounds)
         return save_state(self._state, path, attachment=attachment)
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, model, tokenizer, *, max_positions: int | None = None
+        cls,
+        path: str | os.PathLike,
+        model,
+        tokenizer,
+        *,
+        max_positions: int | None = None,
+        **budget,
     ) -> Memory:
         """A memory saved with :meth:`save`, for ``model`` and ``tokenizer``.
 
-        The messages are rendered again and must give the file's token ids exactly.
+        The messages are rendered again and must give the file's token ids exactly. The
+        file keeps what was forgotten (its state) and the rounds; the budget for what follows
+        is given again here (``max_tokens=``, ``max_bytes=``, ``forget=``, ``recent=``,
+        ``protect=``, as for :class:`Memory`).
 
         Raises:
             CacheMismatchError: the file was made by another model or tokenizer.
             CorruptCacheError: not a memory file, damaged, or messages that do not render to
                 its tokens.
         """
-        state, attachment = load_attached(path, model, tokenizer, max_positions=max_positions)
-        if not isinstance(attachment, dict) or attachment.get("kind") != ATTACHMENT_KIND:
-            raise CorruptCacheError(f"{path}: a state file, not a memory (Memory.save writes one)")
-        try:
-            messages = [Message(m["role"], m["content"]) for m in attachment["messages"]]
-            prompt = attachment["prompt"]
-            turns = [Turn(**t) for t in attachment["turns"]]
-        except (KeyError, TypeError) as e:
-            raise CorruptCacheError(f"{path}: the memory's header is malformed ({e})") from None
-        memory = cls(model, tokenizer, prompt=prompt, max_positions=max_positions)
-        rendering = memory.renderer.render(messages)
-        if rendering.ids != state.token_ids.tolist() or len(turns) != len(messages):
-            raise CorruptCacheError(
-                f"{path}: the memory's {len(messages)} messages do not render to its "
-                f"{len(state)} tokens"
-            )
-        memory._state = state
-        memory._messages = messages
-        memory._rendering = rendering
+        found = read_memory(path, model, tokenizer, max_positions)
+        memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **budget)
+        memory._state = found.state
+        memory._messages = found.messages
+        memory._rendering = found.rendering
+        memory._rounds = found.rounds
         memory._turns = [
-            Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0}) for t in turns
+            Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0})
+            for t in found.turns
         ]
         return memory
 

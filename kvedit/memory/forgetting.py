@@ -1,0 +1,271 @@
+"""Forgetting under a budget: which entries a :class:`kvedit.Memory` drops when it would hold
+more than it may, without knowing the next question.
+
+The budget counts the entries of the global-attention layers (a sliding-window layer keeps its
+last tokens by itself and is not counted), the same number on every such layer; a byte budget
+is converted with the bytes one entry takes on all global layers in bfloat16
+(:func:`entry_bytes_bf16`), so a budget means the same on models stored in other dtypes.
+
+A round (:func:`forget`) scores every global layer's entries with the policy, keeps every
+protected entry (the first :data:`SINK_TOKENS` tokens, the system message, the last ``recent``
+messages, the ``protect`` spans) and the best-scored others up to the target, drops the rest
+from that layer (all KV heads alike, so the bytes go down by exactly what is dropped), and runs
+the state's last token again over what is left (its logits then follow the cache it has). The
+state's history gets a ``forget`` step (not exact): a memory that forgot is no longer a plain
+capture.
+
+Policies (:data:`POLICIES`), each a score per entry, higher kept first:
+
+==============  ===============================================================================
+``window``      recency: the newest entries are kept (with the protected ones: StreamingLLM's
+                sink tokens plus a window of the last messages)
+``knorm``       minus the key's L2 norm (:mod:`kvedit.compress.scorers.knorm`)
+``tova``        the last token's attention (:mod:`kvedit.compress.scorers.tova`)
+``snapkv``      the attention of the state's own last tokens, a generic observation window
+                (:mod:`kvedit.compress.scorers.snapkv` without a query)
+``h2o``         attention accumulated over the whole text (not on sliding-window models)
+``reconstruct`` the attention each entry gets while the model reads the context again after a
+                "repeat the context" prompt (KVzip's idea;
+                :mod:`kvedit.compress.scorers.reconstruct`), when that scorer is registered
+==============  ===============================================================================
+
+A compression scorer's per-head scores are averaged over the KV heads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import checks
+from ..compress.scorers import SCORERS, make_scorer
+from ..errors import InvalidInputError, SpanNotFoundError, UnsupportedModelError
+from ..provenance import Step
+from ..states.passes import recompute_last
+from ..states.state import KVState
+
+__all__ = [
+    "LOW_WATER",
+    "Budget",
+    "POLICIES",
+    "SINK_TOKENS",
+    "Round",
+    "budget_from",
+    "check_policy",
+    "entry_bytes_bf16",
+    "forget",
+    "global_entries",
+    "policy_scores",
+]
+
+SINK_TOKENS = 4
+"""The first tokens every round keeps: attention sinks (StreamingLLM, arXiv:2309.17453) that
+every later query attends to; dropping them degrades all that follows."""
+
+LOW_WATER = 0.8
+"""A round forgets down to this fraction of the budget, so it runs once every several messages
+rather than at every message."""
+
+POLICIES = ("window", "knorm", "tova", "snapkv", "h2o", "reconstruct")
+"""The forgetting policies by name (module docstring)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One forgetting round: at which message, the policy, the global-layer entries before and
+    after, and its cost in seconds (scoring, dropping and the last token's rerun)."""
+
+    at_message: int
+    policy: str
+    before: int
+    after: int
+    seconds: float
+
+
+def global_entries(state: KVState) -> int:
+    """The most entries a global-attention layer of ``state`` holds (every layer when the model
+    has none)."""
+    return state.cache_length
+
+
+def entry_bytes_bf16(state: KVState) -> int:
+    """Bytes one entry takes on all global layers together, keys and values in bfloat16."""
+    layers = [layer for layer in state.layers if layer.window is None] or state.layers
+    return sum(2 * layer.kv_shape[1] * layer.kv_shape[3] * 2 for layer in layers)
+
+
+def check_policy(policy: str, state: KVState) -> None:
+    """Refuse a policy that does not exist or cannot serve the model, before any work."""
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise InvalidInputError(f"forget must be one of {list(POLICIES)}, not {policy!r}")
+    if policy != "window" and policy not in SCORERS:
+        raise InvalidInputError(f"forget={policy!r}: the scorer {policy!r} is not registered")
+    if policy == "h2o" and any(layer.window is not None for layer in state.layers):
+        raise UnsupportedModelError(
+            "forget='h2o' cannot serve a model with sliding-window layers: they forget the "
+            "tokens its scores re-read (use reconstruct, snapkv, tova, knorm or window)"
+        )
+
+
+def policy_scores(policy: str, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{layer: [n] scores}`` of each layer's entries under ``policy`` (higher kept first)."""
+    if policy == "window":
+        return {i: state.layers[i].token_index.float() for i in layers}
+    scorer = make_scorer(policy)
+    scores = scorer.score(state, list(layers))
+    return {i: scores[i].float().mean(dim=(0, 1)).cpu() for i in layers}
+
+
+def forget(
+    state: KVState,
+    target: int,
+    protected: torch.Tensor,
+    policy: str,
+    *,
+    at_message: int = 0,
+    scores: Callable[[str, KVState, Sequence[int]], dict[int, torch.Tensor]] = policy_scores,
+) -> tuple[KVState, Round]:
+    """``state`` with each global layer cut to ``target`` entries.
+
+    Args:
+        state: the memory's state (not modified).
+        target: the entries each global layer keeps.
+        protected: ``BoolTensor[len(state)]``, the tokens no round drops.
+        policy: one of :data:`POLICIES`.
+
+    Raises:
+        InvalidInputError: the protected entries alone exceed ``target``.
+    """
+    t0 = time.perf_counter()
+    before = global_entries(state)
+    chosen = [i for i, layer in enumerate(state.layers) if layer.window is None]
+    if not chosen:
+        chosen = list(range(len(state.layers)))
+    per_layer = scores(policy, state, chosen)
+    layers = list(state.layers)
+    for i in chosen:
+        layer = layers[i]
+        index = layer.token_index.cpu()
+        keep = (index >= 0) & protected[index.clamp_min(0)]
+        keep |= (index >= 0) & (index < SINK_TOKENS)
+        keep |= index == len(state) - 1  # the last input: its logits are run again below
+        n_kept = int(keep.sum())
+        if n_kept > target:
+            raise InvalidInputError(
+                f"the protected part holds {n_kept} entries, more than the {target} the budget "
+                "leaves: raise the budget, or protect less (recent=, protect=)"
+            )
+        room = min(target, len(layer)) - n_kept
+        if room > 0:
+            s = per_layer[i].clone()
+            s[keep] = float("-inf")
+            keep[torch.topk(s, room).indices] = True
+        layers[i] = layer.select(keep.nonzero().flatten())
+    out = state.replace(layers=layers).with_step(
+        Step(
+            "compression",
+            "forget",
+            {"policy": policy, "target": int(target), "before": int(before)},
+            exact=False,
+        )
+    )
+    out = recompute_last(out)
+    return out, Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much a memory may hold and how it forgets (``Memory(max_tokens=, max_bytes=,
+    forget=, recent=, protect=)``).
+
+    Attributes:
+        max_entries: the most entries each global layer holds.
+        policy: one of :data:`POLICIES`.
+        recent: the last messages never forgotten (the message being added is one of them).
+        protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
+            takes them); a span not (yet) in the text protects nothing.
+    """
+
+    max_entries: int
+    policy: str = "window"
+    recent: int = 2
+    protect: tuple = ()
+
+    def make_room(
+        self,
+        state: KVState,
+        protected_ranges: Sequence[tuple[int, int]],
+        n_new: int,
+        at_message: int,
+    ) -> tuple[KVState, Round | None]:
+        """``state`` with room for ``n_new`` more entries per global layer: unchanged when they
+        fit, else forgotten down to :data:`LOW_WATER` of the budget less ``n_new``.
+
+        ``protected_ranges``: token ranges ``[start, end)`` of ``state`` never forgotten (the
+        system message, the recent messages). Raises :class:`~kvedit.errors.InvalidInputError`
+        (before any work) when the protected part and the new entries alone exceed the budget.
+        """
+        protected = self.protected(state, protected_ranges)
+        protected[: min(SINK_TOKENS, len(state))] = True
+        if len(state):
+            protected[-1] = True
+        n_protected = int(protected.sum())
+        if n_protected + n_new > self.max_entries:
+            raise InvalidInputError(
+                f"the budget is {self.max_entries} entries; the protected part (system "
+                f"message, the last {self.recent} messages, protect= spans) holds "
+                f"{n_protected} and this message adds {n_new}: raise max_tokens/max_bytes, or "
+                "protect less"
+            )
+        if global_entries(state) + n_new <= self.max_entries:
+            return state, None
+        target = max(int(LOW_WATER * self.max_entries) - n_new, n_protected)
+        return forget(state, target, protected, self.policy, at_message=at_message)
+
+    def protected(
+        self, state: KVState, protected_ranges: Sequence[tuple[int, int]]
+    ) -> torch.Tensor:
+        """``BoolTensor[len(state)]``: the tokens no round drops."""
+        keep = torch.zeros(len(state), dtype=torch.bool)
+        for start, end in protected_ranges:
+            keep[start:end] = True
+        for span in self.protect:
+            try:
+                keep[state.token_indices(span)] = True
+            except SpanNotFoundError:
+                continue
+        return keep
+
+
+def budget_from(
+    state: KVState,
+    max_tokens: int | None,
+    max_bytes: int | None,
+    forget: str,
+    recent: int,
+    protect,
+) -> Budget | None:
+    """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
+    ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state."""
+    check_policy(forget, state)
+    recent = checks.count("recent", recent)
+    if max_tokens is not None and max_bytes is not None:
+        raise InvalidInputError("give max_tokens or max_bytes, not both")
+    if max_bytes is not None:
+        per_entry = entry_bytes_bf16(state)
+        max_tokens = checks.count("max_bytes", max_bytes, minimum=1) // per_entry
+        if max_tokens < 1:
+            raise InvalidInputError(
+                f"max_bytes={max_bytes} holds no entry: one takes {per_entry} bytes in bfloat16"
+            )
+    if max_tokens is None:
+        return None
+    max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
+    if protect is None:
+        protect = ()
+    elif isinstance(protect, (str, tuple)) or not isinstance(protect, Sequence):
+        protect = (protect,)
+    return Budget(max_tokens, forget, recent, tuple(protect))

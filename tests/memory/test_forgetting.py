@@ -1,0 +1,127 @@
+"""Forgetting under a budget: never past it, never a protected token, each round a history step,
+refusals before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvedit
+from kvedit.errors import InvalidInputError, NotACaptureError, UnsupportedModelError
+from kvedit.memory.forgetting import SINK_TOKENS, entry_bytes_bf16, global_entries
+
+CHAT = [
+    ("user", "My locker code is 4821 and my badge is 77."),
+    ("assistant", "Noted."),
+    ("user", "The weather is nice today, the river is calm near the old bridge."),
+    ("assistant", "It is sunny."),
+]
+POLICIES = ["window", "knorm", "tova", "snapkv"]
+
+
+def held_tokens(state, layer) -> set[int]:
+    return set(state.layers[layer].token_index.tolist())
+
+
+def global_layers(state) -> list[int]:
+    return [i for i, layer in enumerate(state.layers) if layer.window is None]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_budget_is_never_exceeded_and_protected_tokens_stay(arch, policy, request):
+    model, tok = request.getfixturevalue(arch)
+    mem = kvedit.Memory(
+        model, tok, system="You are terse.", max_tokens=120, forget=policy, protect="4821"
+    )
+    system = mem.turns[0]
+    for i in range(6):
+        for role, content in CHAT:
+            mem.add(role, content)
+            assert global_entries(mem.state) <= 120
+            for layer in global_layers(mem.state):
+                held = held_tokens(mem.state, layer)
+                # the system message, the sinks, the last two messages, the protected span
+                assert set(range(system.start, system.end)) <= held
+                assert set(range(SINK_TOKENS)) <= held
+                for t in mem.turns[-2:]:
+                    assert set(range(t.start, t.end)) <= held
+                assert set(mem.state.token_indices("4821").tolist()) <= held
+    mem.ask("What is my locker code?", max_new_tokens=4)
+    assert global_entries(mem.state) <= 120
+    assert mem.forgetting and all(r.after <= 0.8 * 120 for r in mem.forgetting)
+    assert len(mem.state) > 120  # the transcript is longer than what is held
+    assert "forgetting (" in mem.explain()
+
+
+def test_a_forgetting_memory_is_no_plain_capture(llama, tmp_path):
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=120)
+    for role, content in CHAT * 3:
+        mem.add(role, content)
+    assert mem.forgetting
+    assert not mem.state.is_plain_capture
+    assert "forget" in [step.name for step in mem.state.history.steps]
+    with pytest.raises(NotACaptureError):
+        kvedit.KVStore(tmp_path / "store").put(mem.state)
+    # it still grows append-only: the next message checks against the whole transcript
+    mem.add("user", "One more thing.")
+    assert mem.state.token_ids.tolist() == mem.renderer.render(mem.messages).ids
+
+
+def test_max_bytes_counts_global_entries_in_bfloat16(gemma3):
+    model, tok = gemma3
+    per_entry = entry_bytes_bf16(kvedit.Memory(model, tok).state)
+    mem = kvedit.Memory(model, tok, max_bytes=per_entry * 100 + 5)
+    assert mem.budget.max_entries == 100
+
+
+def _snapshot(mem):
+    return (mem.state.digest, len(mem), len(mem.turns), len(mem.forgetting))
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda m, t: kvedit.Memory(m, t, max_tokens=100, forget="lru"), InvalidInputError),
+        (lambda m, t: kvedit.Memory(m, t, max_tokens=0), InvalidInputError),
+        (lambda m, t: kvedit.Memory(m, t, max_tokens=10, max_bytes=10), InvalidInputError),
+        (lambda m, t: kvedit.Memory(m, t, max_bytes=3), InvalidInputError),
+        (lambda m, t: kvedit.Memory(m, t, max_tokens=10, recent=-1), InvalidInputError),
+    ],
+    ids=["unknown-policy", "zero-budget", "both-budgets", "bytes-below-one-entry", "recent"],
+)
+def test_bad_budgets_are_refused(llama, make, error):
+    with pytest.raises(error):
+        make(*llama)
+
+
+def test_h2o_on_a_sliding_window_model_is_refused_before_any_work(gemma3, llama):
+    with pytest.raises(UnsupportedModelError, match="h2o"):
+        kvedit.Memory(*gemma3, max_tokens=100, forget="h2o")
+    kvedit.Memory(*llama, max_tokens=100, forget="h2o")  # a model it serves
+
+
+def test_a_protected_part_over_the_budget_is_refused_at_the_add_that_causes_it(llama):
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=60, recent=2)
+    mem.add("user", "Hi.")
+    before = _snapshot(mem)
+    with pytest.raises(InvalidInputError, match="protected part"):
+        mem.add("user", "word " * 80)
+    assert _snapshot(mem) == before
+
+
+def test_a_forgetting_memory_saves_loads_and_continues_alike(llama, tmp_path):
+    model, tok = llama
+    budget = dict(max_tokens=90, forget="knorm")
+    mem = kvedit.Memory(model, tok, system="You are terse.", **budget)
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+    assert mem.forgetting
+    loaded = kvedit.Memory.load(mem.save(tmp_path / "m.kv"), model, tok, **budget)
+    assert loaded.state.digest == mem.state.digest and loaded.forgetting == mem.forgetting
+    for role, content in CHAT:
+        mem.add(role, content)
+        loaded.add(role, content)
+        assert loaded.state.digest == mem.state.digest
+    assert mem.ask("Code?", max_new_tokens=4) == loaded.ask("Code?", max_new_tokens=4)
