@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -36,8 +37,8 @@ def chat_parser(sub) -> None:
     p = sub.add_parser(
         "chat",
         help="a terminal chat whose conversation is one exact cache, saved in a memory file",
-        description="Chat with a model; the conversation is a kvedit.Memory: each message is "
-        "computed once, answers keep their decoded K/V, and --memory holds it between runs "
+        description="Chat with a model; the conversation is a kvedit.Memory: each message is\n"
+        "computed once, answers keep their decoded K/V, and --memory holds it between runs\n"
         "(loaded when the file exists, saved on exit).",
         epilog=_CHAT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -144,6 +145,9 @@ class _Chat:
         self.abandoned = False
         self.tty_in = sys.stdin.isatty()
         self.tty_out = sys.stdout.isatty()
+        if self.tty_in:
+            with contextlib.suppress(ImportError):  # line editing and history at the prompt
+                import readline  # noqa: F401
 
     def run(self) -> int:
         status = EXIT_OK
