@@ -226,7 +226,7 @@ class _Chat:
         except KVEditError as e:
             if exit_status(e) != EXIT_USAGE and not isinstance(e, TemplateError):
                 raise
-            self._error(f"{message(e)}; the question was not asked")
+            self._error(f"{message(e)}; the question was not kept")
             return
         print(_printable(answer), flush=True)
         self._dim(self._cost())

@@ -121,7 +121,7 @@ def test_a_line_too_long_for_the_model_is_one_error_and_the_chat_goes_on(
     assert status == 0
     (line,) = err.splitlines()
     assert line.startswith("kvedit chat: error: the question is ")
-    assert "at most 4096 positions" in line and line.endswith("; the question was not asked")
+    assert "at most 4096 positions" in line and line.endswith("; the question was not kept")
     assert out.count("tok reused") == 1
     assert [m.content for m in Memory.load(path, *tiny).messages][0] == "short one"
 
@@ -304,5 +304,34 @@ def test_in_a_terminal_the_chat_answers_and_ctrl_c_or_ctrl_d_saves(tmp_path, end
         assert lines[-1] == f"EXIT={130 if end == 'C-c' else 0}"
         assert "Traceback" not in text and "error:" not in text
         assert len(Memory.load(path, *load_model("tiny-llama"))) == 2
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal test")
+def test_in_a_terminal_ctrl_c_during_an_answer_keeps_the_memory_as_before(tmp_path):
+    path = tmp_path / "chat.kv"
+    tmux = ["tmux", "-L", f"kvedit-chat-{os.getpid()}", "-f", "/dev/null"]
+    name = "chat"
+    command = (
+        f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit chat --model tiny-llama "
+        f"--max-new-tokens 1000 --memory {path}; echo EXIT=$?; sleep 300"
+    )
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", name, "-x", "200", "-y", "50", command], check=True
+    )
+    try:
+        _wait(tmux, name, lambda t: t.rstrip().endswith(">"), "prompt")
+        subprocess.run([*tmux, "send-keys", "-t", name, "hello there", "Enter"], check=True)
+        _wait(tmux, name, lambda t: "> hello there" in t, "question")
+        time.sleep(1.0)  # decoding 1,000 tokens: still under way
+        subprocess.run([*tmux, "send-keys", "-t", name, "C-c"], check=True)
+        text = _wait(tmux, name, lambda t: "EXIT=" in t, "exit")
+        assert "[interrupted: the question and its partial answer were not kept]" in text, text
+        assert "tok reused" not in text
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert lines[-2] == f"memory {path} not written: no messages: 0 messages, 0 tok", text
+        assert lines[-1] == "EXIT=130"
+        assert "Traceback" not in text and not path.exists()
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
