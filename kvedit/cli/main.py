@@ -13,6 +13,7 @@ from ..errors import (
 from ..version import __version__
 from .app import run_app
 from .arguments import port, positive
+from .chat import chat_parser
 from .litm import litm_parser, run_demo
 from .serving import publish_parser, serve_parser
 from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     app.set_defaults(run=run_app)
     publish_parser(sub)
     serve_parser(sub)
+    chat_parser(sub)
     _label(parser)
     return parser
 

@@ -13,6 +13,7 @@ as a prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,19 +87,19 @@ class Memory:
         self.renderer = renderer_for(prompt, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
-        self._state = empty_state(model, tokenizer, max_positions=max_positions)
-        self._messages: list[Message] = []
-        self._turns: list[Turn] = []
-        self._rendering = self.renderer.render([])
-        self._rounds: list[Round] = []
-        self.budget = budget_from(self._state, max_tokens, max_bytes, forget, recent, protect)
+        self._held = _Held(
+            empty_state(model, tokenizer, max_positions=max_positions),
+            (),
+            self.renderer.render([]),
+            (),
+            (),
+        )
+        self.budget = budget_from(self._held.state, max_tokens, max_bytes, forget, recent, protect)
         """The :class:`~kvedit.memory.forgetting.Budget` (None: nothing is ever forgotten)."""
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
         if system is not None:
             self.add("system", system)
-
-    # ------------------------------------------------------------------ what it holds
 
     @property
     def prompt(self) -> str:
@@ -137,15 +138,6 @@ class Memory:
             f"Memory({len(self._messages)} messages, {len(self._state)} tokens, "
             f"{self.nbytes / 2**20:.1f} MiB, prompt {self.prompt!r})"
         )
-
-    def _bytes_per_token(self) -> float:
-        return sum(
-            layer.nbytes / max(len(layer), 1)
-            for layer in self._state.layers
-            if layer.window is None
-        )
-
-    # ------------------------------------------------------------------ adding
 
     def add(self, role: str, content: str) -> Turn:
         """Add one message and compute only its tokens. Returns its :class:`Turn`.
@@ -240,19 +232,24 @@ class Memory:
         turns: list[Turn],
         rounds: Sequence[Round] = (),
     ) -> None:
-        """Make the new state the memory's: every field at once, after all work is done."""
-        self._rounds = [*self._rounds, *rounds]
-        self._state = state
-        self._messages = [*self._messages, *messages]
-        self._rendering = rendering
-        self._turns = [*self._turns, *turns]
-        if self._turns and turns:
-            per_token = self._bytes_per_token()
-            self._turns[-len(turns) :] = [
-                _with_bytes(t, round(per_token * t.n_tokens)) for t in self._turns[-len(turns) :]
-            ]
+        """Make the new state the memory's, after all work is done: one assignment, so an
+        interrupt (Ctrl-C) leaves the memory as it was before or as it is after."""
+        per_token = _bytes_per_token(state)
+        turns = [_with_bytes(t, round(per_token * t.n_tokens)) for t in turns]
+        self._held = _Held(
+            state,
+            (*self._messages, *messages),
+            rendering,
+            (*self._turns, *turns),
+            (*self._rounds, *rounds),
+        )
 
-    # ------------------------------------------------------------------ asking
+    # the memory's fields, read from its one snapshot
+    _state = property(lambda self: self._held.state)
+    _messages = property(lambda self: self._held.messages)
+    _rendering = property(lambda self: self._held.rendering)
+    _turns = property(lambda self: self._held.turns)
+    _rounds = property(lambda self: self._held.rounds)
 
     @torch.no_grad()
     def ask(
@@ -375,8 +372,6 @@ class Memory:
         )
         return bool(self.last_focus.chosen) and self.last_focus.kept
 
-    # ------------------------------------------------------------------ reading it
-
     def explain(self) -> str:
         """Per message: role, tokens, computed / kept / loaded, bytes; the memory's size; and
         what focus chose for the last question asked with focus."""
@@ -418,8 +413,6 @@ class Memory:
                 )
         return f"characters {span[0]}..{span[1]}"
 
-    # ------------------------------------------------------------------ files
-
     def save(self, path: str | os.PathLike) -> Path:
         """Write the memory to one state file (the cache, sealed, with the messages in its
         header), atomically; returns the path. The whole file is written each time (46 KB per
@@ -452,15 +445,30 @@ class Memory:
         """
         found = read_memory(path, model, tokenizer, max_positions)
         memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **budget)
-        memory._state = found.state
-        memory._messages = found.messages
-        memory._rendering = found.rendering
-        memory._rounds = found.rounds
-        memory._turns = [
+        turns = [
             Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0})
             for t in found.turns
         ]
+        memory._held = _Held(
+            found.state, tuple(found.messages), found.rendering, tuple(turns), tuple(found.rounds)
+        )
         return memory
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What a memory holds at one moment (replaced whole by each change)."""
+
+    state: KVState
+    messages: tuple[Message, ...]
+    rendering: Rendering
+    turns: tuple[Turn, ...]
+    rounds: tuple[Round, ...]
+
+
+def _bytes_per_token(state: KVState) -> float:
+    """Bytes one token's entries take on the global layers of ``state``."""
+    return sum(layer.nbytes / max(len(layer), 1) for layer in state.layers if layer.window is None)
 
 
 def _with_bytes(turn: Turn, nbytes: int) -> Turn:

@@ -1,0 +1,332 @@
+"""``kvedit chat``: a terminal chat kept in one :class:`kvedit.Memory` file."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ..errors import CacheMismatchError, CorruptCacheError, KVEditError, TemplateError
+from .arguments import max_positions_arg, nonempty, positive
+from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, exit_status, message
+
+_NAME = "kvedit chat"
+
+_CHAT_EPILOG = """\
+Each line read is a question: the answer is printed, then (dimmed on a terminal) what the turn
+cost: tokens computed for the question, the answer's tokens kept from decoding, the memory's
+size. An empty line is skipped. Lines starting with / are commands:
+  /explain  each message: tokens, computed / kept / loaded, bytes (kvedit.Memory.explain)
+  /save     write the memory file now
+  /quit     save and end (as Ctrl-D does)
+  /help     this list
+A question that starts with / is written with two (//...). Ctrl-D or /quit ends the chat with
+the memory saved (exit status 0); Ctrl-C, at the prompt or during an answer, ends it the same
+way (exit status 130), and an interrupted answer is not kept: the memory is as it was before
+that question. A line the model cannot take (too long for its positions) gets one error line
+and the chat goes on. Lines may be piped in (one question a line).
+"""
+
+_COMMANDS = ("/explain", "/save", "/quit", "/help")
+
+
+def chat_parser(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="a terminal chat whose conversation is one exact cache, saved in a memory file",
+        description="Chat with a model; the conversation is a kvedit.Memory: each message is\n"
+        "computed once, answers keep their decoded K/V, and --memory holds it between runs\n"
+        "(loaded when the file exists, saved on exit).",
+        epilog=_CHAT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument(
+        "--memory",
+        required=True,
+        type=nonempty("--memory"),
+        metavar="FILE",
+        help="the memory file: loaded when it exists (it must be a memory of --model), "
+        "written on exit",
+    )
+    p.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="the system message of a new memory; with an existing file it must equal the "
+        "file's own (a memory's messages are never rewritten)",
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        choices=["chat", "plain"],
+        help="the prompt format of a new memory: chat (the tokenizer's template; the default "
+        "when it has one) or plain (User:/Assistant: labels, for base models); with an existing "
+        "file it must equal the file's",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive("--max-new-tokens"),
+        default=128,
+        metavar="N",
+        help="the longest answer, in tokens (default 128)",
+    )
+    max_positions_arg(p)
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args) -> int:
+    """Open (or start) the memory, read questions until end of input, save it; the status."""
+    from ..models import load_model
+
+    if args.system is not None and not args.system.strip():
+        raise UsageError("--system is empty: give the system message, or leave --system out")
+    path = Path(args.memory)
+    _check_path(path)
+    model, tok = load_model(args.model)
+    memory = _open(path, model, tok, args)
+    return _Chat(memory, path, args.max_new_tokens).run()
+
+
+def _check_path(path: Path) -> None:
+    """Refuse, before the model loads, a --memory that could never be written."""
+    if path.is_dir():
+        raise UsageError(f"--memory {path}: is a directory, not a file")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"--memory {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--memory {path}: the folder {folder} is not writable")
+
+
+def _open(path: Path, model, tok, args):
+    """The memory in ``path`` (checked against --system and --prompt), or a new one."""
+    from ..memory.conversation import Memory
+
+    if not path.exists():
+        return Memory(
+            model, tok, system=args.system, prompt=args.prompt, max_positions=args.max_positions
+        )
+    try:
+        memory = Memory.load(path, model, tok, max_positions=args.max_positions)
+    except (CacheMismatchError, CorruptCacheError) as e:
+        raise UsageError(f"--memory {e}; the file is left as it is") from None
+    except OSError as e:
+        raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
+    if args.prompt is not None and args.prompt != memory.prompt:
+        raise UsageError(
+            f"--prompt {args.prompt}: the memory {path} uses the {memory.prompt!r} format; "
+            "leave --prompt out, or give another --memory file"
+        )
+    if args.system is not None:
+        messages = memory.messages
+        held = messages[0].content if messages and messages[0].role == "system" else None
+        if held != args.system:
+            has = "no system message" if held is None else f"the system message {held!r}"
+            raise UsageError(
+                f"--system {args.system!r}: the memory {path} has {has}, and its messages are "
+                "never rewritten; leave --system out, or give another --memory file"
+            )
+    return memory
+
+
+class _Chat:
+    """The read-ask-print loop over one memory and its file."""
+
+    def __init__(self, memory, path: Path, max_new_tokens: int) -> None:
+        self.memory = memory
+        self.path = path
+        self.max_new_tokens = max_new_tokens
+        self.existed = path.exists()
+        self.saved_at = self._mark() if self.existed else None
+        self.line_no = 0
+        self.abandoned = False
+        self.tty_in = sys.stdin.isatty()
+        self.tty_out = sys.stdout.isatty()
+        if self.tty_in:
+            with contextlib.suppress(ImportError):  # line editing and history at the prompt
+                import readline  # noqa: F401
+
+    def run(self) -> int:
+        status = EXIT_OK
+        self._start_line()
+        try:
+            status = self._loop()
+        except KeyboardInterrupt:
+            print(file=sys.stdout)
+            status = EXIT_INTERRUPTED
+        finally:
+            self._save_at_exit()
+        return status
+
+    def _loop(self) -> int:
+        while True:
+            line = self._read()
+            if line is None:
+                if self.tty_in:
+                    print(file=sys.stdout)
+                return EXIT_OK
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/") and not text.startswith("//"):
+                if self._command(text) == "/quit":
+                    return EXIT_OK
+                continue
+            self._ask(line[1:] if text.startswith("//") else line)
+
+    def _read(self) -> str | None:
+        """The next line (without its newline), or None at end of input."""
+        self.line_no += 1
+        if self.tty_in:
+            try:
+                return input("> ")
+            except EOFError:
+                return None
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:
+            line = sys.stdin.readline()
+            return line.rstrip("\r\n") if line else None
+        data = stream.readline()
+        if not data:
+            return None
+        try:
+            return data.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            self._error(
+                f"stdin:{self.line_no}: not UTF-8 text (byte 0x{data[e.start]:02x}); "
+                "the line is skipped"
+            )
+            return ""
+
+    def _command(self, text: str) -> str:
+        word = text.split()[0]
+        if word == "/explain":
+            print(self.memory.explain(), flush=True)
+        elif word == "/save":
+            self._save()
+        elif word == "/help":
+            print(_CHAT_EPILOG, end="", flush=True)
+        elif word != "/quit":
+            self._error(
+                f"unknown command {word!r}: the commands are {', '.join(_COMMANDS)} "
+                "(a question that starts with / is written //...)"
+            )
+        return word
+
+    def _ask(self, question: str) -> None:
+        before = self._mark()
+        try:
+            answer = self.memory.ask(question, max_new_tokens=self.max_new_tokens)
+        except KeyboardInterrupt:
+            self._interrupted(before)
+            raise
+        except KVEditError as e:
+            if exit_status(e) != EXIT_USAGE and not isinstance(e, TemplateError):
+                raise
+            self._error(f"{message(e)}; the question was not kept")
+            return
+        print(_printable(answer), flush=True)
+        self._dim(self._cost())
+
+    def _interrupted(self, before: tuple[int, int]) -> None:
+        """After Ctrl-C during an answer: say whether the question was kept (it is not, unless
+        the answer had been committed already), and refuse to save a memory caught midway."""
+        now = self._mark()
+        if now == before:
+            self._dim("[interrupted: the question and its partial answer were not kept]")
+        elif now[0] == before[0] + 2 and self._consistent():
+            self._dim("[interrupted after the answer was kept]")
+        else:
+            self.abandoned = True  # caught between two fields: not written
+            raise KVEditError(
+                f"interrupted while the memory was being updated ({before[0]} -> {now[0]} "
+                f"messages, {before[1]} -> {now[1]} tokens); {self.path} is left as it was"
+            )
+
+    def _consistent(self) -> bool:
+        turns = self.memory.turns
+        return len(turns) == len(self.memory) and (
+            not turns or turns[-1].end == len(self.memory.state)
+        )
+
+    def _cost(self) -> str:
+        q, a = self.memory.turns[-2:]
+        answer = f"answer {a.n_tokens:,} tok ({a.kept:,} kept from decoding"
+        answer += f", {a.computed:,} computed)" if a.computed else ")"
+        return (
+            f"[{q.start:,} tok reused, question {q.computed:,} tok computed, {answer}, "
+            f"memory {len(self.memory.state):,} tok, {_size(self.memory.nbytes)}]"
+        )
+
+    def _mark(self) -> tuple[int, int]:
+        return len(self.memory), len(self.memory.state)
+
+    def _save(self) -> None:
+        self.memory.save(self.path)
+        self.saved_at, self.existed = self._mark(), True
+        self._dim(f"[saved {self._summary()}]")
+
+    def _save_at_exit(self) -> None:
+        """Save unless nothing changed; SIGINT is held off while the file is written."""
+        if self.abandoned:
+            return
+        if self.saved_at == self._mark() or (not self.existed and len(self.memory) == 0):
+            what = "unchanged" if self.existed else "not written: no messages"
+            print(f"memory {self.path} {what}: {self._counts()}", flush=True)
+            return
+        held = _hold_interrupts()
+        try:
+            self.memory.save(self.path)
+        finally:
+            _release_interrupts(held)
+        self.saved_at = self._mark()
+        print(f"saved {self._summary()}", flush=True)
+
+    def _summary(self) -> str:
+        return f"{self.path}: {self._counts()}, {_size(self.memory.nbytes)}"
+
+    def _counts(self) -> str:
+        return f"{len(self.memory):,} messages, {len(self.memory.state):,} tok"
+
+    def _start_line(self) -> None:
+        if self.existed:
+            self._dim(f"[memory {self.path}: {self._counts()}, prompt {self.memory.prompt!r}]")
+        else:
+            self._dim(f"[new memory {self.path}, prompt {self.memory.prompt!r}]")
+        if self.tty_in:
+            self._dim("[/help lists the commands; Ctrl-D ends the chat, saved]")
+
+    def _dim(self, text: str) -> None:
+        print(f"\x1b[2m{text}\x1b[0m" if self.tty_out else text, flush=True)
+
+    def _error(self, text: str) -> None:
+        print(f"{_NAME}: error: {text}", file=sys.stderr, flush=True)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (a terminal's escape sequences) written as escapes."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _hold_interrupts():
+    """Ignore SIGINT (in the main thread) and return the handler to restore, else None."""
+    try:
+        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals cannot be set there
+        return None
+
+
+def _release_interrupts(held) -> None:
+    if held is not None:
+        signal.signal(signal.SIGINT, held)

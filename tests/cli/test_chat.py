@@ -1,0 +1,337 @@
+"""``kvedit chat``: piped questions, the memory file saved on end of input and loaded again,
+refusals of a memory file it cannot use (the file left as it was), a line too long for the
+model, an interrupted answer not kept; and the chat in a terminal (tmux), ended by Ctrl-C or
+Ctrl-D with the memory saved (#41)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvedit import capture
+from kvedit.cli import main as cli_main
+from kvedit.memory import conversation
+from kvedit.memory.conversation import Memory
+from kvedit.models import load_model
+from kvedit.states.files.write import save_state
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT = ["chat", "--model", "tiny-llama", "--max-new-tokens", "6"]
+
+
+def _chat(monkeypatch, capsys, memory: Path, lines: str, *args: str) -> tuple[int, str, str]:
+    """Run ``kvedit chat`` with ``lines`` piped in; (status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    capsys.readouterr()
+    status = cli_main([*CHAT, "--memory", str(memory), *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def tiny():
+    return load_model("tiny-llama")
+
+
+def test_piped_questions_are_answered_and_saved_at_end_of_input(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    status, out, err = _chat(
+        monkeypatch, capsys, path, "hello there\n\n   \nwhat now?\n/explain\n", "--system", "Terse."
+    )
+    assert status == 0, err
+    assert err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"[new memory {path}, prompt 'chat']"
+    costs = [line for line in lines if "tok reused" in line]
+    assert len(costs) == 2  # the empty and blank lines were skipped
+    assert "\x1b[" not in out  # dimmed only on a terminal
+    assert "   0 system" in out and "   4 assistant" in out  # /explain
+    memory = Memory.load(path, *tiny)
+    assert [m.role for m in memory.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m.content for m in memory.messages[:2]] == ["Terse.", "hello there"]
+    assert lines[-1] == f"saved {path}: 5 messages, {len(memory.state)} tok, " + (
+        f"{memory.nbytes / 1024:.1f} KiB"
+    )
+    q = memory.turns[1]
+    assert costs[0].startswith(f"[{q.start} tok reused, question {q.n_tokens} tok computed, ")
+    assert f"memory {len(memory.state)} tok" in costs[1]
+
+
+def test_a_saved_memory_is_loaded_and_only_the_new_question_is_computed(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    assert _chat(monkeypatch, capsys, path, "my code is 4821\n")[0] == 0
+    first = Memory.load(path, *tiny)
+    status, out, err = _chat(monkeypatch, capsys, path, "what is my code?\n")
+    assert status == 0, err
+    assert (
+        out.splitlines()[0] == f"[memory {path}: 2 messages, {len(first.state)} tok, prompt 'chat']"
+    )
+    assert f"[{len(first.state)} tok reused, question " in out
+    second = Memory.load(path, *tiny)
+    assert second.messages[:2] == first.messages
+    assert second.messages[2].content == "what is my code?"
+    assert second.state.token_ids[: len(first.state)].tolist() == first.state.token_ids.tolist()
+
+
+def test_quit_ends_the_chat_and_save_writes_the_file_at_once(monkeypatch, capsys, tmp_path, tiny):
+    path = tmp_path / "chat.kv"
+    saved = {}
+
+    def save(self, p):  # what the file holds at each save
+        saved[len(saved)] = len(self)
+        return real_save(self, p)
+
+    real_save = Memory.save
+    monkeypatch.setattr(Memory, "save", save)
+    status, out, err = _chat(monkeypatch, capsys, path, "one\n/save\n/quit\nnever asked\n")
+    assert status == 0, err
+    assert saved == {0: 2}  # /save wrote it; unchanged after, so /quit did not write again
+    assert f"memory {path} unchanged: 2 messages" in out
+    assert "never asked" not in [m.content for m in Memory.load(path, *tiny).messages]
+
+
+def test_a_question_starting_with_a_slash_is_written_with_two(monkeypatch, capsys, tmp_path, tiny):
+    path = tmp_path / "chat.kv"
+    status, _, err = _chat(monkeypatch, capsys, path, "/nope\n//etc/hosts?\n")
+    assert status == 0
+    assert err.splitlines() == [
+        "kvedit chat: error: unknown command '/nope': the commands are /explain, /save, /quit, "
+        "/help (a question that starts with / is written //...)"
+    ]
+    assert Memory.load(path, *tiny).messages[0].content == "/etc/hosts?"
+
+
+def test_a_line_too_long_for_the_model_is_one_error_and_the_chat_goes_on(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    long = "word " * 5000
+    status, out, err = _chat(monkeypatch, capsys, path, f"{long}\nshort one\n")
+    assert status == 0
+    (line,) = err.splitlines()
+    assert line.startswith("kvedit chat: error: the question is ")
+    assert "at most 4096 positions" in line and line.endswith("; the question was not kept")
+    assert out.count("tok reused") == 1
+    assert [m.content for m in Memory.load(path, *tiny).messages][0] == "short one"
+
+
+def test_an_interrupted_answer_is_not_kept_and_the_memory_is_saved(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    real_decode, calls = conversation.decode, []
+
+    def decode(*a, **k):  # Ctrl-C during the second answer
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_decode(*a, **k)
+
+    monkeypatch.setattr(conversation, "decode", decode)
+    status, out, err = _chat(monkeypatch, capsys, path, "first\nsecond\nthird\n")
+    assert status == 130
+    assert err == ""
+    assert "[interrupted: the question and its partial answer were not kept]" in out
+    memory = Memory.load(path, *tiny)
+    assert [m.content for m in memory.messages][0] == "first" and len(memory) == 2
+    assert out.splitlines()[-1].startswith(f"saved {path}: 2 messages, ")
+
+
+def _other_model(path: Path) -> None:
+    Memory(*load_model("tiny-qwen2"), system="hi").save(path)
+
+
+def _damaged(path: Path) -> None:
+    Memory(*load_model("tiny-llama"), system="hi").save(path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _plain_state(path: Path) -> None:
+    save_state(capture(*load_model("tiny-llama"), "hello world"), path)
+
+
+def _text(path: Path) -> None:
+    path.write_text("my notes\n")
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (_other_model, "this cache was made by another model"),
+        (_damaged, "checksum mismatch"),
+        (_plain_state, "a state file, not a memory"),
+        (_text, "safetensors"),
+    ],
+)
+def test_a_memory_file_it_cannot_use_is_refused_and_left_as_it_is(
+    monkeypatch, capsys, tmp_path, make, says
+):
+    path = tmp_path / "chat.kv"
+    make(path)
+    before = path.read_bytes()
+    status, out, err = _chat(monkeypatch, capsys, path, "hello\n")
+    assert status == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"kvedit chat: error: --memory {path}: ") and says in line
+    assert line.endswith("; the file is left as it is")
+    assert out == ""
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--system", "Chatty."], "--system 'Chatty.': the memory {path} has the system message"),
+        (["--prompt", "plain"], "--prompt plain: the memory {path} uses the 'chat' format"),
+    ],
+)
+def test_system_or_prompt_that_differ_from_the_file_are_refused(
+    monkeypatch, capsys, tmp_path, tiny, args, says
+):
+    path = tmp_path / "chat.kv"
+    Memory(*tiny, system="Terse.").save(path)
+    before = path.read_bytes()
+    status, _, err = _chat(monkeypatch, capsys, path, "hello\n", *args)
+    assert status == 2
+    (line,) = err.splitlines()
+    assert line.startswith("kvedit chat: error: " + says.format(path=path))
+    assert path.read_bytes() == before
+    # the same values are accepted
+    status, _, err = _chat(
+        monkeypatch, capsys, path, "hi\n", "--system", "Terse.", "--prompt", "chat"
+    )
+    assert status == 0, err
+
+
+def test_a_memory_path_that_cannot_be_written_is_refused_before_the_model_loads(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr("kvedit.models.load_model", lambda *a: pytest.fail("model loaded"))
+    for memory, says in [
+        (tmp_path, f"--memory {tmp_path}: is a directory, not a file"),
+        (tmp_path / "no" / "c.kv", f"--memory {tmp_path / 'no' / 'c.kv'}: the folder"),
+    ]:
+        status, _, err = _chat(monkeypatch, capsys, memory, "hi\n")
+        assert status == 2
+        assert err.startswith(f"kvedit chat: error: {says}")
+    status, _, err = _chat(monkeypatch, capsys, tmp_path / "c.kv", "hi\n", "--system", " ")
+    assert (status, err.strip()) == (
+        2,
+        "kvedit chat: error: --system is empty: give the system message, or leave --system out",
+    )
+
+
+def test_no_messages_writes_no_file(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "chat.kv"
+    status, out, _ = _chat(monkeypatch, capsys, path, "\n/explain\n")
+    assert status == 0
+    assert out.splitlines()[-1] == f"memory {path} not written: no messages: 0 messages, 0 tok"
+    assert not path.exists()
+
+
+def test_a_real_pipe_gets_no_prompt_and_the_file(tmp_path):
+    path = tmp_path / "chat.kv"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedit", *CHAT, "--memory", str(path)],
+        input="hello\n",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "> " not in done.stdout
+    assert done.stdout.splitlines()[-1].startswith(f"saved {path}: 2 messages, ")
+    assert path.exists()
+
+
+# ---------------------------------------------------------------------------- in a terminal
+
+
+def _pane(tmux, name: str, escapes: bool = False) -> str:
+    args = [*tmux, "capture-pane", "-p", "-t", name, *(["-e"] if escapes else [])]
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+
+def _wait(tmux, name: str, done, what: str, timeout: float = 180) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = _pane(tmux, name)
+        if done(text):
+            return text
+        time.sleep(0.3)
+    pytest.fail(f"no {what} in the pane after {timeout} s:\n{_pane(tmux, name)}")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal test")
+@pytest.mark.parametrize("end", ["C-c", "C-d"])
+def test_in_a_terminal_the_chat_answers_and_ctrl_c_or_ctrl_d_saves(tmp_path, end):
+    path = tmp_path / "chat.kv"
+    tmux = ["tmux", "-L", f"kvedit-chat-{os.getpid()}", "-f", "/dev/null"]
+    name = "chat"
+    command = (
+        f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit {' '.join(CHAT)} "
+        f"--memory {path}; echo EXIT=$?; sleep 300"
+    )
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", name, "-x", "200", "-y", "50", command], check=True
+    )
+    try:
+        _wait(tmux, name, lambda t: t.rstrip().endswith(">"), "prompt")
+        subprocess.run([*tmux, "send-keys", "-t", name, "hello there", "Enter"], check=True)
+        text = _wait(tmux, name, lambda t: "tok reused" in t and t.rstrip().endswith(">"), "answer")
+        assert "> hello there" in text
+        assert "\x1b[" not in text  # capture-pane drops the escapes
+        assert "\x1b[2m[" in _pane(tmux, name, escapes=True)  # dimmed on a terminal
+        subprocess.run([*tmux, "send-keys", "-t", name, end], check=True)
+        text = _wait(tmux, name, lambda t: "EXIT=" in t, "exit")
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert lines[-2].startswith(f"saved {path}: 2 messages, "), text
+        assert lines[-1] == f"EXIT={130 if end == 'C-c' else 0}"
+        assert "Traceback" not in text and "error:" not in text
+        assert len(Memory.load(path, *load_model("tiny-llama"))) == 2
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal test")
+def test_in_a_terminal_ctrl_c_during_an_answer_keeps_the_memory_as_before(tmp_path):
+    path = tmp_path / "chat.kv"
+    tmux = ["tmux", "-L", f"kvedit-chat-{os.getpid()}", "-f", "/dev/null"]
+    name = "chat"
+    command = (
+        f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit chat --model tiny-llama "
+        f"--max-new-tokens 1000 --memory {path}; echo EXIT=$?; sleep 300"
+    )
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", name, "-x", "200", "-y", "50", command], check=True
+    )
+    try:
+        _wait(tmux, name, lambda t: t.rstrip().endswith(">"), "prompt")
+        subprocess.run([*tmux, "send-keys", "-t", name, "hello there", "Enter"], check=True)
+        _wait(tmux, name, lambda t: "> hello there" in t, "question")
+        time.sleep(1.0)  # decoding 1,000 tokens: still under way
+        subprocess.run([*tmux, "send-keys", "-t", name, "C-c"], check=True)
+        text = _wait(tmux, name, lambda t: "EXIT=" in t, "exit")
+        assert "[interrupted: the question and its partial answer were not kept]" in text, text
+        assert "tok reused" not in text
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert lines[-2] == f"memory {path} not written: no messages: 0 messages, 0 tok", text
+        assert lines[-1] == "EXIT=130"
+        assert "Traceback" not in text and not path.exists()
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
