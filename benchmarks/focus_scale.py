@@ -43,6 +43,11 @@ question as :data:`kvedit.DEFAULT_GUARD` would, from the two answers the row hol
 (``none``) where the guard's support rule (:func:`kvedit.focusing.guard.answer_support`, read on the
 row's ``none``, which is ``--max-new-tokens`` long where the guard reads 32 tokens) keeps
 it, edited otherwise. It writes ``results-guarded.json`` and ``results-guarded.md``.
+
+``--abstentions`` runs no model either: from ``--out``'s ``rows.jsonl`` it writes
+``abstentions.md``, each cell's abstentions on relevant questions and whether the scores (another
+passage scored above the gold) or the abstain rule (the gold scored highest, its robust z below
+the threshold) caused each.
 """
 
 from __future__ import annotations
@@ -307,6 +312,55 @@ def summarize(rows: list[dict]) -> dict:
     return {"cells": cells, "unrelated": {"by_size": unrel, "total": total}}
 
 
+def abstentions(rows: list[dict]) -> str:
+    """A markdown table of where focus abstained on a relevant question, per cell, and why:
+    ``scores`` when another passage scored above the gold (the gold may still be the only
+    passage the coverage rule leaves, and so the top-1 hit), ``rule`` when the gold scored
+    highest of all and its robust z still fell below the threshold; then each abstention's
+    scores. Reads the rows' ``gold_score``, ``gold_z``, ``rival_score`` and ``rival_z``."""
+    cells: dict[tuple[int, str], dict] = {}
+    listed = []
+    order = {"first": 0, "middle": 1, "last": 2}
+    for r in rows:
+        if r["position"] == "unrelated":
+            continue
+        c = cells.setdefault((r["n"], r["position"]), dict.fromkeys(
+            ("examples", "top", "abstained", "scores", "rule", "won", "lost"), 0
+        ))  # fmt: skip
+        top = r["gold_score"] > r["rival_score"]
+        c["examples"] += 1
+        c["top"] += top
+        c["won"] += r["auto_ok"] and not r["none_ok"]
+        c["lost"] += r["none_ok"] and not r["auto_ok"]
+        if not r["edited"]:
+            c["abstained"] += 1
+            c["rule" if top else "scores"] += 1
+            listed.append((r, "rule" if top else "scores"))
+    lines = [
+        "| passages / gold | examples | gold scored highest of all | abstained | "
+        "of which: gold outscored (scores) / gold highest, z too low (rule) | won / lost |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (n, pos), c in sorted(cells.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        lines.append(
+            f"| {n}/{pos} | {c['examples']} | {c['top'] / c['examples']:.2f} | {c['abstained']} "
+            f"| {c['scores']} / {c['rule']} | {c['won']} / {c['lost']} |"
+        )
+    lines += [
+        "",
+        "| passages / gold | seed | gold score (z) | best other passage: score (z) | why | "
+        "none right | oracle right |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, why in sorted(listed, key=lambda x: (x[0]["n"], order[x[0]["position"]], x[0]["seed"])):
+        lines.append(
+            f"| {r['n']}/{r['position']} | {r['seed']} | {r['gold_score']:.3f} ({r['gold_z']:.2f}) "
+            f"| #{r['rival']}: {r['rival_score']:.3f} ({r['rival_z']:.2f}) | {why} "
+            f"| {'yes' if r['none_ok'] else 'no'} | {'yes' if r['oracle_ok'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(summary: dict, command: str, wording: str = "secret") -> str:
     title = "" if wording == "secret" else f", the {wording} wording"
     lines = [
@@ -363,11 +417,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=str(RUNS / "focus-scale"), help="the results' folder")
     p.add_argument("--resume", action="store_true", help="keep --out's rows.jsonl, add the rest")
     p.add_argument("--replay-guard", action="store_true", help="see the module docstring")
+    p.add_argument(
+        "--abstentions",
+        action="store_true",
+        help="no model: write abstentions.md from --out's rows.jsonl (see abstentions())",
+    )
     args = p.parse_args(argv)
     command = command_line(__file__, argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "rows.jsonl"
+    if args.abstentions:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        text = f"Command: `{command}`\n\n" + abstentions(rows)
+        write_file(out / "abstentions.md", text)
+        print(text)
+        return 0
     if args.replay_guard:
         rows = guarded_rows([json.loads(x) for x in path.read_text().splitlines()])
         summary = summarize(rows)

@@ -112,3 +112,27 @@ def test_a_held_out_wording_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert "the moves wording" in (out / "results.md").read_text()
     with pytest.raises(InvalidInputError, match="another wording"):
         scale.main([*argv[:3], "doors", *argv[4:], "--resume"])
+
+
+def _row(position, edited, gold_score, rival_score, none_ok=False, auto_ok=False):
+    return dict(
+        n=20, seed=100, position=position, edited=edited, none_ok=none_ok, auto_ok=auto_ok,
+        oracle_ok=True, gold_score=gold_score, gold_z=1.0, rival=3, rival_score=rival_score,
+        rival_z=2.0,
+    )  # fmt: skip
+
+
+def test_abstentions_blame_the_scores_or_the_rule():
+    rows = [
+        _row("first", False, 0.05, 0.08),  # outscored: the scores
+        _row("first", False, 0.01, 0.08),
+        _row("first", False, 0.09, 0.04),  # highest, z too low: the rule
+        _row("first", True, 0.09, 0.04, auto_ok=True),  # edited and won
+        _row("last", True, 0.02, 0.04, none_ok=True),  # edited and lost
+        {"n": 20, "seed": 100, "position": "unrelated", "edited": False},
+    ]
+    table = scale.abstentions(rows)
+    assert "| 20/first | 4 | 0.50 | 3 | 2 / 1 | 1 / 0 |" in table
+    assert "| 20/last | 1 | 0.00 | 0 | 0 / 0 | 0 / 1 |" in table
+    assert "| 20/first | 100 | 0.050 (1.00) | #3: 0.080 (2.00) | scores | no | yes |" in table
+    assert "| 20/first | 100 | 0.090 (1.00) | #3: 0.040 (2.00) | rule | no | yes |" in table
