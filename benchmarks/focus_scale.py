@@ -1,22 +1,38 @@
 """Does focus scale to hundreds of passages, and does it stay out of unrelated questions?
 
-Synthetic records ("<First Last>'s secret number is <4 digits>.", one per line, after the
-records task's instruction) with 20, 50, 100 and 300 passages. Each context is captured once
-(the evaluation suite's prompt: ``context + "\\n\\nQuestion: " + question`` in the chat
-template, cut at the question) and asked about its first, middle and last record (the gold
-positions; the cells of one size share their contexts) and about general-knowledge questions
-no record answers (:data:`benchmarks.focus_abstain.UNRELATED`, rotated so that every question is asked).
+Synthetic records, one per line after the records task's instruction, with 20, 50, 100 and 300
+passages, in one of three wordings (``--wording``):
+
+- ``secret`` (the default, the wording focus was tuned on): "<First Last>'s secret number is
+  <4 digits>." (every name once);
+- ``doors`` (held out): "The access code for the <colour> <material> door is <4 digits>.",
+  each door a distinct pair from a grid of colours (at most 30) by materials (at most 10), so
+  each of the question's telling words is shared by several lines and only the gold holds both;
+- ``moves`` (held out): "In <year> <First Last> moved to <city>.", each person on several
+  lines (4, each a different year and city) and each year on many (about 10), every
+  (person, year) pair once.
+
+Each context is captured once (the evaluation suite's prompt: ``context + "\\n\\nQuestion: " +
+question`` in the chat template, cut at the question) and asked about its first, middle and
+last record (the gold positions; the cells of one size share their contexts) and about
+general-knowledge questions no record answers (:data:`benchmarks.focus_abstain.UNRELATED`,
+``--unrelated`` per context rotated over the whole run, or ``--unrelated-per-size`` spread over
+each size's contexts so that every size asks each of them).
 
 Per cell: the top-1 hit rate of focus's scores (the best-scored passage is the gold record),
-how often focus edits, and the accuracy (the answer's first number is the gold number) of
-``none`` (no edit), ``auto`` (:func:`kvedit.focus` with its defaults: it may abstain) and
-``oracle`` (focus's own adaptive edit, target 0.2 and at most 5 nats, on the gold record).
-Unrelated questions: how often focus edits, and how often its answer differs from ``none``'s.
+how often focus edits, and the accuracy (the answer's first number is the gold number; for
+``moves``, the first city of the wording's list it names is the gold city) of ``none`` (no
+edit), ``auto`` (:func:`kvedit.focus` with its defaults: it may abstain) and ``oracle`` (focus's
+own adaptive edit, target 0.2 and at most 5 nats, on the gold record). Unrelated questions: how
+often focus edits, and how often its answer differs from ``none``'s. Each row also keeps the
+gold's score and robust z and the best other passage's (``gold_z``, ``rival``...), to tell an
+abstention the threshold caused from one the scores caused.
 
 Usage::
 
     python -m benchmarks.focus_scale --n 5
     python -m benchmarks.focus_scale --sizes 20,50 --n 2 --unrelated 4 --out runs/scale
+    python -m benchmarks.focus_scale --wording doors --sizes 20 --n 2 --unrelated-per-size 4
 
 Writes ``rows.jsonl`` (one line per question, appended as it goes; ``--resume`` keeps it),
 ``results.json`` and ``results.md`` under ``--out`` (default ``runs/focus-scale``).
@@ -27,35 +43,128 @@ question as :data:`kvedit.DEFAULT_GUARD` would, from the two answers the row hol
 (``none``) where the guard's support rule (:func:`kvedit.focusing.guard.answer_support`, read on the
 row's ``none``, which is ``--max-new-tokens`` long where the guard reads 32 tokens) keeps
 it, edited otherwise. It writes ``results-guarded.json`` and ``results-guarded.md``.
+
+``--abstentions`` runs no model either: from ``--out``'s ``rows.jsonl`` it writes
+``abstentions.md``, each cell's abstentions on relevant questions and whether the scores (another
+passage scored above the gold) or the abstain rule (the gold scored highest, its robust z below
+the threshold) caused each.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 import kvedit
 from benchmarks.common import RUNS, add_model, command_line, parser, write_file, write_json
 from benchmarks.focus_abstain import UNRELATED
 from benchmarks.make_custom_records import FIRST, LAST
+from kvedit.errors import InvalidInputError
 from kvedit.focusing.choice import QUESTION_MARK, adaptive_strengths
 from kvedit.focusing.guard import answer_support, evidence_and_others
 from kvedit.focusing.readout import attention_share
+from kvedit.focusing.scoring import robust_z
 
 INSTRUCTION = "Read the records and answer the question."
+WORDINGS = ("secret", "doors", "moves")
+"""The record wordings: ``secret`` was tuned on, ``doors`` and ``moves`` are held out."""
+COLOURS = [
+    "red", "blue", "green", "yellow", "orange", "purple", "pink", "brown", "black", "white",
+    "grey", "teal", "navy", "maroon", "olive", "lime", "cyan", "magenta", "beige", "ivory",
+    "amber", "crimson", "indigo", "violet", "rust", "coral", "tan", "scarlet", "jade", "plum",
+]  # fmt: skip
+MATERIALS = ["oak", "maple", "pine", "steel", "iron", "glass", "brass", "walnut", "cedar", "copper"]
+CITIES = [
+    "Porto", "Lyon", "Oslo", "Vienna", "Prague", "Dublin", "Lisbon", "Madrid", "Berlin", "Munich",
+    "Zurich", "Geneva", "Milan", "Turin", "Naples", "Athens", "Krakow", "Warsaw", "Budapest",
+    "Helsinki", "Stockholm", "Copenhagen", "Hamburg", "Seville", "Valencia", "Bilbao", "Bordeaux",
+    "Marseille", "Nantes", "Antwerp", "Rotterdam", "Utrecht", "Bergen", "Tallinn", "Riga",
+    "Vilnius", "Sofia", "Zagreb", "Ljubljana", "Bratislava",
+]  # fmt: skip
+YEARS = list(range(1980, 2025))
+MOVES_PER_PERSON = 4
+"""``moves``: the lines (years, cities) of one person."""
+LINES_PER_YEAR = 10
+"""``moves``: about how many lines share a year (at least ``MOVES_PER_PERSON`` years)."""
 
 
-def context_of(n: int, seed: int) -> tuple[str, list[str], list[str], list[str]]:
-    """A context of ``n`` records: its text, the records, the names and the numbers."""
+def secret_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
+    """``n`` records "<name>'s secret number is <number>.", their questions and answers."""
     rng = random.Random(f"focus-scale-{n}-{seed}")
     names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], n)
     numbers = [str(x) for x in rng.sample(range(1000, 10000), n)]
     records = [f"{a}'s secret number is {b}." for a, b in zip(names, numbers, strict=True)]
-    return INSTRUCTION + "\n\n" + "\n".join(records), records, names, numbers
+    return records, [f"What is {a}'s secret number?" for a in names], numbers
+
+
+def door_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
+    """``n`` records "The access code for the <colour> <material> door is <code>.", their
+    questions and answers: the doors are a ``colours x materials`` grid (materials
+    ``min(10, ceil(sqrt(n)))``, colours ``ceil(n / materials)``) less a diagonal of
+    ``colours * materials - n`` cells, so every colour and every material is on at least
+    ``materials - 1`` and ``colours - 1`` lines, and each door is named once."""
+    if not 1 <= n <= len(COLOURS) * len(MATERIALS):
+        raise InvalidInputError(f"doors: 1 to {len(COLOURS) * len(MATERIALS)} records, not {n}")
+    rng = random.Random(f"focus-scale-doors-{n}-{seed}")
+    m = min(len(MATERIALS), math.ceil(math.sqrt(n)))
+    c = math.ceil(n / m)
+    colours, materials = rng.sample(COLOURS, c), rng.sample(MATERIALS, m)
+    drop = {(i, i) for i in range(c * m - n)}  # c * m - n < m and <= c: one cell per row/column
+    doors = [f"{a} {b}" for i, a in enumerate(colours) for j, b in enumerate(materials)]
+    doors = [d for k, d in enumerate(doors) if (k // m, k % m) not in drop]
+    rng.shuffle(doors)
+    codes = [str(x) for x in rng.sample(range(1000, 10000), n)]
+    records = [
+        f"The access code for the {d} door is {x}." for d, x in zip(doors, codes, strict=True)
+    ]
+    return records, [f"What is the access code for the {d} door?" for d in doors], codes
+
+
+def move_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
+    """``n`` records "In <year> <name> moved to <city>.", their questions and answers: ``n``
+    lines dealt as evenly as they go to ``ceil(n / MOVES_PER_PERSON)`` people (so each person
+    is on :data:`MOVES_PER_PERSON` lines, or one fewer), each line with its own year and city
+    among the person's; years ``max(MOVES_PER_PERSON, n // LINES_PER_YEAR)``, dealt in turn so
+    each is on about as many lines; every (person, year) pair once."""
+    k = MOVES_PER_PERSON
+    years = max(k, n // LINES_PER_YEAR)
+    if n < 1 or years > len(YEARS):
+        raise InvalidInputError(
+            f"moves: 1 to {(len(YEARS) + 1) * LINES_PER_YEAR - 1} records, not {n}"
+        )
+    rng = random.Random(f"focus-scale-moves-{n}-{seed}")
+    people = math.ceil(n / k)
+    names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], people)
+    labels = rng.sample(YEARS, years)
+    lines, t = [], 0
+    for i, name in enumerate(names):
+        cities = rng.sample(CITIES, k)
+        for j in range(n // people + (i < n % people)):  # at most k <= years: distinct years
+            lines.append((labels[t % years], name, cities[j]))
+            t += 1
+    rng.shuffle(lines)
+    records = [f"In {y} {name} moved to {city}." for y, name, city in lines]
+    questions = [f"Where did {name} move in {y}?" for y, name, _ in lines]
+    return records, questions, [city for _, _, city in lines]
+
+
+def context_of(
+    n: int, seed: int, wording: str = "secret"
+) -> tuple[str, list[str], list[str], list[str]]:
+    """A context of ``n`` records of ``wording`` (:data:`WORDINGS`): its text, the records, the
+    question that asks each record and each record's answer."""
+    makers = {"secret": secret_records, "doors": door_records, "moves": move_records}
+    if wording not in makers:
+        raise InvalidInputError(f"wording must be one of {', '.join(WORDINGS)}, not {wording!r}")
+    records, questions, answers = makers[wording](n, seed)
+    return INSTRUCTION + "\n\n" + "\n".join(records), records, questions, answers
 
 
 def first_number(text: str) -> str | None:
@@ -63,8 +172,49 @@ def first_number(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-def run_context(model, tok, n: int, seed: int, unrelated: list[str], max_new: int) -> list[dict]:
-    context, records, names, numbers = context_of(n, seed)
+CITY = re.compile(r"\b(" + "|".join(CITIES) + r")\b")
+
+
+def first_city(text: str) -> str | None:
+    """The first of :data:`CITIES` that ``text`` names (``None`` if none)."""
+    m = CITY.search(text)
+    return m.group(0) if m else None
+
+
+def answer_of(wording: str, text: str) -> str | None:
+    """What an answer says, read the way ``wording``'s gold is checked: its first number, or
+    for ``moves`` the first city of :data:`CITIES` it names."""
+    return first_city(text) if wording == "moves" else first_number(text)
+
+
+def score_fields(found, gold: int | None) -> dict:
+    """The scores behind focus's choice: the best other passage's (``rival``) score and robust
+    z among the candidates (non-echo passages), and with ``gold`` (a passage index) the gold's.
+    Without ``gold`` the rival is the best-scored passage."""
+    scores = torch.tensor(found.scores, dtype=torch.float64)
+    candidates = torch.ones(scores.numel(), dtype=torch.bool)
+    candidates[found.echoes] = False
+    z = robust_z(scores, candidates)
+    order = [int(i) for i in scores.argsort(descending=True) if candidates[i] and i != gold]
+    out = {"eligible": len(found.eligible)}
+    if order:
+        r = order[0]
+        out.update(rival=r, rival_score=float(scores[r]), rival_z=float(z[r]))
+    if gold is not None:
+        out.update(gold_score=float(scores[gold]), gold_z=float(z[gold]))
+    return out
+
+
+def run_context(
+    model,
+    tok,
+    n: int,
+    seed: int,
+    unrelated: list[str],
+    max_new: int,
+    wording: str = "secret",
+) -> list[dict]:
+    context, records, questions, answers = context_of(n, seed, wording)
     t0 = time.time()
     prefix, _ = kvedit.chat_prefix(tok, context + QUESTION_MARK + " x", QUESTION_MARK)
     state = kvedit.capture(model, tok, prefix)
@@ -73,12 +223,13 @@ def run_context(model, tok, n: int, seed: int, unrelated: list[str], max_new: in
     rows = []
     asks = [(p, pos) for p, pos in (("first", 0), ("middle", n // 2), ("last", n - 1))]
     for label, pos in [*asks, *[(q, None) for q in unrelated]]:
-        question = f"What is {names[pos]}'s secret number?" if pos is not None else label
+        question = questions[pos] if pos is not None else label
         _, cont = kvedit.chat_prefix(tok, context + QUESTION_MARK + " " + question, QUESTION_MARK)
         found = kvedit.focus(state, cont, query=question, region=region)
         plain = state.generate(cont, max_new)
         auto = found.generate(max_new) if found.chosen else plain
         row = {
+            "wording": wording,
             "n": n,
             "seed": seed,
             "question": question,
@@ -99,16 +250,20 @@ def run_context(model, tok, n: int, seed: int, unrelated: list[str], max_new: in
             )
             row.update(
                 gold=pos + 1,
-                answer=numbers[pos],
+                answer=answers[pos],
                 hit=found.best == pos + 1,
                 oracle=oracle_state.generate(cont, max_new),
+                **score_fields(found, pos + 1),
             )
             for m in ("none", "auto", "oracle"):
-                row[f"{m}_ok"] = first_number(row[m]) == numbers[pos]
+                row[f"{m}_ok"] = answer_of(wording, row[m]) == answers[pos]
         else:
             row["changed"] = auto != plain
+            row.update(score_fields(found, None))
         rows.append(row)
-    print(f"n={n} seed={seed}: {len(rows)} questions in {time.time() - t0:.0f}s", flush=True)
+    print(
+        f"{wording} n={n} seed={seed}: {len(rows)} questions in {time.time() - t0:.0f}s", flush=True
+    )
     return rows
 
 
@@ -120,7 +275,7 @@ def guarded_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         r = dict(r)
         if r["edited"]:
-            _, records, _, _ = context_of(r["n"], r["seed"])
+            _, records, _, _ = context_of(r["n"], r["seed"], r.get("wording", "secret"))
             passages = [INSTRUCTION, *records]  # focus's passages: the instruction, each record
             evidence, others = evidence_and_others(passages, r["chosen"])
             support = answer_support(r["none"], evidence, r["question"], others, guard.shared)
@@ -157,9 +312,59 @@ def summarize(rows: list[dict]) -> dict:
     return {"cells": cells, "unrelated": {"by_size": unrel, "total": total}}
 
 
-def markdown(summary: dict, command: str) -> str:
+def abstentions(rows: list[dict]) -> str:
+    """A markdown table of where focus abstained on a relevant question, per cell, and why:
+    ``scores`` when another passage scored above the gold (the gold may still be the only
+    passage the coverage rule leaves, and so the top-1 hit), ``rule`` when the gold scored
+    highest of all and its robust z still fell below the threshold; then each abstention's
+    scores. Reads the rows' ``gold_score``, ``gold_z``, ``rival_score`` and ``rival_z``."""
+    cells: dict[tuple[int, str], dict] = {}
+    listed = []
+    order = {"first": 0, "middle": 1, "last": 2}
+    for r in rows:
+        if r["position"] == "unrelated":
+            continue
+        c = cells.setdefault((r["n"], r["position"]), dict.fromkeys(
+            ("examples", "top", "abstained", "scores", "rule", "won", "lost"), 0
+        ))  # fmt: skip
+        top = r["gold_score"] > r["rival_score"]
+        c["examples"] += 1
+        c["top"] += top
+        c["won"] += r["auto_ok"] and not r["none_ok"]
+        c["lost"] += r["none_ok"] and not r["auto_ok"]
+        if not r["edited"]:
+            c["abstained"] += 1
+            c["rule" if top else "scores"] += 1
+            listed.append((r, "rule" if top else "scores"))
     lines = [
-        "# Focus at scale (SmolLM2-135M-Instruct)",
+        "| passages / gold | examples | gold scored highest of all | abstained | "
+        "of which: gold outscored (scores) / gold highest, z too low (rule) | won / lost |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (n, pos), c in sorted(cells.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        lines.append(
+            f"| {n}/{pos} | {c['examples']} | {c['top'] / c['examples']:.2f} | {c['abstained']} "
+            f"| {c['scores']} / {c['rule']} | {c['won']} / {c['lost']} |"
+        )
+    lines += [
+        "",
+        "| passages / gold | seed | gold score (z) | best other passage: score (z) | why | "
+        "none right | oracle right |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, why in sorted(listed, key=lambda x: (x[0]["n"], order[x[0]["position"]], x[0]["seed"])):
+        lines.append(
+            f"| {r['n']}/{r['position']} | {r['seed']} | {r['gold_score']:.3f} ({r['gold_z']:.2f}) "
+            f"| #{r['rival']}: {r['rival_score']:.3f} ({r['rival_z']:.2f}) | {why} "
+            f"| {'yes' if r['none_ok'] else 'no'} | {'yes' if r['oracle_ok'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def markdown(summary: dict, command: str, wording: str = "secret") -> str:
+    title = "" if wording == "secret" else f", the {wording} wording"
+    lines = [
+        f"# Focus at scale (SmolLM2-135M-Instruct{title})",
         "",
         f"Command: `{command}`",
         "",
@@ -185,29 +390,56 @@ def markdown(summary: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def spread_unrelated(per_size: int, contexts: int, i: int) -> list[str]:
+    """Context ``i``'s share (of ``contexts``) of ``per_size`` unrelated questions: the
+    questions ``i * per_size // contexts`` up to ``(i + 1) * per_size // contexts`` of
+    :data:`UNRELATED` (rotated), so the contexts of one size ask ``per_size`` in all."""
+    a, b = i * per_size // contexts, (i + 1) * per_size // contexts
+    return [UNRELATED[j % len(UNRELATED)] for j in range(a, b)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--sizes", default="20,50,100,300", help="passages per context")
     p.add_argument("--n", type=int, default=20, help="contexts (examples per cell) per size")
     p.add_argument("--unrelated", type=int, default=4, help="unrelated questions per context")
+    p.add_argument(
+        "--unrelated-per-size",
+        type=int,
+        default=None,
+        help="instead of --unrelated: this many unrelated questions per size, spread over its "
+        "--n contexts (48: each question once per size)",
+    )
+    p.add_argument("--wording", choices=WORDINGS, default="secret", help="the records' wording")
     p.add_argument("--seed", type=int, default=100, help="first context seed (not a tuning seed)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     add_model(p)
     p.add_argument("--out", default=str(RUNS / "focus-scale"), help="the results' folder")
     p.add_argument("--resume", action="store_true", help="keep --out's rows.jsonl, add the rest")
     p.add_argument("--replay-guard", action="store_true", help="see the module docstring")
+    p.add_argument(
+        "--abstentions",
+        action="store_true",
+        help="no model: write abstentions.md from --out's rows.jsonl (see abstentions())",
+    )
     args = p.parse_args(argv)
     command = command_line(__file__, argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "rows.jsonl"
+    if args.abstentions:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        text = f"Command: `{command}`\n\n" + abstentions(rows)
+        write_file(out / "abstentions.md", text)
+        print(text)
+        return 0
     if args.replay_guard:
         rows = guarded_rows([json.loads(x) for x in path.read_text().splitlines()])
         summary = summarize(rows)
         kept = sum(r.get("kept") is False for r in rows)
         payload = {"command": command, "unedited_kept": kept, **summary}
         write_json(out / "results-guarded.json", payload, indent=1)
-        text = markdown(summary, command)
+        text = markdown(summary, command, args.wording)
         text += f"\nThe guard kept the unedited answer on {kept} edited questions.\n"
         write_file(out / "results-guarded.md", text)
         print(text)
@@ -219,24 +451,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not args.resume:
         path.write_text("")
+    if any(r.get("wording", "secret") != args.wording for r in rows):
+        raise InvalidInputError(f"{path} holds rows of another wording than {args.wording!r}")
     done = {(r["n"], r["seed"]) for r in rows}
     model, tok = kvedit.load_model(args.model, device="cpu")
     k = 0
     for i in range(args.n):
         for n in [int(x) for x in args.sizes.split(",")]:
             seed = args.seed + i
-            unrelated = [UNRELATED[(k + j) % len(UNRELATED)] for j in range(args.unrelated)]
-            k += args.unrelated
+            if args.unrelated_per_size is None:
+                unrelated = [UNRELATED[(k + j) % len(UNRELATED)] for j in range(args.unrelated)]
+                k += args.unrelated
+            else:
+                unrelated = spread_unrelated(args.unrelated_per_size, args.n, i)
             if (n, seed) in done:
                 continue
-            new = run_context(model, tok, n, seed, unrelated, args.max_new_tokens)
+            new = run_context(model, tok, n, seed, unrelated, args.max_new_tokens, args.wording)
             with path.open("a") as f:
                 for r in new:
                     f.write(json.dumps(r) + "\n")
             rows += new
             summary = summarize(rows)
             write_json(out / "results.json", {"command": command, **summary}, indent=1)
-            write_file(out / "results.md", markdown(summary, command))
+            write_file(out / "results.md", markdown(summary, command, args.wording))
     return 0
 
 
