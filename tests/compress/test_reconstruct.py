@@ -135,3 +135,12 @@ def test_prompt_matters(llama):
     plain = _all(state, Reconstruct())
     other = _all(state, Reconstruct(prompt=" Once more:"))
     assert any(not torch.allclose(plain[i], other[i]) for i in plain)
+
+
+def test_dropped_entries_score_zero(llama):
+    """A head's entries dropped by an earlier selection get no attention, so score 0."""
+    small = select(_state(llama), "knorm", 0.5)
+    scores = _all(small, Reconstruct())
+    for i, layer in enumerate(small.layers):
+        live = live_entries(layer, layer.kv_shape[1])
+        assert (scores[i][~live] == 0).all() and (scores[i][live] > 0).all()
