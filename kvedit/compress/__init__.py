@@ -29,7 +29,17 @@ from .adakv import AdaKV, adaptive_budgets
 from .masking import DROPPED, live_entries, masked_union
 from .merging import merge_layers, merge_plan, minicache, slerp
 from .quantization import quantize
-from .scorers import H2O, SCORERS, TOVA, KNorm, Scorer, SnapKV, make_scorer, register_scorer
+from .scorers import (
+    H2O,
+    SCORERS,
+    TOVA,
+    KNorm,
+    Reconstruct,
+    Scorer,
+    SnapKV,
+    make_scorer,
+    register_scorer,
+)
 from .selection import keep_mask, protected_tokens, select, snapkv
 
 __all__ = [
@@ -39,6 +49,7 @@ __all__ = [
     "TOVA",
     "AdaKV",
     "KNorm",
+    "Reconstruct",
     "Scorer",
     "SnapKV",
     "adaptive_budgets",

@@ -1,11 +1,13 @@
 """The scorers, one module each, registered by name (:data:`SCORERS`).
 
-==========  ===========================================================================
-``snapkv``  pooled attention of an observation window or a query (:mod:`.snapkv`)
-``knorm``   minus the key's L2 norm (:mod:`.knorm`)
-``tova``    the last token's attention, averaged over heads (:mod:`.tova`)
-``h2o``     attention accumulated over the whole text, plus a recent window (:mod:`.h2o`)
-==========  ===========================================================================
+===============  ============================================================================
+``snapkv``       pooled attention of an observation window or a query (:mod:`.snapkv`)
+``knorm``        minus the key's L2 norm (:mod:`.knorm`)
+``tova``         the last token's attention, averaged over heads (:mod:`.tova`)
+``h2o``          attention accumulated over the whole text, plus a recent window (:mod:`.h2o`)
+``reconstruct``  the most attention an entry gets while the model repeats the text (KVzip,
+                 query-agnostic; :mod:`.reconstruct`)
+===============  ============================================================================
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from .base import SCORERS, Scorer, make_scorer, register_scorer
 from .h2o import H2O
 from .knorm import KNorm
+from .reconstruct import Reconstruct
 from .snapkv import SnapKV, pool_scores
 from .tova import TOVA
 
@@ -21,6 +24,7 @@ __all__ = [
     "SCORERS",
     "TOVA",
     "KNorm",
+    "Reconstruct",
     "Scorer",
     "SnapKV",
     "make_scorer",
