@@ -10,7 +10,7 @@
 ==========================  ==================================================================
 
 Selection: a scorer is one small class whose ``score`` gives ``[batch, kv_heads, n]`` scores per
-layer (:mod:`.scorers`: ``snapkv``, ``knorm``, ``tova``, ``h2o``, registered by name);
+layer (:mod:`.scorers`: ``snapkv``, ``knorm``, ``tova``, ``h2o``, ``reconstruct``, registered by name);
 :class:`AdaKV` wraps any scorer to share a layer's budget among its heads by score mass
 (:mod:`.adakv`). Kept entries are stored as a masked union (:mod:`.masking`); the attention
 read-outs that score them are in :mod:`.observe`::
