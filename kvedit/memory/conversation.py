@@ -190,7 +190,7 @@ class Memory:
     ) -> Rendering:
         """The rendering of ``messages``, refused unless the cache's ids (and text) are a
         prefix of it and it adds tokens."""
-        rendering = self.renderer.render(messages, generation_prompt)
+        rendering = self.renderer.render(messages, generation_prompt, after=self._rendering)
         self._check_prefix(self._rendering, rendering, what)
         return rendering
 
@@ -293,7 +293,7 @@ class Memory:
         self._check_count(2)
         asked = [*self._messages, message]
         q = self._render_after(asked, "question")
-        p = self.renderer.render(asked, generation_prompt=True)
+        p = self.renderer.render(asked, generation_prompt=True, after=q)
         self._check_prefix(q, p, "generation prompt")
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
         self._state.check_room(n_p - n, max_new_tokens, what="question")
@@ -318,7 +318,7 @@ class Memory:
         if not text:  # an empty answer is still a whole message
             text = decoded.text or " "
         answer = Message("assistant", text)
-        full = self.renderer.render([*asked, answer])
+        full = self.renderer.render([*asked, answer], after=q)
         self._check_prefix(p, full, "answer")
         done = commit(held, prompt, decoded, full, focused=focused)
         end = len(full.ids)

@@ -84,12 +84,14 @@ class Rendering:
             zero width, so spans never select them).
         contents: per message, the character range of its content in ``text`` (``None``
             where the template does not hold the content verbatim).
+        generation_prompt: whether it ends with the opening of an assistant answer.
     """
 
     ids: list[int]
     text: str
     offsets: torch.Tensor
     contents: list[tuple[int, int] | None]
+    generation_prompt: bool = False
 
 
 class Renderer:
@@ -102,10 +104,25 @@ class Renderer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> Rendering:
+    def render(
+        self,
+        messages: Sequence[Message],
+        generation_prompt: bool = False,
+        after: Rendering | None = None,
+    ) -> Rendering:
         """The ids of ``messages``; with ``generation_prompt``, followed by what opens an
-        assistant answer."""
+        assistant answer. ``after``: a rendering of the first messages (without a generation
+        prompt) the renderer may build on instead of tokenizing everything again; the result
+        is the same ids."""
         raise NotImplementedError
+
+
+def _usable(after: Rendering | None, messages: Sequence[Message]) -> bool:
+    return (
+        after is not None
+        and not after.generation_prompt
+        and 0 < len(after.contents) <= len(messages)
+    )
 
 
 def _zero_special(tokenizer, ids: Sequence[int], offsets: np.ndarray) -> torch.Tensor:
@@ -133,7 +150,16 @@ class ChatRenderer(Renderer):
             )
         super().__init__(tokenizer)
 
-    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> Rendering:
+    def render(
+        self,
+        messages: Sequence[Message],
+        generation_prompt: bool = False,
+        after: Rendering | None = None,
+    ) -> Rendering:
+        """The template's text, tokenized as a whole. With ``after`` whose text the new text
+        extends, only the text from ``after``'s last special token on is tokenized: a fast
+        tokenizer splits its added (special) tokens out before anything else and tokenizes the
+        text between them piece by piece, so the ids before that token cannot change."""
         if not messages and not generation_prompt:
             return Rendering([], "", torch.zeros(0, 2, dtype=torch.long), [])
         text = self.tokenizer.apply_chat_template(
@@ -141,19 +167,43 @@ class ChatRenderer(Renderer):
             tokenize=False,
             add_generation_prompt=generation_prompt,
         )
+        k = self._last_special(after) if _usable(after, messages) else None
+        if k is not None and text.startswith(after.text):
+            cut = int(after.offsets[k, 0])
+            tail, tail_offsets = self._tokenize(text[cut:])
+            if tail[:1] == after.ids[k : k + 1]:
+                ids = after.ids[:k] + tail
+                offsets = torch.cat([after.offsets[:k], tail_offsets + cut])
+                return Rendering(ids, text, offsets, _contents(text, messages), generation_prompt)
+        ids, offsets = self._tokenize(text)
+        return Rendering(ids, text, offsets, _contents(text, messages), generation_prompt)
+
+    def _tokenize(self, text: str) -> tuple[list[int], torch.Tensor]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        offsets = _zero_special(self.tokenizer, ids, enc["offset_mapping"])
-        contents: list[tuple[int, int] | None] = []
-        cursor = 0
-        for m in messages:
-            at = text.find(m.content, cursor) if m.content else -1
-            if at < 0:
-                contents.append(None)
-                continue
-            contents.append((at, at + len(m.content)))
-            cursor = at + len(m.content)
-        return Rendering(ids, text, offsets, contents)
+        return ids, _zero_special(self.tokenizer, ids, enc["offset_mapping"])
+
+    def _last_special(self, after: Rendering) -> int | None:
+        """The index of ``after``'s last special token (None without one)."""
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        for k in range(len(after.ids) - 1, -1, -1):
+            if after.ids[k] in special:
+                return k
+        return None
+
+
+def _contents(text: str, messages: Sequence[Message]) -> list[tuple[int, int] | None]:
+    """Each message's content range in ``text``, found in order (None where not verbatim)."""
+    contents: list[tuple[int, int] | None] = []
+    cursor = 0
+    for m in messages:
+        at = text.find(m.content, cursor) if m.content else -1
+        if at < 0:
+            contents.append(None)
+            continue
+        contents.append((at, at + len(m.content)))
+        cursor = at + len(m.content)
+    return contents
 
 
 class PlainRenderer(Renderer):
@@ -173,11 +223,22 @@ class PlainRenderer(Renderer):
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), np.asarray(enc["offset_mapping"], dtype=np.int64)
 
-    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> Rendering:
-        ids = list(self._bos)
-        text = self._bos_text
-        offsets = [np.zeros((len(ids), 2), dtype=np.int64)]
-        contents: list[tuple[int, int] | None] = []
+    def render(
+        self,
+        messages: Sequence[Message],
+        generation_prompt: bool = False,
+        after: Rendering | None = None,
+    ) -> Rendering:
+        """The parts' ids, concatenated; with ``after``, its ids and those of the messages
+        after it (the same ids: each part is tokenized on its own)."""
+        if _usable(after, messages):
+            ids, text = list(after.ids), after.text
+            offsets, contents = [after.offsets.numpy()], list(after.contents)
+            new = messages[len(after.contents) :]
+        else:
+            ids, text = list(self._bos), self._bos_text
+            offsets, contents = [np.zeros((len(ids), 2), dtype=np.int64)], []
+            new = messages
 
         def put(part: str) -> None:
             nonlocal text
@@ -186,16 +247,15 @@ class PlainRenderer(Renderer):
             offsets.append(part_offsets.reshape(-1, 2) + len(text))
             text += part
 
-        for m in messages:
+        for m in new:
             put(f"{LABELS[m.role]}:")
             contents.append((len(text) + 1, len(text) + 1 + len(m.content)))
             put(" " + m.content)
             put("\n\n")
         if generation_prompt:
             put(f"{LABELS['assistant']}:")
-        return Rendering(
-            ids, text, _zero_special(self.tokenizer, ids, np.concatenate(offsets)), contents
-        )
+        offsets_all = _zero_special(self.tokenizer, ids, np.concatenate(offsets))
+        return Rendering(ids, text, offsets_all, contents, generation_prompt)
 
 
 RENDERERS: dict[str, Callable[[object], Renderer]] = {

@@ -312,3 +312,20 @@ def test_focus_is_a_view_for_one_answer(smollm2):
     assert torch.allclose(mem.state.last_logits, plain.state.last_logits, atol=1e-4)
     assert mem.turns[-2].recomputed == mem.turns[-2].n_tokens
     assert_exact(mem)
+
+
+@pytest.mark.parametrize("prompt", ["chat", "plain"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rendering_after_a_prefix_equals_rendering_it_all(arch, prompt, request):
+    """What a memory renders each turn (building on what it holds) is the full rendering."""
+    _, tok = request.getfixturevalue(arch)
+    renderer = kvedit.Memory(*request.getfixturevalue(arch), prompt=prompt).renderer
+    messages = [Message(role, content) for role, content in CHAT * 2]
+    held = renderer.render(messages[:1])
+    for i in range(2, len(messages) + 1):
+        for gen in (False, True):
+            step = renderer.render(messages[:i], gen, after=held)
+            full = renderer.render(messages[:i], gen)
+            assert step.ids == full.ids and step.text == full.text
+            assert torch.equal(step.offsets, full.offsets) and step.contents == full.contents
+        held = renderer.render(messages[:i], after=held)
