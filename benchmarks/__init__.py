@@ -11,6 +11,8 @@ Speed and memory:
 * ``packed_memory``: peak memory of ``generate`` from quantized and merged states.
 * ``compression_memory``: bytes a compressed cache holds on the lost-in-the-middle prompts.
 * ``focus_cost``: seconds of focus (scoring, edit, guarded answer) next to ``none``.
+* ``memory_speed``: time to first token per turn of a ``kvedit.Memory`` against re-reading the
+  transcript and a bare extend; tokens run per message, peak RSS, bytes.
 * ``attention``: kvedit's Triton attention kernel against torch and flash-attn (GPU).
 * ``gpu_e2e``: steered generation of 8B- and 4B-shaped models against unsteered (GPU).
 * ``gpu_seam_check``: the attention seam on CUDA: unsteered bit-identical, exact continuation.
@@ -23,6 +25,7 @@ Accuracy:
 * ``focus_scale``: focus at 20 to 300 passages, and on questions no passage answers.
 * ``focus_abstain``: attention shares of relevant and unrelated questions, per abstain threshold.
 * ``focus_no_harm``: #28's no-harm, hit-rate and ceiling table from eval runs (no model).
+* ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
 * ``litm_engines``: one lost-in-the-middle run answered by kvedit and by vLLM (vLLM venv).
 
 Tools:
