@@ -9,7 +9,7 @@ does not depend on any question: one compressed state serves every later query.
 
 Implemented here as a re-read that leaves the state untouched: the prompt and the
 reconstruction are run on a working copy of the layers at positions after the state's
-(:attr:`~kvedit.states.KVState.next_position` on), ``chunk`` tokens at a time, each chunk on top
+(:attr:`~kvedit.KVState.next_position` on), ``chunk`` tokens at a time, each chunk on top
 of the cache, the prompt and the chunks before it, so the scores do not depend on ``chunk``
 (only memory does: ``[batch, heads, chunk, n + prompt + reconstructed]`` attention per layer,
 reduced to its maximum over the chunk's queries at once). When the positions left after the
