@@ -23,6 +23,7 @@ Usage: ``python -m benchmarks.memory_speed --model smollm2-135m-instruct --token
 from __future__ import annotations
 
 import random
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -184,12 +185,12 @@ def measure_point(memory: Memory, model, question: str, repeats: int, reread_rep
         "tokens": n,
         "question_tokens": len(p.ids) - n,
         "messages": len(messages),
-        "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "seconds": {k: statistics.median(v) if v else math.nan for k, v in times.items()},
         "all_seconds": times,
         "peak_rss_kb": peaks,
         "reread_same_ids": same_ids,
         "extend_token": results["extend"],
-        "reread_token": results["reread"],
+        "reread_token": results.get("reread"),  # None with --reread-repeats 0
         "nbytes": memory.nbytes,
     }
 
@@ -369,7 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--points", type=int, default=8, help="turns timed, spread evenly (8)")
     p.add_argument("--repeats", type=int, default=3, help="timings per way per point (3)")
     p.add_argument(
-        "--reread-repeats", type=int, default=None, help="timings of the re-read (--repeats)"
+        "--reread-repeats",
+        type=int,
+        default=None,
+        help="timings of the re-read (--repeats; 0: no re-read, for the memory / extend ratio)",
     )
     p.add_argument("--question", default=QUESTION)
     p.add_argument("--seed", type=int, default=0, help="the conversation's seed (0)")

@@ -34,7 +34,7 @@ def test_the_budget_is_never_exceeded_and_protected_tokens_stay(arch, policy, re
         model, tok, system="You are terse.", max_tokens=120, forget=policy, protect="4821"
     )
     system = mem.turns[0]
-    for i in range(6):
+    for _ in range(6):
         for role, content in CHAT:
             mem.add(role, content)
             assert global_entries(mem.state) <= 120
