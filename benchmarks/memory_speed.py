@@ -22,8 +22,8 @@ Usage: ``python -m benchmarks.memory_speed --model smollm2-135m-instruct --token
 
 from __future__ import annotations
 
-import random
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
