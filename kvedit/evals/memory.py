@@ -50,24 +50,39 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvedit.atomic import atomic_write
-from kvedit.errors import InvalidInputError, KVEditError
+from kvedit.errors import InvalidInputError
 from kvedit.evals.jsonl import read_json, read_records
-from kvedit.evals.methods.params import check_count, check_fraction, from_text, to_dict
+from kvedit.evals.memory_report import (
+    format_memory_table,
+    plot_memory,
+    reread_summary,
+    summarize_memory,
+)
+from kvedit.evals.memory_specs import (
+    DEFAULT_RECENT,
+    MEMORY_METHODS,
+    MEMORY_RESULTS,
+    TASKS,
+    MemoryMethod,
+    MemoryParams,
+    build_conversations,
+    full_entries,
+    parse_budgets,
+    parse_memory_spec,
+)
+from kvedit.evals.methods.params import to_dict
 from kvedit.evals.methods.registry import split_specs
-from kvedit.evals.metrics import best_subspan_em, bootstrap_ci
+from kvedit.evals.metrics import best_subspan_em
 from kvedit.evals.report import PLOT_HINT, plotting_available
-from kvedit.evals.tasks.memory_facts import facts_examples
-from kvedit.evals.tasks.memory_nq import nq_shared_examples
-from kvedit.evals.tasks.memory_schema import BUCKETS, Conversation
+from kvedit.evals.tasks.memory_schema import Conversation
 
 __all__ = [
     "MEMORY_METHODS",
     "MEMORY_RESULTS",
+    "REREAD_TURNS",
     "TASKS",
     "MemoryMethod",
     "MemoryParams",
@@ -77,144 +92,14 @@ __all__ = [
     "full_entries",
     "parse_budgets",
     "parse_memory_spec",
-    "resumed_records",
     "plot_memory",
+    "resumed_records",
     "run_conversation",
     "summarize_memory",
 ]
 
-TASKS = ("facts", "nq-shared")
-MEMORY_METHODS = (
-    "reuse",
-    "window",
-    "knorm",
-    "tova",
-    "snapkv",
-    "h2o",
-    "reconstruct",
-    "snapkv-first",
-)
-"""The methods by name (module docstring)."""
-MEMORY_RESULTS = ("results.json", "partial.jsonl")
-"""The files of an earlier run that ``--out`` must not hold (unless --overwrite/--resume)."""
-DEFAULT_RECENT = {"facts": 2, "nq-shared": 1}
 REREAD_TURNS = 3
 """The turns re-reading the transcript is timed on."""
-
-
-@dataclass(frozen=True)
-class MemoryParams:
-    """A memory method's parameters (module docstring)."""
-
-    budget: float | None = None
-    recent: int | None = None
-    quantize: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.budget is not None:
-            check_fraction("budget", self.budget, open_low=True)
-        if self.recent is not None:
-            check_count("recent", self.recent)
-        if self.quantize is not None:
-            raise InvalidInputError(
-                f"quantize={self.quantize}: quantize is not built yet (kvedit.Memory has no "
-                "quantize option); leave it out"
-            )
-
-
-@dataclass(frozen=True)
-class MemoryMethod:
-    """A parsed spec: ``name``, its ``params`` and the ``spec`` text (the key in results)."""
-
-    name: str
-    params: MemoryParams
-    spec: str
-
-    def budgets(self, budgets: Sequence[float]) -> list[float]:
-        """The budgets this method runs at: ``reuse`` at 1.0, a ``budget=`` at that one."""
-        if self.name == "reuse":
-            return [1.0]
-        if self.params.budget is not None:
-            return [float(self.params.budget)]
-        return [float(b) for b in budgets]
-
-
-def parse_memory_spec(spec: str) -> MemoryMethod:
-    """``"name:key=value:..."`` -> a :class:`MemoryMethod` (names: :data:`MEMORY_METHODS`).
-
-    Raises:
-        InvalidInputError: an unknown method or parameter, a bad value, ``quantize``, a
-            ``reuse`` with a budget below 1, or a policy whose scorer is not registered.
-    """
-    from kvedit.compress.scorers import SCORERS
-
-    name, *parts = spec.strip().split(":")
-    if name not in MEMORY_METHODS:
-        raise InvalidInputError(
-            f"unknown memory method {name!r}; known: {', '.join(MEMORY_METHODS)}"
-        )
-    texts = {}
-    for part in parts:
-        if "=" not in part:
-            raise InvalidInputError(f"bad method spec {spec!r}: expected key=value after ':'")
-        key, value = part.split("=", 1)
-        texts[key.strip()] = value.strip()
-    params = from_text(MemoryParams, texts, name)
-    if name == "reuse" and params.budget is not None and params.budget != 1:
-        raise InvalidInputError(
-            f"method {spec!r}: reuse forgets nothing, so its budget is 1; name a policy "
-            f"(window, knorm, ...) for budget {params.budget}"
-        )
-    if name not in ("reuse", "window", "snapkv-first") and name not in SCORERS:
-        raise InvalidInputError(
-            f"method {name!r}: the forgetting policy {name!r} needs the compression scorer "
-            f"{name!r}, which is not registered in this kvedit (registered: "
-            f"{', '.join(sorted(SCORERS))}); it is not built yet"
-        )
-    return MemoryMethod(name, params, spec.strip())
-
-
-def parse_budgets(text: str) -> list[float]:
-    """``--budgets``: comma-separated fractions in (0, 1], e.g. ``1.0,0.5,0.25,0.1``."""
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    if not items:
-        raise InvalidInputError(f"--budgets {text!r}: give fractions such as 1.0,0.5,0.25")
-    out = []
-    for item in items:
-        try:
-            value = float(item)
-        except ValueError:
-            raise InvalidInputError(f"--budgets: {item!r} is not a number") from None
-        if not math.isfinite(value) or not 0 < value <= 1:
-            raise InvalidInputError(
-                f"--budgets: {item} is not in (0, 1] (a fraction of the conversation's entries)"
-            )
-        if value in out:
-            raise InvalidInputError(f"--budgets: {item} is given twice")
-        out.append(value)
-    return out
-
-
-def build_conversations(
-    task: str, n_examples: int, seed: int, size: int | None = None
-) -> list[Conversation]:
-    """The task's conversations. ``size``: messages after the system message (``facts``,
-    default 60) or documents (``nq-shared``, default 18)."""
-    if task == "facts":
-        return facts_examples(n_examples, seed, **({} if size is None else {"n_messages": size}))
-    if task == "nq-shared":
-        return nq_shared_examples(n_examples, seed, **({} if size is None else {"n_docs": size}))
-    raise InvalidInputError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-
-
-def full_entries(memory_renderer, conversation: Conversation) -> int:
-    """The global-layer entries a memory that forgets nothing holds when the first question
-    is asked: the tokens of the conversation's rendering."""
-    from kvedit.memory.rendering import Message
-
-    messages = [Message(role, content) for role, content in conversation.messages]
-    return len(memory_renderer.render(messages).ids)
-
 
 # ---------------------------------------------------------------------------------- running
 
@@ -354,127 +239,6 @@ def run_conversation(
     return records
 
 
-# ---------------------------------------------------------------------------------- summary
-
-
-def summarize_memory(records: Sequence[dict]) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{method: {budget: {"mean", "ci95", "n", "by_bucket", "seconds", "rounds",
-    "forget_seconds", "max_entries"}}}``: accuracy over the questions, and by bucket (the
-    buckets measured); ``seconds`` the mean per answer, ``rounds`` and ``forget_seconds`` the
-    mean per conversation (kept rounds), ``max_entries`` the mean budget in entries (None at
-    1.0). Budgets are keys as text (``"0.5"``), in descending order.
-
-    Raises:
-        InvalidInputError: a ``(method, budget, id)`` given twice.
-    """
-    groups: dict[str, dict[float, list[dict]]] = {}
-    seen = set()
-    for r in records:
-        key = (r["method"], float(r["budget"]), r["id"])
-        if key in seen:
-            raise InvalidInputError(
-                f"duplicate record for method {key[0]!r}, budget {key[1]}, id {key[2]!r}"
-            )
-        seen.add(key)
-        groups.setdefault(r["method"], {}).setdefault(float(r["budget"]), []).append(r)
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for method, by_budget in groups.items():
-        out[method] = {}
-        for budget in sorted(by_budget, reverse=True):
-            rs = by_budget[budget]
-            values = [float(r["correct"]) for r in rs]
-            low, high = bootstrap_ci(values, n_resamples=1000, seed=0)
-            per_conv = {r["example"]: r for r in rs}  # the last question's record of each
-            entries = [r["max_entries"] for r in rs if r.get("max_entries") is not None]
-            out[method][f"{budget:g}"] = {
-                "mean": math.fsum(values) / len(values),
-                "ci95": [low, high],
-                "n": len(values),
-                "by_bucket": {
-                    b: math.fsum(float(r["correct"]) for r in rs if r["bucket"] == b)
-                    / sum(r["bucket"] == b for r in rs)
-                    for b in BUCKETS
-                    if any(r["bucket"] == b for r in rs)
-                },
-                "seconds": math.fsum(r["seconds"] for r in rs) / len(rs),
-                "rounds": math.fsum(r["rounds"] for r in per_conv.values()) / len(per_conv),
-                "forget_seconds": math.fsum(r["forget_seconds"] for r in per_conv.values())
-                / len(per_conv),
-                "max_entries": math.fsum(entries) / len(entries) if entries else None,
-            }
-    return out
-
-
-def format_memory_table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """The summary as a plain-text table: a row per method and budget, the accuracy by bucket,
-    the mean with its 95% CI, ``n``, seconds per answer and forgetting rounds per
-    conversation."""
-    header = ["method", "budget", *BUCKETS, "mean", "95% CI", "n", "s/answer", "rounds"]
-    rows = [header]
-    for method, by_budget in summary.items():
-        for budget, s in by_budget.items():
-            low, high = s["ci95"]
-            rows.append(
-                [
-                    method,
-                    budget,
-                    *(f"{s['by_bucket'][b]:.3f}" if b in s["by_bucket"] else "-" for b in BUCKETS),
-                    f"{s['mean']:.3f}",
-                    f"[{low:.3f}, {high:.3f}]",
-                    str(s["n"]),
-                    f"{s['seconds']:.3f}",
-                    f"{s['rounds']:.1f}",
-                ]
-            )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:]))
-        return "  ".join([cells[0].ljust(widths[0]), *rest]).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(r) for r in rows[1:])])
-
-
-def plot_memory(summary: dict, path: str | Path, title: str | None = None) -> Path:
-    """Accuracy against budget, one line per method (``reuse`` as a dashed level), saved as a
-    PNG atomically.
-
-    Raises:
-        KVEditError: Matplotlib is not installed.
-    """
-    import io
-
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise KVEditError(f"plotting needs Matplotlib ({e}); {PLOT_HINT}") from e
-    fig = Figure(figsize=(7.0, 4.0))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    budgets = sorted({float(b) for s in summary.values() for b in s})
-    for method, by_budget in summary.items():
-        points = sorted((float(b), s["mean"]) for b, s in by_budget.items())
-        if len(points) == 1 and method == "reuse":
-            ax.plot(budgets, [points[0][1]] * len(budgets), "--", color="gray", label=method)
-        else:
-            ax.plot([b for b, _ in points], [a for _, a in points], marker="o", label=method)
-    ax.set_xscale("log")
-    ax.set_xticks(budgets)
-    ax.set_xticklabels([f"{b:g}" for b in budgets])
-    ax.set_xlabel("Budget (fraction of the conversation's global-layer entries)")
-    ax.set_ylabel("Accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
-    if title:
-        ax.set_title(title)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-    return atomic_write(Path(path), buffer.getvalue())
-
-
 # ---------------------------------------------------------------------------------- the run
 
 
@@ -513,6 +277,42 @@ def _pairs(
     methods: Sequence[MemoryMethod], budgets: Sequence[float]
 ) -> list[tuple[MemoryMethod, float]]:
     return [(m, b) for m in methods for b in m.budgets(budgets)]
+
+
+def _records(
+    model,
+    tokenizer,
+    conv: Conversation,
+    method: MemoryMethod,
+    budget: float,
+    shared: dict[str, list[dict]],
+    task: str,
+    max_new_tokens: int,
+    reread: list[dict] | None,
+) -> list[dict]:
+    """The records of ``method`` at ``budget`` on ``conv``; at budget 1 a method other than
+    ``reuse`` is ``reuse`` (computed once per conversation, kept in ``shared``, and labelled
+    ``"as": "reuse"``). ``reread`` is passed to the ``reuse`` run (:func:`run_conversation`)."""
+    if budget >= 1 and method.name != "reuse":
+        if "reuse" not in shared:
+            reuse = parse_memory_spec("reuse")
+            shared["reuse"] = run_conversation(
+                model, tokenizer, conv, reuse, 1.0, task=task, max_new_tokens=max_new_tokens
+            )
+        return [{**r, "method": method.spec, "as": "reuse"} for r in shared["reuse"]]
+    new = run_conversation(
+        model,
+        tokenizer,
+        conv,
+        method,
+        budget,
+        task=task,
+        max_new_tokens=max_new_tokens,
+        reread=reread if method.name == "reuse" else None,
+    )
+    if method.name == "reuse":
+        shared["reuse"] = new
+    return new
 
 
 def evaluate(
@@ -568,36 +368,14 @@ def evaluate(
     reread: list[dict] = []
     t0 = time.perf_counter()
     for i, conv in enumerate(conversations):
-        reuse_records: list[dict] | None = None
+        shared: dict[str, list[dict]] = {}  # the conversation's reuse records, once made
         for method, budget in _pairs(parsed, budgets):
             if (conv.id, method.spec, budget) in have:
                 continue
-            if budget >= 1 and method.name != "reuse":
-                if reuse_records is None:
-                    reuse_records = run_conversation(
-                        model,
-                        tokenizer,
-                        conv,
-                        parse_memory_spec("reuse"),
-                        1.0,
-                        task=task,
-                        max_new_tokens=max_new_tokens,
-                    )
-                new = [{**r, "method": method.spec, "as": "reuse"} for r in reuse_records]
-            else:
-                timed = reread if (i == 0 and method.name == "reuse") else None
-                new = run_conversation(
-                    model,
-                    tokenizer,
-                    conv,
-                    method,
-                    budget,
-                    task=task,
-                    max_new_tokens=max_new_tokens,
-                    reread=timed,
-                )
-                if method.name == "reuse":
-                    reuse_records = new
+            timed = reread if i == 0 else None
+            new = _records(
+                model, tokenizer, conv, method, budget, shared, task, max_new_tokens, timed
+            )
             with open(partial, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             records += new
@@ -613,7 +391,7 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
         "params": {m.spec: to_dict(m.params) for m in parsed},
-        "reread": _reread_summary(reread),
+        "reread": reread_summary(reread),
         "kvedit": {"version": __version__, "source": settings["source"]},
     }
     payload = {
@@ -632,20 +410,6 @@ def evaluate(
     partial.unlink()
     settings_path.unlink(missing_ok=True)
     return summary
-
-
-def _reread_summary(turns: list[dict]) -> dict | None:
-    """Re-reading the transcript each turn, timed (None when ``reuse`` did not run)."""
-    if not turns:
-        return None
-    return {
-        "turns": len(turns),
-        "seconds_per_turn": round(math.fsum(t["seconds"] for t in turns) / len(turns), 4),
-        "reuse_seconds_per_turn": round(
-            math.fsum(t["reuse_seconds"] for t in turns) / len(turns), 4
-        ),
-        "same_answers": sum(t["same_answer"] for t in turns),
-    }
 
 
 def main(args) -> int:
