@@ -37,6 +37,15 @@ def test_facts_are_deterministic_balanced_and_each_stated_once():
         assert len({p.question for p in conv.probes}) == len(conv.probes)
 
 
+def test_facts_draw_values_again_until_each_is_stated_once(monkeypatch):
+    from kvedit.evals.tasks import memory_facts
+
+    _, subjects = memory_facts.KINDS["code"]
+    monkeypatch.setattr(memory_facts, "KINDS", {"code": (lambda rng: "1234", subjects)})
+    with pytest.raises(InvalidInputError, match="could not draw 3 distinct"):
+        facts_examples(1, n_messages=40, n_facts=3)
+
+
 def test_facts_refuse_bad_sizes():
     for kwargs in ({"n_messages": 38}, {"n_messages": 41}, {"n_messages": 202}, {"n_facts": 4}):
         with pytest.raises(InvalidInputError):

@@ -239,7 +239,7 @@ def _conversation(
         text = f" {normalize_answer(' '.join(c for _, c in messages))} "
         if all(text.count(f" {normalize_answer(v)} ") == 1 for v in values):
             break
-    else:  # pragma: no cover - 100 draws of a few values among thousands never all collide
+    else:
         raise InvalidInputError(f"could not draw {n_facts} distinct fact values")
     order = list(range(n_facts))
     rng.shuffle(order)
