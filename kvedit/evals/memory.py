@@ -35,8 +35,10 @@ conversation (``extra.reread``).
 
 Records (one per question, method and budget): ``id``, ``example``, ``digest``, ``method``,
 ``budget``, ``bucket``, ``question``, ``answers``, ``prediction``, ``correct``, ``seconds`` (the
-answer, with any forgetting it makes), ``max_entries`` (the budget in entries, None without),
-``entries`` (what the memory held when the question was asked), ``full_entries``, ``rounds``
+answer, with any forgetting it makes), ``max_entries`` (the budget in entries, None at 1.0; for
+``snapkv-first`` the entries each KV head keeps), ``entries`` (the global-layer entries the
+memory held when the question was asked; for ``snapkv-first`` the union of the entries any head
+keeps, :mod:`kvedit.compress.selection`, so above ``max_entries`` when heads disagree), ``full_entries``, ``rounds``
 and ``forget_seconds`` (the forgetting rounds the memory kept so far, and their seconds) and
 ``build_seconds`` (adding the messages, rounds included). A question asked with
 ``remember=False`` may forget to make room for itself; that round is not kept (the memory is
@@ -207,7 +209,7 @@ def run_conversation(
             "prediction": prediction,
             "correct": best_subspan_em(prediction, probe.answers),
             "seconds": round(seconds, 4),
-            "max_entries": None if memory.budget is None else memory.budget.max_entries,
+            "max_entries": max_tokens,
             "entries": entries,
             "full_entries": full,
             "rounds": len(rounds),
