@@ -15,6 +15,7 @@ from .app import run_app
 from .arguments import port, positive
 from .chat import chat_parser
 from .litm import litm_parser, run_demo
+from .memory import memory_parser
 from .serving import publish_parser, serve_parser
 from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluations")
     ev_sub = ev.add_subparsers(dest="suite", required=True)
     litm_parser(ev_sub)
+    memory_parser(ev_sub)
     from ..evals.project import add_parser as _project_parser
 
     _project_parser(ev_sub)

@@ -1,0 +1,91 @@
+"""``kvedit eval memory``: the memory suite (:mod:`kvedit.evals.memory`) from the command line.
+
+Every argument is checked before the model loads (method specs, budgets, the task's sizes,
+``--out``); an ``--out`` holding results is refused unless ``--resume`` or ``--overwrite``; one
+run per ``--out`` at a time; a refusal writes nothing and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .arguments import positive
+from .litm import overwrite_arg
+
+_EPILOG = """\
+methods (--methods, comma-separated specs name[:key=value...]):
+  reuse         the memory keeps everything (run at budget 1.0 only)
+  window, knorm, tova, snapkv, h2o, reconstruct
+                kvedit.Memory(max_tokens=budget x entries, forget=NAME) from the first message
+  snapkv-first  everything kept, compressed once by SnapKV with the first question as query,
+                then reused for every question
+  parameters: budget=F (this budget only), recent=N (messages never forgotten; default 2 for
+  facts, 1 for nq-shared), quantize=B (refused: not built yet)
+budgets (--budgets): fractions in (0, 1] of the conversation's global-layer entries when the
+first question is asked; at 1.0 every method is reuse (computed once).
+"""
+
+
+def memory_parser(sub) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="what a forgetting kvedit.Memory still answers, by the age of what is asked",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", default="facts", choices=["facts", "nq-shared"])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--methods", default="reuse,window,knorm,tova,snapkv")
+    p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")
+    p.add_argument("--n-examples", type=positive("--n-examples"), default=10)
+    p.add_argument(
+        "--size",
+        type=positive("--size"),
+        default=None,
+        help="facts: messages after the system message (even, 40-200; default 60); nq-shared: "
+        "documents (default 18)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/memory")
+    overwrite_arg(p)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the conversations done in DIR/partial.jsonl, compute the rest (a last line "
+        "cut by a kill is dropped with a warning)",
+    )
+    p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=16)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_run_memory)
+
+
+def check_memory(args) -> None:
+    """Refuse, before any model is loaded and before anything is written, a bad spec, budget,
+    task size, or an ``--out`` holding an earlier run's results."""
+    from ..errors import InvalidInputError
+    from ..evals.memory import (
+        MEMORY_RESULTS,
+        build_conversations,
+        parse_budgets,
+        parse_memory_spec,
+    )
+    from ..evals.methods.registry import split_specs
+    from ..evals.report import check_out
+
+    check_out(args.out, MEMORY_RESULTS, overwrite=args.overwrite, resume=args.resume)
+    specs = split_specs(args.methods)
+    if not specs:
+        raise InvalidInputError(f"--methods {args.methods!r} names no method")
+    for spec in specs:
+        parse_memory_spec(spec)
+    parse_budgets(args.budgets)
+    build_conversations(args.task, args.n_examples, args.seed, args.size)
+
+
+def _run_memory(args) -> int:
+    from ..evals.memory import main
+    from ..evals.report import hold_out
+
+    check_memory(args)
+    with hold_out(args.out):  # one run per --out at a time
+        return main(args)

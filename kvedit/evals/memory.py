@@ -1,0 +1,436 @@
+"""The memory suite (``kvedit eval memory``): what a :class:`kvedit.Memory` that forgets under a
+budget still answers, by the age of what is asked.
+
+Tasks (:data:`TASKS`): ``facts`` (:mod:`kvedit.evals.tasks.memory_facts`: facts stated across
+a long chat, each asked with ``remember=False``) and ``nq-shared``
+(:mod:`kvedit.evals.tasks.memory_nq`: NQ passages as tool messages, SCBench's multi-request
+mode, the questions asked one after another and kept). Each question has a bucket, the third of
+the conversation its answer sits in (``early``, ``middle``, ``late``).
+
+Methods are specs in the ``name:key=value`` grammar (:func:`parse_memory_spec`):
+
+================  ==============================================================================
+``reuse``         the memory keeps everything (budget 1.0 only)
+``window``        ``Memory(forget="window")``: the newest entries kept (with sinks, system
+                  message, the last ``recent`` messages)
+``knorm``         ``Memory(forget="knorm")``, and likewise ``tova``, ``snapkv``, ``h2o`` and
+``reconstruct``   ``reconstruct`` (refused while its scorer is not registered)
+``snapkv-first``  the whole conversation kept, compressed once with
+                  ``kvedit.compress.select(state, SnapKV(query=first question), budget)`` when the
+                  first question is asked, that state then reused for every question
+================  ==============================================================================
+
+Parameters: ``budget`` (in (0, 1]: the method runs at that budget only; without it, at every
+``--budgets`` value), ``recent`` (the memory's ``recent``; default 2 for ``facts``, 1 for
+``nq-shared`` so that one document message fits the smallest budgets) and ``quantize``
+(refused: :class:`kvedit.Memory` has no quantize option yet).
+
+The budget is a fraction of the conversation's global-layer entries when the first question is
+asked (:func:`full_entries`, the rendering's tokens): the memory is made with
+``max_tokens = round(budget * entries)`` from its first message, so it forgets as the
+conversation grows. At budget 1.0 every method is ``reuse`` (nothing is forgotten): it is
+computed once and its records say ``"as": "reuse"``. Re-reading the whole transcript at every
+turn answers exactly as ``reuse``; it is only timed, on the first few turns of the first
+conversation (``extra.reread``).
+
+Records (one per question, method and budget): ``id``, ``example``, ``digest``, ``method``,
+``budget``, ``bucket``, ``question``, ``answers``, ``prediction``, ``correct``, ``seconds`` (the
+answer, with any forgetting it makes), ``max_entries`` (the budget in entries, None at 1.0; for
+``snapkv-first`` the entries each KV head keeps), ``entries`` (the global-layer entries the
+memory held when the question was asked; for ``snapkv-first`` the union of the entries any head
+keeps, :mod:`kvedit.compress.selection`, so above ``max_entries`` when heads disagree), ``full_entries``, ``rounds``
+and ``forget_seconds`` (the forgetting rounds the memory kept so far, and their seconds) and
+``build_seconds`` (adding the messages, rounds included). A question asked with
+``remember=False`` may forget to make room for itself; that round is not kept (the memory is
+left as it was), so its cost is in ``seconds`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvedit.atomic import atomic_write
+from kvedit.errors import InvalidInputError
+from kvedit.evals.jsonl import read_json, read_records
+from kvedit.evals.memory_report import (
+    format_memory_table,
+    plot_memory,
+    reread_summary,
+    summarize_memory,
+)
+from kvedit.evals.memory_specs import (
+    DEFAULT_RECENT,
+    MEMORY_METHODS,
+    MEMORY_RESULTS,
+    TASKS,
+    MemoryMethod,
+    MemoryParams,
+    build_conversations,
+    full_entries,
+    parse_budgets,
+    parse_memory_spec,
+)
+from kvedit.evals.methods.params import to_dict
+from kvedit.evals.methods.registry import split_specs
+from kvedit.evals.metrics import best_subspan_em
+from kvedit.evals.report import PLOT_HINT, plotting_available
+from kvedit.evals.tasks.memory_schema import Conversation
+
+__all__ = [
+    "MEMORY_METHODS",
+    "MEMORY_RESULTS",
+    "REREAD_TURNS",
+    "TASKS",
+    "MemoryMethod",
+    "MemoryParams",
+    "build_conversations",
+    "evaluate",
+    "format_memory_table",
+    "full_entries",
+    "parse_budgets",
+    "parse_memory_spec",
+    "plot_memory",
+    "resumed_records",
+    "run_conversation",
+    "summarize_memory",
+]
+
+REREAD_TURNS = 3
+"""The turns re-reading the transcript is timed on."""
+
+# ---------------------------------------------------------------------------------- running
+
+
+def _renderer(tokenizer):
+    """The renderer a :class:`kvedit.Memory` of ``tokenizer`` uses by default."""
+    from kvedit.memory.rendering import renderer_for
+
+    return renderer_for("chat" if getattr(tokenizer, "chat_template", None) else "plain", tokenizer)
+
+
+def _memory(model, tokenizer, method: MemoryMethod, max_tokens: int | None, recent: int):
+    from kvedit.memory.conversation import Memory
+
+    if method.name in ("reuse", "snapkv-first") or max_tokens is None:
+        return Memory(model, tokenizer)
+    return Memory(model, tokenizer, max_tokens=max_tokens, forget=method.name, recent=recent)
+
+
+def _snapkv_first_answers(memory, conversation: Conversation, budget: float, max_new_tokens: int):
+    """Yield ``(answer, seconds, entries)`` per question: the memory's state compressed once
+    by SnapKV with the first question as query, then reused (questions and answers appended to
+    that state when the conversation keeps them)."""
+    from kvedit.compress import SnapKV, select
+    from kvedit.memory.answering import decode
+    from kvedit.memory.forgetting import global_entries
+    from kvedit.memory.rendering import Message
+    from kvedit.states.capturing import extend_ids
+
+    state = memory.state
+    messages = list(memory.messages)
+    renderer = memory.renderer
+    for k, probe in enumerate(conversation.probes):
+        t0 = time.perf_counter()
+        if k == 0 and budget < 1:
+            state = select(state, SnapKV(query=probe.question), budget)
+        entries = global_entries(state)
+        asked = [*messages, Message("user", probe.question)]
+        p = renderer.render(asked, generation_prompt=True)
+        n = len(state)
+        prompt = extend_ids(state, p.ids[n:], p.offsets[n:], p.text)
+        text = decode(prompt, max_new_tokens, renderer.stops).text.strip()
+        if conversation.remember:
+            messages = [*asked, Message("assistant", text or " ")]
+            full = renderer.render(messages)
+            state = extend_ids(state, full.ids[n:], full.offsets[n:], full.text)
+        yield text, time.perf_counter() - t0, entries
+
+
+def _reread(memory, question: str, max_new_tokens: int) -> tuple[str, float]:
+    """The answer to ``question`` from a capture of the whole transcript made now, and its
+    seconds (re-reading the transcript every turn)."""
+    from kvedit.memory.answering import decode
+    from kvedit.memory.rendering import Message
+    from kvedit.states.capturing import empty_state, extend_ids
+
+    t0 = time.perf_counter()
+    asked = [*memory.messages, Message("user", question)]
+    p = memory.renderer.render(asked, generation_prompt=True)
+    state = extend_ids(empty_state(memory.model, memory.tokenizer), p.ids, p.offsets, p.text)
+    text = decode(state, max_new_tokens, memory.renderer.stops).text.strip()
+    return text, time.perf_counter() - t0
+
+
+def run_conversation(
+    model,
+    tokenizer,
+    conversation: Conversation,
+    method: MemoryMethod,
+    budget: float,
+    *,
+    task: str,
+    max_new_tokens: int = 16,
+    reread: list[dict] | None = None,
+) -> list[dict]:
+    """One method at one budget on one conversation: a record per question (module
+    docstring). With ``reread`` (a list), the first :data:`REREAD_TURNS` questions are also
+    answered by re-reading the transcript, timed, each appended to it as
+    ``{"seconds", "reuse_seconds", "same_answer"}``."""
+    from kvedit.memory.forgetting import global_entries
+
+    recent = method.params.recent if method.params.recent is not None else DEFAULT_RECENT[task]
+    full = full_entries(_renderer(tokenizer), conversation)
+    max_tokens = None if budget >= 1 else max(1, round(budget * full))
+    memory = _memory(model, tokenizer, method, max_tokens, recent)
+    t0 = time.perf_counter()
+    for role, content in conversation.messages:
+        memory.add(role, content)
+    build = time.perf_counter() - t0
+    digest = conversation.digest()
+
+    def record(k: int, prediction: str, seconds: float, entries: int) -> dict:
+        probe = conversation.probes[k]
+        rounds = memory.forgetting
+        return {
+            "id": f"{conversation.id}-q{k}",
+            "example": conversation.id,
+            "digest": digest,
+            "method": method.spec,
+            "budget": budget,
+            "bucket": probe.bucket,
+            "where": probe.where,
+            "question": probe.question,
+            "answers": list(probe.answers),
+            "prediction": prediction,
+            "correct": best_subspan_em(prediction, probe.answers),
+            "seconds": round(seconds, 4),
+            "max_entries": max_tokens,
+            "entries": entries,
+            "full_entries": full,
+            "rounds": len(rounds),
+            "forget_seconds": round(math.fsum(r.seconds for r in rounds), 4),
+            "build_seconds": round(build, 4),
+        }
+
+    records = []
+    if method.name == "snapkv-first":
+        answers = _snapkv_first_answers(memory, conversation, budget, max_new_tokens)
+        for k, (text, seconds, entries) in enumerate(answers):
+            records.append(record(k, text, seconds, entries))
+        return records
+    for k, probe in enumerate(conversation.probes):
+        timed = reread is not None and k < REREAD_TURNS
+        again = _reread(memory, probe.question, max_new_tokens) if timed else None
+        entries = global_entries(memory.state)
+        t = time.perf_counter()
+        text = memory.ask(probe.question, max_new_tokens, remember=conversation.remember)
+        records.append(record(k, text, time.perf_counter() - t, entries))
+        if again is not None:
+            reread.append(
+                {
+                    "seconds": round(again[1], 4),
+                    "reuse_seconds": records[-1]["seconds"],
+                    "same_answer": again[0] == text,
+                }
+            )
+    return records
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def resumed_records(out: Path, settings: dict, conversations: Sequence[Conversation]) -> list[dict]:
+    """The records ``--resume`` keeps from ``out/partial.jsonl``: those of the same settings
+    (``partial.settings.json``) and of a conversation with the same digest."""
+    partial = out / "partial.jsonl"
+    if not partial.exists():
+        return []
+    settings_path = out / "partial.settings.json"
+    if not settings_path.exists():
+        raise InvalidInputError(
+            f"--resume: {partial} has no {settings_path.name}, so the run it came from cannot "
+            "be checked; delete it or run without --resume"
+        )
+    theirs = read_json(settings_path, "--resume")
+    differ = [
+        f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v
+    ]
+    if differ:
+        raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
+    digests = {c.id: c.digest() for c in conversations}
+    sizes = {c.id: len(c.probes) for c in conversations}
+    kept = [
+        r
+        for r in read_records(partial, "--resume")
+        if digests.get(r.get("example")) == r.get("digest")
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for r in kept:  # a conversation's records are kept whole or not at all
+        groups.setdefault((r["example"], r["method"], float(r["budget"])), []).append(r)
+    return [r for key, rs in groups.items() if len(rs) == sizes[key[0]] for r in rs]
+
+
+def _pairs(
+    methods: Sequence[MemoryMethod], budgets: Sequence[float]
+) -> list[tuple[MemoryMethod, float]]:
+    return [(m, b) for m in methods for b in m.budgets(budgets)]
+
+
+def _records(
+    model,
+    tokenizer,
+    conv: Conversation,
+    method: MemoryMethod,
+    budget: float,
+    shared: dict[str, list[dict]],
+    task: str,
+    max_new_tokens: int,
+    reread: list[dict] | None,
+) -> list[dict]:
+    """The records of ``method`` at ``budget`` on ``conv``; at budget 1 a method other than
+    ``reuse`` is ``reuse`` (computed once per conversation, kept in ``shared``, and labelled
+    ``"as": "reuse"``). ``reread`` is passed to the ``reuse`` run (:func:`run_conversation`)."""
+    if budget >= 1 and method.name != "reuse":
+        if "reuse" not in shared:
+            reuse = parse_memory_spec("reuse")
+            shared["reuse"] = run_conversation(
+                model, tokenizer, conv, reuse, 1.0, task=task, max_new_tokens=max_new_tokens
+            )
+        return [{**r, "method": method.spec, "as": "reuse"} for r in shared["reuse"]]
+    new = run_conversation(
+        model,
+        tokenizer,
+        conv,
+        method,
+        budget,
+        task=task,
+        max_new_tokens=max_new_tokens,
+        reread=reread if method.name == "reuse" else None,
+    )
+    if method.name == "reuse":
+        shared["reuse"] = new
+    return new
+
+
+def evaluate(
+    model_name: str,
+    task: str,
+    methods: Sequence[str],
+    budgets: Sequence[float],
+    out: str | Path,
+    *,
+    n_examples: int = 10,
+    seed: int = 0,
+    size: int | None = None,
+    max_new_tokens: int = 16,
+    resume: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the suite and write ``out/results.json`` and ``out/curve.png`` (skipped with a
+    note without Matplotlib); return the summary (:func:`summarize_memory`).
+
+    Records are appended to ``out/partial.jsonl`` as each conversation is done (its settings in
+    ``partial.settings.json``); ``resume`` keeps those of an interrupted run with the same
+    settings and computes the rest. Arguments are checked before the model loads.
+    """
+    from kvedit.models import load_model
+    from kvedit.version import __version__, source_digest
+
+    parsed = [parse_memory_spec(s) for s in methods]
+    if not parsed:
+        raise InvalidInputError("--methods names no method")
+    if len({m.spec for m in parsed}) != len(parsed):
+        raise InvalidInputError("--methods names a method twice")
+    budgets = parse_budgets(",".join(str(b) for b in budgets))
+    conversations = build_conversations(task, n_examples, seed, size)
+    settings = {
+        "model": model_name,
+        "task": task,
+        "seed": seed,
+        "n_examples": n_examples,
+        "size": size,
+        "max_new_tokens": max_new_tokens,
+        "source": source_digest(),
+    }
+    out = Path(out)
+    done = resumed_records(out, settings, conversations) if resume else []
+    model, tokenizer = load_model(model_name)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "partial.jsonl"
+    settings_path = out / "partial.settings.json"
+    atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
+    atomic_write(partial, "".join(json.dumps(r) + "\n" for r in done))
+    have = {(r["example"], r["method"], float(r["budget"])) for r in done}
+    records = list(done)
+    reread: list[dict] = []
+    t0 = time.perf_counter()
+    for i, conv in enumerate(conversations):
+        shared: dict[str, list[dict]] = {}  # the conversation's reuse records, once made
+        for method, budget in _pairs(parsed, budgets):
+            if (conv.id, method.spec, budget) in have:
+                continue
+            timed = reread if i == 0 else None
+            new = _records(
+                model, tokenizer, conv, method, budget, shared, task, max_new_tokens, timed
+            )
+            with open(partial, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in new)
+            records += new
+            if progress is not None:
+                acc = sum(r["correct"] for r in new) / len(new)
+                progress(f"{conv.id} {method.spec} @{budget:g}: {acc:.2f}")
+    summary = summarize_memory(records)
+    extra = {
+        "seed": seed,
+        "n_examples": n_examples,
+        "size": size,
+        "budgets": budgets,
+        "max_new_tokens": max_new_tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "params": {m.spec: to_dict(m.params) for m in parsed},
+        "reread": reread_summary(reread),
+        "kvedit": {"version": __version__, "source": settings["source"]},
+    }
+    payload = {
+        "model": model_name,
+        "task": task,
+        "methods": summary,
+        "examples": records,
+        "extra": extra,
+    }
+    atomic_write(out / "results.json", json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+    if plotting_available():
+        plot_memory(summary, out / "curve.png", f"{model_name}: memory {task}")
+    else:
+        (out / "curve.png").unlink(missing_ok=True)
+        print(f"note: {out / 'curve.png'} not drawn: {PLOT_HINT}", file=sys.stderr)
+    partial.unlink()
+    settings_path.unlink(missing_ok=True)
+    return summary
+
+
+def main(args) -> int:
+    """``kvedit eval memory`` after its checks (:mod:`kvedit.cli.memory`)."""
+    summary = evaluate(
+        model_name=args.model,
+        task=args.task,
+        methods=split_specs(args.methods),
+        budgets=parse_budgets(args.budgets),
+        out=args.out,
+        n_examples=args.n_examples,
+        seed=args.seed,
+        size=args.size,
+        max_new_tokens=args.max_new_tokens,
+        resume=args.resume,
+        progress=None if args.no_progress else (lambda line: print(line, file=sys.stderr)),
+    )
+    print(format_memory_table(summary))
+    print(f"results: {Path(args.out) / 'results.json'}")
+    if plotting_available():
+        print(f"plot:    {Path(args.out) / 'curve.png'}")
+    return 0

@@ -1,0 +1,148 @@
+"""The summary, table and plot of the memory suite (:mod:`kvedit.evals.memory`): accuracy by
+method x budget x bucket."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvedit.atomic import atomic_write
+from kvedit.errors import InvalidInputError, KVEditError
+from kvedit.evals.metrics import bootstrap_ci
+from kvedit.evals.report import PLOT_HINT
+from kvedit.evals.tasks.memory_schema import BUCKETS
+
+__all__ = ["format_memory_table", "plot_memory", "reread_summary", "summarize_memory"]
+
+
+def summarize_memory(records: Sequence[dict]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{method: {budget: {"mean", "ci95", "n", "by_bucket", "seconds", "rounds",
+    "forget_seconds", "max_entries"}}}``: accuracy over the questions, and by bucket (the
+    buckets measured); ``seconds`` the mean per answer, ``rounds`` and ``forget_seconds`` the
+    mean per conversation (kept rounds), ``max_entries`` the mean budget in entries (None at
+    1.0). Budgets are keys as text (``"0.5"``), in descending order.
+
+    Raises:
+        InvalidInputError: a ``(method, budget, id)`` given twice.
+    """
+    groups: dict[str, dict[float, list[dict]]] = {}
+    seen = set()
+    for r in records:
+        key = (r["method"], float(r["budget"]), r["id"])
+        if key in seen:
+            raise InvalidInputError(
+                f"duplicate record for method {key[0]!r}, budget {key[1]}, id {key[2]!r}"
+            )
+        seen.add(key)
+        groups.setdefault(r["method"], {}).setdefault(float(r["budget"]), []).append(r)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for method, by_budget in groups.items():
+        out[method] = {}
+        for budget in sorted(by_budget, reverse=True):
+            rs = by_budget[budget]
+            values = [float(r["correct"]) for r in rs]
+            low, high = bootstrap_ci(values, n_resamples=1000, seed=0)
+            per_conv = {r["example"]: r for r in rs}  # the last question's record of each
+            entries = [r["max_entries"] for r in rs if r.get("max_entries") is not None]
+            out[method][f"{budget:g}"] = {
+                "mean": math.fsum(values) / len(values),
+                "ci95": [low, high],
+                "n": len(values),
+                "by_bucket": {
+                    b: math.fsum(float(r["correct"]) for r in rs if r["bucket"] == b)
+                    / sum(r["bucket"] == b for r in rs)
+                    for b in BUCKETS
+                    if any(r["bucket"] == b for r in rs)
+                },
+                "seconds": math.fsum(r["seconds"] for r in rs) / len(rs),
+                "rounds": math.fsum(r["rounds"] for r in per_conv.values()) / len(per_conv),
+                "forget_seconds": math.fsum(r["forget_seconds"] for r in per_conv.values())
+                / len(per_conv),
+                "max_entries": math.fsum(entries) / len(entries) if entries else None,
+            }
+    return out
+
+
+def format_memory_table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The summary as a plain-text table: a row per method and budget, the accuracy by bucket,
+    the mean with its 95% CI, ``n``, seconds per answer and forgetting rounds per
+    conversation."""
+    header = ["method", "budget", *BUCKETS, "mean", "95% CI", "n", "s/answer", "rounds"]
+    rows = [header]
+    for method, by_budget in summary.items():
+        for budget, s in by_budget.items():
+            low, high = s["ci95"]
+            rows.append(
+                [
+                    method,
+                    budget,
+                    *(f"{s['by_bucket'][b]:.3f}" if b in s["by_bucket"] else "-" for b in BUCKETS),
+                    f"{s['mean']:.3f}",
+                    f"[{low:.3f}, {high:.3f}]",
+                    str(s["n"]),
+                    f"{s['seconds']:.3f}",
+                    f"{s['rounds']:.1f}",
+                ]
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:]))
+        return "  ".join([cells[0].ljust(widths[0]), *rest]).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows[1:])])
+
+
+def plot_memory(summary: dict, path: str | Path, title: str | None = None) -> Path:
+    """Accuracy against budget, one line per method (``reuse`` as a dashed level), saved as a
+    PNG atomically.
+
+    Raises:
+        KVEditError: Matplotlib is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise KVEditError(f"plotting needs Matplotlib ({e}); {PLOT_HINT}") from e
+    fig = Figure(figsize=(7.0, 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    budgets = sorted({float(b) for s in summary.values() for b in s})
+    for method, by_budget in summary.items():
+        points = sorted((float(b), s["mean"]) for b, s in by_budget.items())
+        if len(points) == 1 and method == "reuse":
+            ax.plot(budgets, [points[0][1]] * len(budgets), "--", color="gray", label=method)
+        else:
+            ax.plot([b for b, _ in points], [a for _, a in points], marker="o", label=method)
+    ax.set_xscale("log")
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([f"{b:g}" for b in budgets])
+    ax.set_xlabel("Budget (fraction of the conversation's global-layer entries)")
+    ax.set_ylabel("Accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    if title:
+        ax.set_title(title)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    return atomic_write(Path(path), buffer.getvalue())
+
+
+def reread_summary(turns: list[dict]) -> dict | None:
+    """Re-reading the transcript each turn, timed (None when ``reuse`` did not run)."""
+    if not turns:
+        return None
+    return {
+        "turns": len(turns),
+        "seconds_per_turn": round(math.fsum(t["seconds"] for t in turns) / len(turns), 4),
+        "reuse_seconds_per_turn": round(
+            math.fsum(t["reuse_seconds"] for t in turns) / len(turns), 4
+        ),
+        "same_answers": sum(t["same_answer"] for t in turns),
+    }

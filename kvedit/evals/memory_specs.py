@@ -1,0 +1,157 @@
+"""The methods, budgets and tasks of the memory suite (:mod:`kvedit.evals.memory`): specs in
+the ``name:key=value`` grammar parsed and checked before any model loads."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvedit.errors import InvalidInputError
+from kvedit.evals.methods.params import check_count, check_fraction, from_text
+from kvedit.evals.tasks.memory_facts import facts_examples
+from kvedit.evals.tasks.memory_nq import nq_shared_examples
+from kvedit.evals.tasks.memory_schema import Conversation
+
+__all__ = [
+    "DEFAULT_RECENT",
+    "MEMORY_METHODS",
+    "MEMORY_RESULTS",
+    "TASKS",
+    "MemoryMethod",
+    "MemoryParams",
+    "build_conversations",
+    "full_entries",
+    "parse_budgets",
+    "parse_memory_spec",
+]
+
+TASKS = ("facts", "nq-shared")
+MEMORY_METHODS = (
+    "reuse",
+    "window",
+    "knorm",
+    "tova",
+    "snapkv",
+    "h2o",
+    "reconstruct",
+    "snapkv-first",
+)
+"""The methods by name (module docstring)."""
+MEMORY_RESULTS = ("results.json", "partial.jsonl")
+"""The files of an earlier run that ``--out`` must not hold (unless --overwrite/--resume)."""
+DEFAULT_RECENT = {"facts": 2, "nq-shared": 1}
+
+
+@dataclass(frozen=True)
+class MemoryParams:
+    """A memory method's parameters (module docstring)."""
+
+    budget: float | None = None
+    recent: int | None = None
+    quantize: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            check_fraction("budget", self.budget, open_low=True)
+        if self.recent is not None:
+            check_count("recent", self.recent)
+        if self.quantize is not None:
+            raise InvalidInputError(
+                f"quantize={self.quantize}: quantize is not built yet (kvedit.Memory has no "
+                "quantize option); leave it out"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryMethod:
+    """A parsed spec: ``name``, its ``params`` and the ``spec`` text (the key in results)."""
+
+    name: str
+    params: MemoryParams
+    spec: str
+
+    def budgets(self, budgets: Sequence[float]) -> list[float]:
+        """The budgets this method runs at: ``reuse`` at 1.0, a ``budget=`` at that one."""
+        if self.name == "reuse":
+            return [1.0]
+        if self.params.budget is not None:
+            return [float(self.params.budget)]
+        return [float(b) for b in budgets]
+
+
+def parse_memory_spec(spec: str) -> MemoryMethod:
+    """``"name:key=value:..."`` -> a :class:`MemoryMethod` (names: :data:`MEMORY_METHODS`).
+
+    Raises:
+        InvalidInputError: an unknown method or parameter, a bad value, ``quantize``, a
+            ``reuse`` with a budget below 1, or a policy whose scorer is not registered.
+    """
+    from kvedit.compress.scorers import SCORERS
+
+    name, *parts = spec.strip().split(":")
+    if name not in MEMORY_METHODS:
+        raise InvalidInputError(
+            f"unknown memory method {name!r}; known: {', '.join(MEMORY_METHODS)}"
+        )
+    texts = {}
+    for part in parts:
+        if "=" not in part:
+            raise InvalidInputError(f"bad method spec {spec!r}: expected key=value after ':'")
+        key, value = part.split("=", 1)
+        texts[key.strip()] = value.strip()
+    params = from_text(MemoryParams, texts, name)
+    if name == "reuse" and params.budget is not None and params.budget != 1:
+        raise InvalidInputError(
+            f"method {spec!r}: reuse forgets nothing, so its budget is 1; name a policy "
+            f"(window, knorm, ...) for budget {params.budget}"
+        )
+    if name not in ("reuse", "window", "snapkv-first") and name not in SCORERS:
+        raise InvalidInputError(
+            f"method {name!r}: the forgetting policy {name!r} needs the compression scorer "
+            f"{name!r}, which is not registered in this kvedit (registered: "
+            f"{', '.join(sorted(SCORERS))}); it is not built yet"
+        )
+    return MemoryMethod(name, params, spec.strip())
+
+
+def parse_budgets(text: str) -> list[float]:
+    """``--budgets``: comma-separated fractions in (0, 1], e.g. ``1.0,0.5,0.25,0.1``."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise InvalidInputError(f"--budgets {text!r}: give fractions such as 1.0,0.5,0.25")
+    out = []
+    for item in items:
+        try:
+            value = float(item)
+        except ValueError:
+            raise InvalidInputError(f"--budgets: {item!r} is not a number") from None
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise InvalidInputError(
+                f"--budgets: {item} is not in (0, 1] (a fraction of the conversation's entries)"
+            )
+        if value in out:
+            raise InvalidInputError(f"--budgets: {item} is given twice")
+        out.append(value)
+    return out
+
+
+def build_conversations(
+    task: str, n_examples: int, seed: int, size: int | None = None
+) -> list[Conversation]:
+    """The task's conversations. ``size``: messages after the system message (``facts``,
+    default 60) or documents (``nq-shared``, default 18)."""
+    if task == "facts":
+        return facts_examples(n_examples, seed, **({} if size is None else {"n_messages": size}))
+    if task == "nq-shared":
+        return nq_shared_examples(n_examples, seed, **({} if size is None else {"n_docs": size}))
+    raise InvalidInputError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+
+
+def full_entries(memory_renderer, conversation: Conversation) -> int:
+    """The global-layer entries a memory that forgets nothing holds when the first question
+    is asked: the tokens of the conversation's rendering."""
+    from kvedit.memory.rendering import Message
+
+    messages = [Message(role, content) for role, content in conversation.messages]
+    return len(memory_renderer.render(messages).ids)
