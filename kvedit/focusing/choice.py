@@ -35,6 +35,7 @@ from ..prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ..states.capturing import capture
 from ..states.decoding import Answer
 from ..states.state import KVState
+from .edits import check_edit, checked_edit
 from .guard import (
     SUPPORT_THRESHOLD,
     AgreementVerdict,
@@ -386,7 +387,7 @@ def focus(
     ``unedited``) and, where the edit answers, the edited answer (one question pass and its
     decode steps).
     """
-    _check_edit(edit)
+    check_edit(edit)
     guard = check_guard(guard)
     found = choose(
         state,
@@ -414,46 +415,8 @@ def focus(
     if edit is None:
         edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
     else:
-        edited = _edited(edit, state, spans)
+        edited = checked_edit(edit, state, spans)
     return guarded(found, edited, guard)
-
-
-def _check_edit(edit: object) -> None:
-    """Refuse an ``edit`` that is not a function callable as ``edit(state, spans)``."""
-    if edit is None:
-        return
-    refusal = checks.call_refusal(edit, 2) if callable(edit) else "not callable"
-    if refusal is not None:
-        raise InvalidTypeError(
-            f"edit must be a function (state, spans) -> state, not {checks.describe(edit)}: "
-            f"{refusal}"
-        )
-
-
-def _edited(edit: Callable, state: KVState, spans: list[Range]) -> KVState:
-    """``edit(state, spans)``, refused unless it is a state of the same model, tokenizer and
-    token ids as ``state``, and ``state`` was not written in place."""
-    edited = edit(state, spans)
-    name = getattr(edit, "__name__", repr(edit))
-    if not isinstance(edited, KVState):
-        raise InvalidTypeError(f"edit {name!r} returned {type(edited).__name__}, not a KVState")
-    state.check_unaltered(f"focus with edit {name!r}")
-    differs = [
-        what
-        for what, same in (
-            ("model fingerprint", edited.model_fingerprint == state.model_fingerprint),
-            ("tokenizer fingerprint", edited.tokenizer_fingerprint == state.tokenizer_fingerprint),
-            ("token ids", torch.equal(edited.token_ids.cpu(), state.token_ids.cpu())),
-        )
-        if not same
-    ]
-    if differs:
-        raise InvalidInputError(
-            f"edit {name!r} returned a state that is not an edit of the one focused: it "
-            f"differs in its {' and '.join(differs)} (an edit keeps the model, tokenizer and "
-            "tokens)"
-        )
-    return edited
 
 
 def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
