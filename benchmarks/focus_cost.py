@@ -1,13 +1,26 @@
-"""What focus costs per example, next to answering without it.
+"""What focus costs per example, next to answering without it: without and with the reuse of the
+scoring pass, side by side in one process.
 
-For each example: the capture of the documents (shared by every method), ``none`` (answer
-from the captured state), and ``auto`` split into its parts: scoring (two question-length
-passes: the question and its content-free calibration), the edit (one recompute of the last
-token; none when focus abstains) and the answer: with an edit, the default answer guard
-(:data:`kvedit.focusing.choice.DEFAULT_GUARD`) decodes the unedited answer and, unless that answer
-comes from the chosen passage, the edited one (two question-length passes and their decode
-steps); after an abstention, the unedited answer only. Times are medians over the examples, in seconds, on this machine's
-threads (``torch.get_num_threads()``).
+For each example: the capture of the documents (shared by every method), ``none`` (the greedy
+answer from the captured state), then ``auto`` (what ``kvedit eval litm --methods auto`` runs:
+:func:`kvedit.focusing.choice.choose`, :func:`kvedit.ops.emphasize` when a document is chosen,
+:func:`kvedit.focusing.choice.guarded` with the eval's answer guard, :meth:`Focus.generate`),
+split into scoring (two question-length passes), the edit (one recompute of the last token;
+none on an abstention) and the answer, three ways, each example alternating their order:
+
+- ``old``: the question's scoring pass dropped (:attr:`Focus.continued` ``None``): the guard's
+  unedited answer, and the answer after an abstention, run the question again (kvedit before
+  the reuse);
+- ``new``: the unedited answer starts after the scoring pass (what ``kvedit.focus`` does);
+- ``eval``: ``new`` given ``none``'s answer (``focus(..., unedited=)``, what the eval does when
+  ``none`` answered the example first): eval time only.
+
+Every way must give the same choice, verdict and answer (``identical`` in the summary; the run
+exits 1 otherwise). Each example is put on one of three paths: ``abstained`` (no edit),
+``unedited`` (the guard kept the unedited answer) and ``edited`` (the edit answered). Times are
+wall and process CPU seconds (``*_cpu``: both threads summed, less disturbed by other jobs on a
+shared machine); the summary gives means and medians, per path too, and ``auto / none`` of the
+means, on ``torch.get_num_threads()`` threads.
 
 Usage: ``python -m benchmarks.focus_cost --task nq --examples 12 --out runs/focus_cost_nq.json``
 """
@@ -26,9 +39,81 @@ from benchmarks.common import add_model, parser, write_json
 from kvedit import ops
 from kvedit.evals.litm import build_examples
 from kvedit.evals.methods import ExampleContext
-from kvedit.focusing.choice import DEFAULT_GUARD, choose
-from kvedit.focusing.guard import evidence_and_others
+from kvedit.evals.methods.auto import AutoParams
+from kvedit.evals.methods.focus import focus_args, guard_of
+from kvedit.focusing.choice import choose, guarded
 from kvedit.models import load_model
+
+WAYS = ("old", "new", "eval")
+PATHS = ("abstained", "unedited", "edited")
+PARTS = ("score", "edit", "answer")
+
+
+class Clock:
+    """Wall and process CPU seconds since the last :meth:`lap`."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
+def auto(ctx: ExampleContext, way: str, none_answer) -> tuple[dict, tuple]:
+    """One ``auto`` answer the ``way`` says: its times, and what it decided and answered."""
+    params = AutoParams()
+    state, q, n = ctx.state, ctx.continuation, ctx.max_new_tokens
+    clock, times = Clock(), {}
+    found = choose(state, q, ctx.doc_spans, **focus_args(ctx, params))
+    if way == "old":
+        found = dataclasses.replace(found, continued=None)
+    elif way == "eval":
+        found = dataclasses.replace(
+            found, continued=dataclasses.replace(found.continued, known=none_answer)
+        )
+    times["score"] = clock.lap()
+    edited = None
+    if found.chosen:
+        spans = [found.passages[i] for i in found.chosen]
+        edited = ops.emphasize(state, spans, found.strengths)
+    times["edit"] = clock.lap()
+    if edited is not None:
+        found = guarded(found, edited, guard_of(params, ctx))
+    text = found.generate(n)
+    times["answer"] = clock.lap()
+    path = "abstained" if not found.chosen else ("edited" if found.kept else "unedited")
+    verdict = None if found.verdict is None else (found.verdict.kept, found.verdict.reason)
+    return {"path": path, **times}, (found.chosen, verdict, text)
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return statistics.mean(r[key] for r in rows) if rows else float("nan")
+
+
+def summarize(rows: list[dict], identical: bool) -> dict:
+    """Means and medians of ``rows`` (one per example), per way, part and path."""
+    summary: dict = {"threads": torch.get_num_threads(), "examples": len(rows)}
+    summary["identical"] = identical
+    for suffix in ("", "_cpu"):
+        none = mean(rows, "none" + suffix)
+        summary["none" + suffix] = none
+        summary["none_median" + suffix] = statistics.median(r["none" + suffix] for r in rows)
+        for way in WAYS:
+            summary[way + suffix] = mean(rows, way + suffix)
+            summary[f"{way}_median{suffix}"] = statistics.median(r[way + suffix] for r in rows)
+            summary[f"{way}_over_none{suffix}"] = summary[way + suffix] / none
+            for part in PARTS:
+                summary[f"{way}_{part}{suffix}"] = mean(rows, f"{way}_{part}{suffix}")
+        for path in PATHS:
+            on = [r for r in rows if r["path"] == path]
+            summary[f"{path}_examples"] = len(on)
+            summary[f"{path}_none{suffix}"] = mean(on, "none" + suffix)
+            for way in WAYS:
+                summary[f"{path}_{way}{suffix}"] = mean(on, way + suffix)
+    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,60 +128,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     model, tok = load_model(args.model)
     examples = build_examples(args.task, None, args.n_docs, None, None, args.seed, args.examples)
-    rows = []
-    for ex in examples:
+    rows, identical = [], True
+    for k, ex in enumerate(examples):
         ctx = ExampleContext(model, tok, ex, args.max_new_tokens)
-        q, n = ctx.continuation, args.max_new_tokens
-        t = [time.perf_counter()]
+        clock = Clock()
         state = ctx.state
-        t.append(time.perf_counter())
-        state.generate(q, n)
-        t.append(time.perf_counter())
-        found = choose(state, q, ctx.doc_spans, query=ex.question)
-        t.append(time.perf_counter())
-        edited = (  # an abstention makes no edit and answers from the unedited state
-            ops.emphasize(state, [found.passages[i] for i in found.chosen], found.strengths)
-            if found.chosen
-            else state
-        )
-        t.append(time.perf_counter())
-        if found.chosen:
-            texts = [state.text[a:b] for a, b in found.passages]
-            evidence, others = evidence_and_others(texts, found.chosen)
-            guard = dataclasses.replace(DEFAULT_GUARD, max_new_tokens=n)
-            verdict = guard.decide(
-                state, edited, q, evidence=evidence, others=others, query=ex.question
-            )
-        else:
-            edited.generate(q, n)
-        t.append(time.perf_counter())
-        t_capture, t_none, t_score, t_edit, t_answer = (b - a for a, b in zip(t, t[1:]))
-        rows.append(
-            {
-                "id": ex.id,
-                "prompt_tokens": len(state),
-                "question_tokens": len(state.encode(q)),
-                "abstained": not found.chosen,
-                "guard_kept_edit": bool(found.chosen) and verdict.kept,
-                "capture": t_capture,
-                "none": t_none,
-                "auto_score": t_score,
-                "auto_edit": t_edit,
-                "auto_answer": t_answer,
-                "auto": t_score + t_edit + t_answer,
-            }
-        )
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()})
-    keys = ["capture", "none", "auto_score", "auto_edit", "auto_answer", "auto"]
-    summary = {k: statistics.median(r[k] for r in rows) for k in keys}
-    summary["auto_over_none"] = summary["auto"] / summary["none"]
-    summary["threads"] = torch.get_num_threads()
-    summary["prompt_tokens"] = statistics.median(r["prompt_tokens"] for r in rows)
-    summary["abstained"] = sum(r["abstained"] for r in rows)
-    summary["guard_kept_edit"] = sum(r["guard_kept_edit"] for r in rows)
-    print(json.dumps({k: round(v, 3) for k, v in summary.items()}, indent=1))
-    write_json(args.out, {"summary": summary, "examples": rows}, indent=1)
-    return 0
+        row = {"id": ex.id, "prompt_tokens": len(state), "capture": clock.lap()[0]}
+        none_answer = state.answer(ctx.continuation, ctx.max_new_tokens)
+        row["none"], row["none_cpu"] = clock.lap()
+        outcomes = {}
+        for way in WAYS[k % 3 :] + WAYS[: k % 3]:  # each way first on a third of the examples
+            times, outcomes[way] = auto(ctx, way, none_answer)
+            row["path"] = times["path"]
+            for part in PARTS:
+                row[f"{way}_{part}"], row[f"{way}_{part}_cpu"] = times[part]
+            for suffix, i in (("", 0), ("_cpu", 1)):
+                row[f"{way}{suffix}"] = sum(times[part][i] for part in PARTS)
+        row["identical"] = outcomes["old"] == outcomes["new"] == outcomes["eval"]
+        identical &= row["identical"]
+        rows.append(row)
+        print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
+        summary = summarize(rows, identical)
+        write_json(args.out, {"summary": summary, "examples": rows}, indent=1)  # so far
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
+    return 0 if identical else 1
 
 
 if __name__ == "__main__":

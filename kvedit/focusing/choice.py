@@ -33,7 +33,9 @@ from .. import checks, ops
 from ..errors import InvalidInputError, InvalidTypeError
 from ..prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ..states.capturing import capture
+from ..states.decoding import Answer
 from ..states.state import KVState
+from .edits import check_edit, checked_edit
 from .guard import (
     SUPPORT_THRESHOLD,
     AgreementVerdict,
@@ -46,6 +48,7 @@ from .guard import (
     evidence_and_others,
 )
 from .passages import Range, split_passages
+from .primed import Continued, PrimedState
 
 __all__ = [
     "ABSTAIN_THRESHOLD",
@@ -81,6 +84,7 @@ from .scoring import (
     echo_passages,
     passage_scores,
     passage_shares,
+    question_shares,
     robust_z,
     stands_out,
 )
@@ -118,6 +122,10 @@ class Focus:
             when none holds any).
         query: the asking part of :attr:`question` (its words are left out of a guard's
             reading of the answer; ``None``: the whole question).
+        continued: the scoring pass of :attr:`question` over the unedited state
+            (:class:`~kvedit.focusing.primed.Continued`), while that state answers (``None``
+            once an edit answers): the guard's unedited answer and :meth:`generate` start
+            from it instead of running the question again. It holds the question's K/V only.
     """
 
     state: KVState
@@ -132,6 +140,7 @@ class Focus:
     best: int | None = None
     eligible: list[int] = field(default_factory=list)
     query: str | None = None
+    continued: Continued | None = field(default=None, repr=False, compare=False)
 
     @property
     def kept(self) -> bool:
@@ -158,13 +167,18 @@ class Focus:
     def generate(self, max_new_tokens: int = 32, **kw) -> str:
         """Continue :attr:`state` with :attr:`question` (see :meth:`KVState.generate`).
 
-        A greedy call no longer than the guard's answer reuses that answer (the same tokens).
+        A greedy call no longer than the guard's answer reuses that answer (the same tokens);
+        a greedy call from the unedited state starts after the scoring pass of the question
+        (:attr:`continued`).
         """
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
         known = None if self.verdict is None or kw else self.verdict.answer
         if known is not None and (max_new_tokens <= len(known.token_ids) or known.finished):
             ids = known.token_ids[:max_new_tokens]
             return self.state.tokenizer.decode(ids, skip_special_tokens=True)
+        c = self.continued
+        if c is not None and not kw and c.matches(self.state, self.question):
+            return c.answer(max_new_tokens).text
         return self.state.generate(self.question, max_new_tokens, **kw)
 
 
@@ -222,7 +236,8 @@ def choose(
     The returned :class:`Focus` holds the input state and the strengths :func:`focus` would
     apply (``chosen`` is empty when no passage stands out). Costs two question-length passes
     over the cache (the question and its calibration; one when the question has no
-    distinctive word).
+    distinctive word); the question's is kept (:attr:`Focus.continued`), so an answer from the
+    unedited state does not run it again.
     """
     target, max_strength = _check_sizing(target, max_strength)
     smoothing = checks.real("smoothing", smoothing)
@@ -237,7 +252,7 @@ def choose(
     spans = split_passages(state, passages, region)
     top_k = checks.count("top_k", top_k, minimum=1, maximum=len(spans))
     layer_idx = _layer_indices(state, layers)
-    real, calib = passage_shares(state, question, spans, query=query)
+    real, calib, continued = question_shares(state, question, spans, query=query)
     scores = passage_scores(real, calib, layer_idx, smoothing)
     texts = [state.text[a:b] for a, b in spans]
     echoes = echo_passages(query, texts)
@@ -267,6 +282,7 @@ def choose(
         best,
         eligible.nonzero().flatten().tolist(),
         query,
+        continued,
     )
 
 
@@ -299,6 +315,7 @@ def focus(
     threshold: float | None = ABSTAIN_THRESHOLD,
     guard: Guard | None = DEFAULT_GUARD,
     edit: Callable[[KVState, list[Range]], KVState] | None = None,
+    unedited: Answer | None = None,
 ) -> Focus:
     """Emphasize the passages of ``state`` that ``question`` points at, unless that would
     change the answer for the worse.
@@ -346,6 +363,10 @@ def focus(
             not written in place): ``kvedit.ops.reread``, ``functools.partial(kvedit.ops.duplicate,
             copies=2)``, ... (:attr:`Focus.strengths` still report the sizing, unused then).
             It is called only when focus chooses something, and guarded like the emphasis.
+        unedited: the greedy answer of ``state`` to ``question`` (``state.answer(question,
+            n)``), when the caller already has it: the guard and :meth:`Focus.generate` read
+            it (up to its length) instead of decoding it again. Not checked: an answer of
+            another state or question gives that answer.
 
     Raises:
         InvalidInputError: the question (or ``query``) has no content (only whitespace or
@@ -360,11 +381,13 @@ def focus(
         A :class:`Focus`: the state that answers, the passages, their scores, the chosen ones,
         each layer's bias and the guard's verdict.
 
-    Cost: two question-length passes to score (:func:`choose`), one recompute of the last
-    token to edit, and with the guard one more question pass (the unedited answer) plus one
-    decode step per answer token on which the two agree.
+    Cost: two question-length passes to score (:func:`choose`; the question's is the first
+    pass of the unedited answer, kept in :attr:`Focus.continued`), one recompute of the last
+    token to edit, and with the guard the unedited answer's decode steps (none with
+    ``unedited``) and, where the edit answers, the edited answer (one question pass and its
+    decode steps).
     """
-    _check_edit(edit)
+    check_edit(edit)
     guard = check_guard(guard)
     found = choose(
         state,
@@ -379,52 +402,21 @@ def focus(
         smoothing=smoothing,
         threshold=threshold,
     )
+    if unedited is not None:
+        if not isinstance(unedited, Answer):
+            raise InvalidTypeError(
+                f"unedited must be a kvedit Answer (KVState.answer), not {checks.describe(unedited)}"
+            )
+        continued = dataclasses.replace(found.continued, known=unedited)
+        found = dataclasses.replace(found, continued=continued)
     if not found.chosen:  # abstained: nothing to edit, nothing to guard
         return found
     spans = [found.passages[i] for i in found.chosen]
     if edit is None:
         edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
     else:
-        edited = _edited(edit, state, spans)
+        edited = checked_edit(edit, state, spans)
     return guarded(found, edited, guard)
-
-
-def _check_edit(edit: object) -> None:
-    """Refuse an ``edit`` that is not a function callable as ``edit(state, spans)``."""
-    if edit is None:
-        return
-    refusal = checks.call_refusal(edit, 2) if callable(edit) else "not callable"
-    if refusal is not None:
-        raise InvalidTypeError(
-            f"edit must be a function (state, spans) -> state, not {checks.describe(edit)}: "
-            f"{refusal}"
-        )
-
-
-def _edited(edit: Callable, state: KVState, spans: list[Range]) -> KVState:
-    """``edit(state, spans)``, refused unless it is a state of the same model, tokenizer and
-    token ids as ``state``, and ``state`` was not written in place."""
-    edited = edit(state, spans)
-    name = getattr(edit, "__name__", repr(edit))
-    if not isinstance(edited, KVState):
-        raise InvalidTypeError(f"edit {name!r} returned {type(edited).__name__}, not a KVState")
-    state.check_unaltered(f"focus with edit {name!r}")
-    differs = [
-        what
-        for what, same in (
-            ("model fingerprint", edited.model_fingerprint == state.model_fingerprint),
-            ("tokenizer fingerprint", edited.tokenizer_fingerprint == state.tokenizer_fingerprint),
-            ("token ids", torch.equal(edited.token_ids.cpu(), state.token_ids.cpu())),
-        )
-        if not same
-    ]
-    if differs:
-        raise InvalidInputError(
-            f"edit {name!r} returned a state that is not an edit of the one focused: it "
-            f"differs in its {' and '.join(differs)} (an edit keeps the model, tokenizer and "
-            "tokens)"
-        )
-    return edited
 
 
 def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
@@ -432,19 +424,31 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
     from ``edited``, an edit of its chosen passages; with ``guard``, only if the guard keeps
     the edit (the verdict is in :attr:`Focus.verdict`). When ``found`` chose nothing (it
     abstained), ``found`` itself is returned (it answers from its own state) and ``edited`` is
-    ignored. ``found`` is never changed."""
+    ignored. ``found`` is never changed.
+
+    The guard gets the unedited state primed with :attr:`Focus.continued`
+    (:class:`~kvedit.focusing.primed.PrimedState`): its greedy answer to the question starts
+    after the scoring pass (the same tokens, one question pass fewer)."""
     if not found.chosen:
         return found
     if guard is None:
-        return dataclasses.replace(found, state=edited)
+        return dataclasses.replace(found, state=edited, continued=None)
     original = found.state
     texts = [original.text[a:b] for a, b in found.passages]
     evidence, others = evidence_and_others(texts, found.chosen)
+    c = found.continued
+    primed = (
+        PrimedState.of(original, c)
+        if c is not None and c.matches(original, found.question)
+        else original
+    )
     verdict = guard.decide(
-        original, edited, found.question, evidence=evidence, others=others, query=found.query
+        primed, edited, found.question, evidence=evidence, others=others, query=found.query
     )
     verdict = check_verdict(guard, verdict)
-    return dataclasses.replace(found, state=edited if verdict.kept else original, verdict=verdict)
+    if verdict.kept:
+        return dataclasses.replace(found, state=edited, verdict=verdict, continued=None)
+    return dataclasses.replace(found, state=original, verdict=verdict)
 
 
 def focus_text(

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..spans import Span, Spans, as_span_list
-from ..states.observer import observed_attention
+from ..states.observer import Observer
+from ..states.passes import run_model
 from ..states.state import KVState
+from .primed import Continued
 
-__all__ = ["AttentionShare", "attention_share", "span_shares"]
+__all__ = ["AttentionShare", "attention_share", "continued_share", "span_shares"]
 
 
 @dataclass
@@ -46,7 +48,6 @@ class AttentionShare:
         return self.per_head.mean(dim=(0, 1))
 
 
-@torch.no_grad()
 def attention_share(state: KVState, continuation: str, spans: Spans) -> AttentionShare:
     """The share of attention ``continuation``'s tokens give each span of ``state``.
 
@@ -58,15 +59,36 @@ def attention_share(state: KVState, continuation: str, spans: Spans) -> Attentio
     Returns:
         An :class:`AttentionShare` with per-head, per-layer and total shares.
     """
+    return continued_share(state, continuation, spans)[0]
+
+
+@torch.no_grad()
+def continued_share(
+    state: KVState, continuation: str, spans: Spans
+) -> tuple[AttentionShare, Continued]:
+    """:func:`attention_share`, and the pass it read kept as a
+    :class:`~kvedit.focusing.primed.Continued` (the continuation's K/V and the logits after
+    it: the first pass of ``state``'s answer to ``continuation``)."""
     items = as_span_list(spans)
     span_tokens = [state.token_indices(s) for s in items]
     ids = state.encode(continuation)
     if not ids:
         raise ValueError("attention_share needs a non-empty continuation")
+    # one observed run, as kvedit.states.observer.observed_attention makes it, keeping its K/V
+    observer = Observer(state.layers, reduce="mean")
+    device = state.layers[0].device
     positions = torch.arange(state.next_position, state.next_position + len(ids))
-    probs = observed_attention(state.model, state.layers, ids, positions, reduce="mean")
-    per_head, token_share = span_shares(state, probs, span_tokens)
-    return AttentionShare(items, per_head, token_share)
+    logits, entries = run_model(
+        state.model,
+        state.layers,
+        torch.tensor([ids], device=device),
+        positions[None].to(device),
+        logits_to_keep=1,
+        plan=observer,
+    )
+    per_head, token_share = span_shares(state, observer.probs, span_tokens)
+    continued = Continued.from_run(state, continuation, ids, logits, entries)
+    return AttentionShare(items, per_head, token_share), continued
 
 
 def span_shares(

@@ -16,7 +16,8 @@ from .. import checks
 from ..errors import InvalidInputError
 from ..states.state import KVState
 from .passages import Range, template_ranges
-from .readout import attention_share
+from .primed import Continued
+from .readout import attention_share, continued_share
 from .sizing import strength_for_share
 
 SHARE_EPS = 1e-6
@@ -229,18 +230,32 @@ def passage_shares(
     the chat template) replaced by its :func:`content_free_question`. When the query has no
     distinctive word (its calibration is ``"?"``) nothing in it points at a passage: ``calib``
     is then ``real`` (every score 0), and the second pass is saved."""
+    real, calib, _ = question_shares(state, question, passages, query=query)
+    return real, calib
+
+
+def question_shares(
+    state: KVState,
+    question: str,
+    passages: Sequence[Range],
+    *,
+    query: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Continued]:
+    """:func:`passage_shares`, and the pass of ``question`` over ``state`` kept
+    (:class:`~kvedit.focusing.primed.Continued`: the first pass of the state's answer)."""
     if query is None:
         query = default_query(state, question)
     if not query or query not in question:
         raise InvalidInputError(f"query {query!r} is not part of the question {question!r}")
     texts = [state.text[a:b] for a, b in passages]
     free = content_free_question(query, texts)
-    real = attention_share(state, question, list(passages)).per_layer
+    share, continued = continued_share(state, question, list(passages))
+    real = share.per_layer
     if free == "?":  # no distinctive word: the question points at no passage
-        return real, real.clone()
+        return real, real.clone(), continued
     calib_question = question.replace(query, free, 1)
     calib = attention_share(state, calib_question, list(passages)).per_layer
-    return real, calib
+    return real, calib, continued
 
 
 def passage_scores(

@@ -23,5 +23,8 @@ def test_focus_cost_times_an_abstention_as_no_edit(tmp_path, monkeypatch):
     argv = ["--task", "records", "--model", "tiny-llama", "--examples", "2"]
     assert cost.main([*argv, "--max-new-tokens", "2", "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
-    assert payload["summary"]["abstained"] == 2 and not edits
-    assert all(r["abstained"] and r["auto"] > 0 for r in payload["examples"])
+    assert payload["summary"]["abstained_examples"] == 2 and not edits
+    assert payload["summary"]["identical"]
+    for r in payload["examples"]:
+        assert r["path"] == "abstained" and r["identical"]
+        assert all(r[way] > 0 and r[f"{way}_edit"] < r[way] for way in cost.WAYS)

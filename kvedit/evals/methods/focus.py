@@ -17,6 +17,7 @@ from typing import Any
 import kvedit
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
+from kvedit.evals.methods.none import UNEDITED_ANSWER
 from kvedit.evals.prompts import plain_answer
 from kvedit.focusing.choice import ABSTAIN_THRESHOLD, Focus
 from kvedit.focusing.guard import AgreementGuard, Guard, SupportGuard
@@ -66,7 +67,8 @@ def focus_args(ctx: ExampleContext, params) -> dict[str, Any]:
 def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
     """``ctx``'s documents focused for its question with ``params`` (an ``AutoParams``):
     :func:`kvedit.focus` (guarded if ``params.guard``), which edits the chosen documents as
-    ``params.edit`` says (its own sized emphasis for ``"emphasize"``). ``edit="steer"`` (no
+    ``params.edit`` says (its own sized emphasis for ``"emphasize"``); ``none``'s answer on
+    the example, when it answered first, is focus's unedited answer (``unedited``). ``edit="steer"`` (no
     cache edit), or ``edit=False`` (the choice only), returns :func:`kvedit.choose`'s choice
     with the captured state.
     """
@@ -79,8 +81,16 @@ def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
         def other(state: KVState, spans: list[tuple[int, int]]) -> KVState:
             return edited_state(ctx, spans, params, state)
 
+    guard = guard_of(params, ctx)
+    unedited = ctx.notes.get(UNEDITED_ANSWER)  # none's answer, when it answered first
     return kvedit.focus(
-        ctx.state, ctx.continuation, ctx.doc_spans, guard=guard_of(params, ctx), edit=other, **args
+        ctx.state,
+        ctx.continuation,
+        ctx.doc_spans,
+        guard=guard,
+        edit=other,
+        unedited=unedited,
+        **args,
     )
 
 
