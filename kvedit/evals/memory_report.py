@@ -3,16 +3,14 @@ method x budget x bucket."""
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvedit.atomic import atomic_write
-from kvedit.errors import InvalidInputError, KVEditError
+from kvedit.errors import InvalidInputError
 from kvedit.evals.metrics import bootstrap_ci
-from kvedit.evals.report import PLOT_HINT
+from kvedit.evals.report import accuracy_axes, save_accuracy_plot
 from kvedit.evals.tasks.memory_schema import BUCKETS
 
 __all__ = ["format_memory_table", "plot_memory", "reread_summary", "summarize_memory"]
@@ -104,14 +102,7 @@ def plot_memory(summary: dict, path: str | Path, title: str | None = None) -> Pa
     Raises:
         KVEditError: Matplotlib is not installed.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise KVEditError(f"plotting needs Matplotlib ({e}); {PLOT_HINT}") from e
-    fig = Figure(figsize=(7.0, 4.0))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax = accuracy_axes(width=7.0)
     budgets = sorted({float(b) for s in summary.values() for b in s})
     for method, by_budget in summary.items():
         points = sorted((float(b), s["mean"]) for b, s in by_budget.items())
@@ -123,15 +114,7 @@ def plot_memory(summary: dict, path: str | Path, title: str | None = None) -> Pa
     ax.set_xticks(budgets)
     ax.set_xticklabels([f"{b:g}" for b in budgets])
     ax.set_xlabel("Budget (fraction of the conversation's global-layer entries)")
-    ax.set_ylabel("Accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
-    if title:
-        ax.set_title(title)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-    return atomic_write(Path(path), buffer.getvalue())
+    return save_accuracy_plot(fig, ax, path, title)
 
 
 def reread_summary(turns: list[dict]) -> dict | None:

@@ -32,11 +32,13 @@ __all__ = [
     "LOCK_NAME",
     "PLOT_HINT",
     "REQUIRED_KEYS",
+    "accuracy_axes",
     "check_out",
     "format_table",
     "hold_out",
     "plot_curves",
     "plotting_available",
+    "save_accuracy_plot",
     "summarize",
     "write_results",
 ]
@@ -256,20 +258,10 @@ def plot_curves(
             ``pip install 'kvedit[plot]'``).
         InvalidInputError: ``summary`` is empty.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise KVEditError(
-            f"plotting needs Matplotlib ({e}); install the plot extra: pip install 'kvedit[plot]'"
-        ) from e
-
     if not summary:
         raise InvalidInputError("nothing to plot: the summary has no methods")
     positions = _positions(summary)
-    fig = Figure(figsize=(8.0, 4.0))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax = accuracy_axes(width=8.0)
     oracle_markers = iter("sD^vP*Xp<>" * 4)
     for method, stats in summary.items():
         points = sorted((int(p), acc) for p, acc in stats["by_position"].items())
@@ -294,6 +286,31 @@ def plot_curves(
             ax.plot(xs, ys, marker="o", label=method)
     ax.set_xticks(positions)
     ax.set_xlabel("Position of the gold document (0 = first)")
+    return save_accuracy_plot(fig, ax, path, title)
+
+
+def accuracy_axes(width: float):
+    """``(figure, axes)`` of a ``width`` x 4 inch plot on Matplotlib's Agg canvas (the global
+    pyplot backend is left alone).
+
+    Raises:
+        KVEditError: Matplotlib is not installed (:data:`PLOT_HINT`).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise KVEditError(
+            f"plotting needs Matplotlib ({e}); install the plot extra: pip install 'kvedit[plot]'"
+        ) from e
+    fig = Figure(figsize=(width, 4.0))
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def save_accuracy_plot(fig, ax, path: str | os.PathLike[str], title: str | None) -> Path:
+    """Finish an accuracy plot (y axis 0-1, grid, legend to the right, ``title``) and write it
+    to ``path`` as a PNG, atomically; returns the path."""
     ax.set_ylabel("Accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
