@@ -160,11 +160,17 @@ def token_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, torch.Tensor]:
         if pieces is None:
             pieces = _pieces_from_windows(tokenizer, ids)
         text, offsets = _offsets_from_pieces(pieces)
+    return text, zero_width_specials(tokenizer, ids, offsets)
+
+
+def zero_width_specials(tokenizer, ids: Sequence[int], offsets: torch.Tensor) -> torch.Tensor:
+    """``offsets`` ``[n, 2]`` with every special token's range made empty at its start (so
+    spans never select a special token); changed in place and returned."""
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
     for i, tid in enumerate(ids):
         if tid in special:
             offsets[i, 1] = offsets[i, 0]
-    return text, offsets
+    return offsets
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:

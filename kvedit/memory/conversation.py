@@ -28,7 +28,7 @@ from ..spans import Spans
 from ..states.capturing import empty_state, extend_ids
 from ..states.files.write import save_state
 from ..states.state import KVState
-from .answering import commit, decode
+from .answering import commit, common_prefix, decode
 from .files import memory_attachment, read_memory
 from .forgetting import Round, budget_from, global_entries
 from .records import Turn
@@ -197,10 +197,7 @@ class Memory:
     def _check_prefix(self, held: Rendering, new: Rendering, what: str) -> None:
         n = len(held.ids)
         if new.ids[:n] != held.ids or not new.text.startswith(held.text):
-            at = next(
-                (i for i, (a, b) in enumerate(zip(held.ids, new.ids, strict=False)) if a != b),
-                min(n, len(new.ids)),
-            )
+            at = common_prefix(held.ids, new.ids)
             raise TemplateError(
                 f"the {self.prompt!r} prompt format is not append-only here: with the {what} "
                 f"added, the rendering differs from the {n} tokens already held at token {at} "

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidInputError, UnsupportedModelError
+from ..spans import zero_width_specials
 
 __all__ = [
     "LABELS",
@@ -126,12 +127,8 @@ def _usable(after: Rendering | None, messages: Sequence[Message]) -> bool:
 
 
 def _zero_special(tokenizer, ids: Sequence[int], offsets: np.ndarray) -> torch.Tensor:
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
     out = torch.from_numpy(np.asarray(offsets, dtype=np.int64).reshape(-1, 2).copy())
-    for i, tid in enumerate(ids):
-        if tid in special:
-            out[i, 1] = out[i, 0]
-    return out
+    return zero_width_specials(tokenizer, ids, out)
 
 
 class ChatRenderer(Renderer):
