@@ -5,6 +5,7 @@ Ctrl-D with the memory saved (#41)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -277,20 +278,30 @@ def _wait(tmux, name: str, done, what: str, timeout: float = 180) -> str:
     pytest.fail(f"no {what} in the pane after {timeout} s:\n{_pane(tmux, name)}")
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal test")
-@pytest.mark.parametrize("end", ["C-c", "C-d"])
-def test_in_a_terminal_the_chat_answers_and_ctrl_c_or_ctrl_d_saves(tmp_path, end):
-    path = tmp_path / "chat.kv"
+@contextlib.contextmanager
+def _chat_pane(arguments: str, path: Path):
+    """A tmux session running ``python -m kvedit ARGUMENTS --memory PATH`` (then printing
+    ``EXIT=status``); yields ``(tmux command, pane name)`` and kills the server after."""
     tmux = ["tmux", "-L", f"kvedit-chat-{os.getpid()}", "-f", "/dev/null"]
     name = "chat"
     command = (
-        f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit {' '.join(CHAT)} "
+        f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit {arguments} "
         f"--memory {path}; echo EXIT=$?; sleep 300"
     )
     subprocess.run(
         [*tmux, "new-session", "-d", "-s", name, "-x", "200", "-y", "50", command], check=True
     )
     try:
+        yield tmux, name
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal test")
+@pytest.mark.parametrize("end", ["C-c", "C-d"])
+def test_in_a_terminal_the_chat_answers_and_ctrl_c_or_ctrl_d_saves(tmp_path, end):
+    path = tmp_path / "chat.kv"
+    with _chat_pane(" ".join(CHAT), path) as (tmux, name):
         _wait(tmux, name, lambda t: t.rstrip().endswith(">"), "prompt")
         subprocess.run([*tmux, "send-keys", "-t", name, "hello there", "Enter"], check=True)
         text = _wait(tmux, name, lambda t: "tok reused" in t and t.rstrip().endswith(">"), "answer")
@@ -304,23 +315,13 @@ def test_in_a_terminal_the_chat_answers_and_ctrl_c_or_ctrl_d_saves(tmp_path, end
         assert lines[-1] == f"EXIT={130 if end == 'C-c' else 0}"
         assert "Traceback" not in text and "error:" not in text
         assert len(Memory.load(path, *load_model("tiny-llama"))) == 2
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal test")
 def test_in_a_terminal_ctrl_c_during_an_answer_keeps_the_memory_as_before(tmp_path):
     path = tmp_path / "chat.kv"
-    tmux = ["tmux", "-L", f"kvedit-chat-{os.getpid()}", "-f", "/dev/null"]
-    name = "chat"
-    command = (
-        f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit chat --model tiny-llama "
-        f"--max-new-tokens 1000 --memory {path}; echo EXIT=$?; sleep 300"
-    )
-    subprocess.run(
-        [*tmux, "new-session", "-d", "-s", name, "-x", "200", "-y", "50", command], check=True
-    )
-    try:
+    arguments = "chat --model tiny-llama --max-new-tokens 1000"
+    with _chat_pane(arguments, path) as (tmux, name):
         _wait(tmux, name, lambda t: t.rstrip().endswith(">"), "prompt")
         subprocess.run([*tmux, "send-keys", "-t", name, "hello there", "Enter"], check=True)
         _wait(tmux, name, lambda t: "> hello there" in t, "question")
@@ -333,5 +334,3 @@ def test_in_a_terminal_ctrl_c_during_an_answer_keeps_the_memory_as_before(tmp_pa
         assert lines[-2] == f"memory {path} not written: no messages: 0 messages, 0 tok", text
         assert lines[-1] == "EXIT=130"
         assert "Traceback" not in text and not path.exists()
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True)
