@@ -45,6 +45,13 @@ def memory_parser(sub) -> None:
         help="facts: messages after the system message (even, 40-200; default 60); nq-shared: "
         "documents (default 18)",
     )
+    p.add_argument(
+        "--questions",
+        type=positive("--questions"),
+        default=None,
+        help="questions per conversation, a multiple of 3 (facts: facts stated, default 6; "
+        "nq-shared: questions whose gold documents it holds, default 6)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/memory")
     overwrite_arg(p)
@@ -79,7 +86,7 @@ def check_memory(args) -> None:
     for spec in specs:
         parse_memory_spec(spec)
     parse_budgets(args.budgets)
-    build_conversations(args.task, args.n_examples, args.seed, args.size)
+    build_conversations(args.task, args.n_examples, args.seed, args.size, args.questions)
 
 
 def _run_memory(args) -> int:

@@ -22,8 +22,11 @@ Methods are specs in the ``name:key=value`` grammar (:func:`parse_memory_spec`):
 
 Parameters: ``budget`` (in (0, 1]: the method runs at that budget only; without it, at every
 ``--budgets`` value), ``recent`` (the memory's ``recent``; default 2 for ``facts``, 1 for
-``nq-shared`` so that one document message fits the smallest budgets) and ``quantize``
-(refused: :class:`kvedit.Memory` has no quantize option yet).
+``nq-shared`` so that one document message fits the smallest budgets) and ``quantize`` (2, 4
+or 8: ``Memory(quantize=)``, the messages before the last ``recent`` held in that many bits;
+for ``snapkv-first``, the compressed state quantized but for its last input,
+:func:`kvedit.compress.quantize`). A method with ``quantize`` runs at budget 1.0 too (nothing
+forgotten, the older messages quantized), so it is not ``reuse`` there.
 
 The budget is a fraction of the conversation's global-layer entries when the first question is
 asked (:func:`full_entries`, the rendering's tokens): the memory is made with
@@ -40,7 +43,8 @@ answer, with any forgetting it makes), ``max_entries`` (the budget in entries, N
 memory held when the question was asked; for ``snapkv-first`` the union of the entries any head
 keeps, :mod:`kvedit.compress.selection`, so above ``max_entries`` when heads disagree), ``full_entries``, ``rounds``
 and ``forget_seconds`` (the forgetting rounds the memory kept so far, and their seconds) and
-``build_seconds`` (adding the messages, rounds included). A question asked with
+``build_seconds`` (adding the messages, rounds included) and ``nbytes`` (the bytes the memory
+held when the question was asked). A question asked with
 ``remember=False`` may forget to make room for itself; that round is not kept (the memory is
 left as it was), so its cost is in ``seconds`` only.
 """
@@ -116,16 +120,24 @@ def _renderer(tokenizer):
 def _memory(model, tokenizer, method: MemoryMethod, max_tokens: int | None, recent: int):
     from kvedit.memory.conversation import Memory
 
-    if method.name in ("reuse", "snapkv-first") or max_tokens is None:
+    if method.name == "snapkv-first":
         return Memory(model, tokenizer)
-    return Memory(model, tokenizer, max_tokens=max_tokens, forget=method.name, recent=recent)
+    bits = method.params.quantize
+    if method.name == "reuse" or max_tokens is None:
+        return Memory(model, tokenizer, recent=recent, quantize=bits)
+    return Memory(
+        model, tokenizer, max_tokens=max_tokens, forget=method.name, recent=recent, quantize=bits
+    )
 
 
-def _snapkv_first_answers(memory, conversation: Conversation, budget: float, max_new_tokens: int):
-    """Yield ``(answer, seconds, entries)`` per question: the memory's state compressed once
-    by SnapKV with the first question as query, then reused (questions and answers appended to
-    that state when the conversation keeps them)."""
-    from kvedit.compress import SnapKV, select
+def _snapkv_first_answers(
+    memory, conversation: Conversation, budget: float, max_new_tokens: int, bits: int | None
+):
+    """Yield ``(answer, seconds, entries, nbytes)`` per question: the memory's state compressed
+    once by SnapKV with the first question as query (then quantized to ``bits`` when given),
+    then reused (questions and answers appended to that state when the conversation keeps
+    them)."""
+    from kvedit.compress import SnapKV, quantize, select
     from kvedit.memory.answering import decode
     from kvedit.memory.forgetting import global_entries
     from kvedit.memory.rendering import Message
@@ -138,7 +150,9 @@ def _snapkv_first_answers(memory, conversation: Conversation, budget: float, max
         t0 = time.perf_counter()
         if k == 0 and budget < 1:
             state = select(state, SnapKV(query=probe.question), budget)
-        entries = global_entries(state)
+        if k == 0 and bits is not None:
+            state = quantize(state, bits, residual=0)
+        entries, nbytes = global_entries(state), state.nbytes
         asked = [*messages, Message("user", probe.question)]
         p = renderer.render(asked, generation_prompt=True)
         n = len(state)
@@ -148,7 +162,7 @@ def _snapkv_first_answers(memory, conversation: Conversation, budget: float, max
             messages = [*asked, Message("assistant", text or " ")]
             full = renderer.render(messages)
             state = extend_ids(state, full.ids[n:], full.offsets[n:], full.text)
-        yield text, time.perf_counter() - t0, entries
+        yield text, time.perf_counter() - t0, entries, nbytes
 
 
 def _reread(memory, question: str, max_new_tokens: int) -> tuple[str, float]:
@@ -193,7 +207,7 @@ def run_conversation(
     build = time.perf_counter() - t0
     digest = conversation.digest()
 
-    def record(k: int, prediction: str, seconds: float, entries: int) -> dict:
+    def record(k: int, prediction: str, seconds: float, entries: int, nbytes: int) -> dict:
         probe = conversation.probes[k]
         rounds = memory.forgetting
         return {
@@ -211,6 +225,7 @@ def run_conversation(
             "seconds": round(seconds, 4),
             "max_entries": max_tokens,
             "entries": entries,
+            "nbytes": nbytes,
             "full_entries": full,
             "rounds": len(rounds),
             "forget_seconds": round(math.fsum(r.seconds for r in rounds), 4),
@@ -219,17 +234,18 @@ def run_conversation(
 
     records = []
     if method.name == "snapkv-first":
-        answers = _snapkv_first_answers(memory, conversation, budget, max_new_tokens)
-        for k, (text, seconds, entries) in enumerate(answers):
-            records.append(record(k, text, seconds, entries))
+        bits = method.params.quantize
+        answers = _snapkv_first_answers(memory, conversation, budget, max_new_tokens, bits)
+        for k, (text, seconds, entries, nbytes) in enumerate(answers):
+            records.append(record(k, text, seconds, entries, nbytes))
         return records
     for k, probe in enumerate(conversation.probes):
         timed = reread is not None and k < REREAD_TURNS
         again = _reread(memory, probe.question, max_new_tokens) if timed else None
-        entries = global_entries(memory.state)
+        entries, nbytes = global_entries(memory.state), memory.nbytes
         t = time.perf_counter()
         text = memory.ask(probe.question, max_new_tokens, remember=conversation.remember)
-        records.append(record(k, text, time.perf_counter() - t, entries))
+        records.append(record(k, text, time.perf_counter() - t, entries, nbytes))
         if again is not None:
             reread.append(
                 {
@@ -293,9 +309,9 @@ def _records(
     reread: list[dict] | None,
 ) -> list[dict]:
     """The records of ``method`` at ``budget`` on ``conv``; at budget 1 a method other than
-    ``reuse`` is ``reuse`` (computed once per conversation, kept in ``shared``, and labelled
-    ``"as": "reuse"``). ``reread`` is passed to the ``reuse`` run (:func:`run_conversation`)."""
-    if budget >= 1 and method.name != "reuse":
+    ``reuse`` without ``quantize`` is ``reuse`` (computed once per conversation, kept in
+    ``shared``, and labelled ``"as": "reuse"``). ``reread`` is passed to the ``reuse`` run (:func:`run_conversation`)."""
+    if budget >= 1 and method.name != "reuse" and method.params.quantize is None:
         if "reuse" not in shared:
             reuse = parse_memory_spec("reuse")
             shared["reuse"] = run_conversation(
@@ -310,9 +326,9 @@ def _records(
         budget,
         task=task,
         max_new_tokens=max_new_tokens,
-        reread=reread if method.name == "reuse" else None,
+        reread=reread if method.name == "reuse" and method.params.quantize is None else None,
     )
-    if method.name == "reuse":
+    if method.name == "reuse" and method.params.quantize is None:
         shared["reuse"] = new
     return new
 
@@ -327,6 +343,7 @@ def evaluate(
     n_examples: int = 10,
     seed: int = 0,
     size: int | None = None,
+    questions: int | None = None,
     max_new_tokens: int = 16,
     resume: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -347,13 +364,14 @@ def evaluate(
     if len({m.spec for m in parsed}) != len(parsed):
         raise InvalidInputError("--methods names a method twice")
     budgets = parse_budgets(",".join(str(b) for b in budgets))
-    conversations = build_conversations(task, n_examples, seed, size)
+    conversations = build_conversations(task, n_examples, seed, size, questions)
     settings = {
         "model": model_name,
         "task": task,
         "seed": seed,
         "n_examples": n_examples,
         "size": size,
+        "questions": questions,
         "max_new_tokens": max_new_tokens,
         "source": source_digest(),
     }
@@ -389,6 +407,7 @@ def evaluate(
         "seed": seed,
         "n_examples": n_examples,
         "size": size,
+        "questions": questions,
         "budgets": budgets,
         "max_new_tokens": max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -425,6 +444,7 @@ def main(args) -> int:
         n_examples=args.n_examples,
         seed=args.seed,
         size=args.size,
+        questions=args.questions,
         max_new_tokens=args.max_new_tokens,
         resume=args.resume,
         progress=None if args.no_progress else (lambda line: print(line, file=sys.stderr)),

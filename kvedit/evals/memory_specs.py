@@ -12,6 +12,7 @@ from kvedit.evals.methods.params import check_count, check_fraction, from_text
 from kvedit.evals.tasks.memory_facts import facts_examples
 from kvedit.evals.tasks.memory_nq import nq_shared_examples
 from kvedit.evals.tasks.memory_schema import Conversation
+from kvedit.memory.quantizing import check_bits
 
 __all__ = [
     "DEFAULT_RECENT",
@@ -57,10 +58,7 @@ class MemoryParams:
         if self.recent is not None:
             check_count("recent", self.recent)
         if self.quantize is not None:
-            raise InvalidInputError(
-                f"quantize={self.quantize}: quantize is not built yet (kvedit.Memory has no "
-                "quantize option); leave it out"
-            )
+            check_bits(self.quantize)
 
 
 @dataclass(frozen=True)
@@ -84,8 +82,9 @@ def parse_memory_spec(spec: str) -> MemoryMethod:
     """``"name:key=value:..."`` -> a :class:`MemoryMethod` (names: :data:`MEMORY_METHODS`).
 
     Raises:
-        InvalidInputError: an unknown method or parameter, a bad value, ``quantize``, a
-            ``reuse`` with a budget below 1, or a policy whose scorer is not registered.
+        InvalidInputError: an unknown method or parameter, a bad value (``quantize`` not 2, 4
+            or 8), a ``reuse`` with a budget below 1, or a policy whose scorer is not
+            registered.
     """
     from kvedit.compress.scorers import SCORERS
 
@@ -137,14 +136,23 @@ def parse_budgets(text: str) -> list[float]:
 
 
 def build_conversations(
-    task: str, n_examples: int, seed: int, size: int | None = None
+    task: str,
+    n_examples: int,
+    seed: int,
+    size: int | None = None,
+    questions: int | None = None,
 ) -> list[Conversation]:
     """The task's conversations. ``size``: messages after the system message (``facts``,
-    default 60) or documents (``nq-shared``, default 18)."""
+    default 60) or documents (``nq-shared``, default 18); ``questions``: per conversation
+    (default 6: facts stated, or questions whose gold documents it holds)."""
     if task == "facts":
-        return facts_examples(n_examples, seed, **({} if size is None else {"n_messages": size}))
+        kw = {"n_messages": size, "n_facts": questions}
+        return facts_examples(n_examples, seed, **{k: v for k, v in kw.items() if v is not None})
     if task == "nq-shared":
-        return nq_shared_examples(n_examples, seed, **({} if size is None else {"n_docs": size}))
+        kw = {"n_docs": size, "n_questions": questions}
+        return nq_shared_examples(
+            n_examples, seed, **{k: v for k, v in kw.items() if v is not None}
+        )
     raise InvalidInputError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 
 

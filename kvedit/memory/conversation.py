@@ -31,6 +31,7 @@ from ..states.state import KVState
 from .answering import commit, common_prefix, decode
 from .files import memory_attachment, read_memory
 from .forgetting import Round, budget_from, global_entries
+from .quantizing import check_bits, hold_older_quantized
 from .records import Turn
 from .rendering import ROLES, Message, Rendering, renderer_for
 
@@ -62,7 +63,10 @@ class Memory:
     down to :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
     last ``recent`` messages and the ``protect`` spans are never forgotten. Each round is a
     history step (the memory is no longer a plain capture) and a
-    :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`.
+    :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
+    holds the messages before the last ``recent`` in that many bits
+    (:mod:`kvedit.memory.quantizing`), with or without a budget: fewer bytes per entry, the
+    same entries (a budget still counts entries).
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
@@ -81,6 +85,7 @@ class Memory:
         forget: str = "window",
         recent: int = 2,
         protect: Spans | None = None,
+        quantize: int | None = None,
     ) -> None:
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
@@ -96,6 +101,10 @@ class Memory:
         )
         self.budget = budget_from(self._held.state, max_tokens, max_bytes, forget, recent, protect)
         """The :class:`~kvedit.memory.forgetting.Budget` (None: nothing is ever forgotten)."""
+        self.quantize = check_bits(quantize)
+        """Bits the messages before the last ``recent`` are held in (None: all exact)."""
+        self.recent = checks.count("recent", recent)
+        """The last messages held exact and never forgotten."""
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
         if system is not None:
@@ -230,7 +239,14 @@ class Memory:
         rounds: Sequence[Round] = (),
     ) -> None:
         """Make the new state the memory's, after all work is done: one assignment, so an
-        interrupt (Ctrl-C) leaves the memory as it was before or as it is after."""
+        interrupt (Ctrl-C) leaves the memory as it was before or as it is after. With
+        ``quantize``, the messages before the last ``recent`` are held in its bits first."""
+        all_turns = (*self._turns, *turns)
+        if self.quantize is not None and len(all_turns) > self.recent:
+            exact_from = (
+                all_turns[len(all_turns) - self.recent].start if self.recent else len(state)
+            )
+            state = hold_older_quantized(state, self.quantize, exact_from, forgot=bool(rounds))
         per_token = _bytes_per_token(state)
         turns = [_with_bytes(t, round(per_token * t.n_tokens)) for t in turns]
         self._held = _Held(

@@ -144,3 +144,22 @@ def test_dropped_entries_score_zero(llama):
     for i, layer in enumerate(small.layers):
         live = live_entries(layer, layer.kv_shape[1])
         assert (scores[i][~live] == 0).all() and (scores[i][live] > 0).all()
+
+
+def test_a_state_that_forgot_reconstructs_only_what_it_holds(llama):
+    """After whole entries are dropped (as a forgetting memory drops them), the model re-reads
+    the held tokens only: a round costs in proportion to what is held."""
+    model, _ = llama
+    state = _state(llama)
+    keep = torch.arange(len(state))[: len(state) // 3]
+    short = state.replace(layers=[layer.select(keep) for layer in state.layers])
+    read = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: read.append(kwargs["input_ids"].shape[-1]), with_kwargs=True
+    )
+    try:
+        Reconstruct(prompt="").score(short, [0])
+    finally:
+        hook.remove()
+    special = set(llama[1].all_special_ids)
+    assert sum(read) == sum(t not in special for t in state.token_ids[keep].tolist())

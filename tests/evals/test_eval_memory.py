@@ -19,7 +19,7 @@ from kvedit.evals.tasks.memory_schema import BUCKETS
 # ------------------------------------------------------------------------------ generators
 
 
-def test_facts_are_deterministic_balanced_and_each_stated_once():
+def test_facts_are_deterministic_balanced_and_each_stated_only_in_its_pair():
     a, b = facts_examples(4, seed=3, n_messages=40), facts_examples(4, seed=3, n_messages=40)
     assert a == b
     assert a != facts_examples(4, seed=4, n_messages=40)
@@ -30,14 +30,15 @@ def test_facts_are_deterministic_balanced_and_each_stated_once():
         text = f" {normalize_answer(' '.join(c for _, c in conv.messages))} "
         for probe in conv.probes:
             (answer,) = probe.answers
-            assert text.count(f" {normalize_answer(answer)} ") == 1, answer
-            stated = conv.messages[probe.where]
+            assert text.count(f" {normalize_answer(answer)} ") == 2, answer
+            stated, echoed = conv.messages[probe.where], conv.messages[probe.where + 1]
             assert stated[0] == "user" and answer in stated[1]
-            assert conv.messages[probe.where + 1] == ("assistant", "Noted.")
+            assert echoed[0] == "assistant" and echoed[1].startswith("Noted: ")
+            assert answer in echoed[1]
         assert len({p.question for p in conv.probes}) == len(conv.probes)
 
 
-def test_facts_draw_values_again_until_each_is_stated_once(monkeypatch):
+def test_facts_draw_values_again_until_each_is_stated_only_in_its_pair(monkeypatch):
     from kvedit.evals.tasks import memory_facts
 
     _, subjects = memory_facts.KINDS["code"]
@@ -79,8 +80,9 @@ def test_specs_and_budgets_are_parsed_and_refused_clearly():
     assert m.budgets([1.0, 0.5]) == [0.25]
     assert memory.parse_memory_spec("reuse").budgets([0.5, 0.1]) == [1.0]
     assert memory.parse_budgets("1.0,0.5,0.25,0.1") == [1.0, 0.5, 0.25, 0.1]
-    with pytest.raises(InvalidInputError, match="quantize is not built yet"):
-        memory.parse_memory_spec("window:quantize=4")
+    assert memory.parse_memory_spec("window:quantize=4").params.quantize == 4
+    with pytest.raises(InvalidInputError, match="quantize must be one of"):
+        memory.parse_memory_spec("window:quantize=3")
     with pytest.raises(InvalidInputError, match="unknown memory method"):
         memory.parse_memory_spec("forgetful")
     with pytest.raises(InvalidInputError, match="budget"):
@@ -119,6 +121,50 @@ def test_a_budget_below_one_forgets(llama, conversation):
         assert r["entries"] <= r["max_entries"] < full
         assert r["rounds"] >= 1 and r["forget_seconds"] > 0
         assert r["budget"] == 0.5 and r["bucket"] in BUCKETS
+
+
+@pytest.mark.parametrize("spec", ["window:quantize=4", "snapkv-first:quantize=4"])
+def test_quantize_holds_fewer_bytes_for_the_same_entries(llama, conversation, spec):
+    model, tok = llama
+    runs = {
+        s: memory.run_conversation(
+            model,
+            tok,
+            conversation,
+            memory.parse_memory_spec(s),
+            0.5,
+            task="facts",
+            max_new_tokens=2,
+        )
+        for s in (spec, spec.split(":")[0])
+    }
+    for q, plain in zip(runs[spec], runs[spec.split(":")[0]], strict=True):
+        assert q["entries"] == plain["entries"] and q["nbytes"] < 0.6 * plain["nbytes"]
+
+
+def test_quantize_at_budget_one_is_not_reuse(llama, conversation):
+    """At budget 1.0 a policy is ``reuse`` (computed once), but with ``quantize`` it is its own
+    run: nothing forgotten, the older messages held in 4 bits."""
+    model, tok = llama
+    shared: dict = {}
+    runs = {
+        spec: memory._records(
+            model,
+            tok,
+            conversation,
+            memory.parse_memory_spec(spec),
+            1.0,
+            shared,
+            "facts",
+            2,
+            None,
+        )
+        for spec in ("knorm", "knorm:quantize=4")
+    }
+    assert all(r["as"] == "reuse" for r in runs["knorm"])
+    for q, plain in zip(runs["knorm:quantize=4"], runs["knorm"], strict=True):
+        assert "as" not in q and q["rounds"] == 0
+        assert q["entries"] == plain["entries"] and q["nbytes"] < 0.6 * plain["nbytes"]
 
 
 def test_snapkv_first_compresses_once_and_reuse_keeps_everything(llama, conversation):
@@ -196,7 +242,7 @@ def _snapshot(folder):
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        (["--methods", "window:quantize=4"], "quantize is not built yet"),
+        (["--methods", "window:quantize=5"], "quantize must be one of"),
         (["--methods", "bogus"], "unknown memory method"),
         (["--methods", ","], "names no method"),
         (["--budgets", "0"], "not in (0, 1]"),

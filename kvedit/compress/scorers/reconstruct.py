@@ -16,7 +16,9 @@ reduced to its maximum over the chunk's queries at once). When the positions lef
 state cannot hold the prompt and the whole text, the reconstruction is cut into *segments* of
 the most tokens that fit, each run afresh on the cache after the prompt (the scores are the
 maximum over segments). The reconstructed tokens are the text's tokens but its special ones
-(a BOS token, chat markers).
+(a BOS token, chat markers) whose entries the state still holds: a state that forgot part of
+its text (:class:`kvedit.Memory` under a budget) reconstructs what it holds, so a round costs
+in proportion to the budget, not to the whole transcript.
 
 Every entry is scored by the attention it receives, text tokens or not (a separator, a re-read
 copy appended after the text: the reconstruction runs after them and sees them); nothing scores
@@ -74,7 +76,8 @@ class Reconstruct(Scorer):
         prompt = DEFAULT_PROMPT if self.prompt is None else self.prompt
         prompt_ids = state.encode(prompt, "prompt") if prompt else []
         special = set(getattr(tok, "all_special_ids", []) or [])
-        ids = [t for t in state.token_ids.tolist() if t not in special]
+        token_ids = state.token_ids.tolist()
+        ids = [token_ids[t] for t in _held_tokens(state) if token_ids[t] not in special]
         if not ids:
             raise InvalidInputError("reconstruct: the state holds no text token to reconstruct")
         # refused before any work when not even the prompt and one chunk fit after the state
@@ -97,6 +100,14 @@ class Reconstruct(Scorer):
                 )
             out[i] = best[i].reshape(b, kv_heads, heads // kv_heads, n).amax(dim=2)
         return out
+
+
+def _held_tokens(state: KVState) -> list[int]:
+    """The text tokens whose entries the state's global layers still hold (any of them), in
+    order: the context the model reconstructs (a forgotten token is not re-read)."""
+    layers = [layer for layer in state.layers if layer.window is None] or state.layers
+    held = torch.cat([layer.token_index for layer in layers]).unique()
+    return [t for t in held.tolist() if t >= 0]
 
 
 class _MaxObserver(Observer):

@@ -3,7 +3,7 @@ for at the end.
 
 Each conversation (:func:`facts_examples`) is ``n_messages`` messages after a system message:
 user and assistant in turns. ``n_facts`` of the user messages state a fact ("My locker code is
-4821."), the assistant answering "Noted."; the others are unrelated chat with its replies
+4821."), the assistant restating it ("Noted: your locker code is 4821."); the others are unrelated chat with its replies
 (:data:`CHAT`). The facts are spread evenly over the thirds of the conversation (the buckets
 ``early``, ``middle``, ``late``: :func:`~kvedit.evals.tasks.memory_schema.bucket_of` of the
 message's pair), each in a seeded, distinct pair. Then each fact is asked for, in a seeded
@@ -13,9 +13,10 @@ independent and only the fact's age differs.
 Fact kinds (:data:`KINDS`): codes (4 digits), names (a surname), dates (a month and a day),
 licence plates (letters and digits), cities and pets' names; each kind has several subjects
 (the locker, the bike lock, ...), and a conversation never asks two facts with the same
-subject. Every gold answer occurs exactly once in the conversation's text (normalized as the
-metric normalizes, :func:`kvedit.evals.metrics.normalize_answer`): a value that would occur
-twice is drawn again.
+subject. Every gold answer occurs in the conversation's text only in its own pair, once in the
+statement and once in the acknowledgement (normalized as the metric normalizes,
+:func:`kvedit.evals.metrics.normalize_answer`): a value that would occur elsewhere is drawn
+again.
 """
 
 from __future__ import annotations
@@ -122,53 +123,134 @@ KINDS: dict[str, tuple[Callable[[random.Random], str], tuple[tuple[str, str, str
     "code": (
         _code,
         (
-            ("locker", "My locker code is {v}.", "What is my locker code?"),
-            ("bike", "The code of my bike lock is {v}.", "What is the code of my bike lock?"),
-            ("gate", "The gate code at my building is {v}.", "What is the gate code?"),
-            ("alarm", "My alarm code is {v}.", "What is my alarm code?"),
+            (
+                "locker",
+                "My locker code is {v}.",
+                "What is my locker code?",
+                "Noted: your locker code is {v}.",
+            ),
+            (
+                "bike",
+                "The code of my bike lock is {v}.",
+                "What is the code of my bike lock?",
+                "Noted: the code of your bike lock is {v}.",
+            ),
+            (
+                "gate",
+                "The gate code at my building is {v}.",
+                "What is the gate code?",
+                "Noted: the gate code at your building is {v}.",
+            ),
+            (
+                "alarm",
+                "My alarm code is {v}.",
+                "What is my alarm code?",
+                "Noted: your alarm code is {v}.",
+            ),
         ),
     ),
     "name": (
         lambda rng: rng.choice(_SURNAMES),
         (
-            ("dentist", "My new dentist is Dr. {v}.", "What is my dentist's name?"),
-            ("landlord", "My landlord's surname is {v}.", "What is my landlord's surname?"),
-            ("manager", "My manager is called Ms. {v}.", "What is my manager called?"),
+            (
+                "dentist",
+                "My new dentist is Dr. {v}.",
+                "What is my dentist's name?",
+                "Noted: your new dentist is Dr. {v}.",
+            ),
+            (
+                "landlord",
+                "My landlord's surname is {v}.",
+                "What is my landlord's surname?",
+                "Noted: your landlord's surname is {v}.",
+            ),
+            (
+                "manager",
+                "My manager is called Ms. {v}.",
+                "What is my manager called?",
+                "Noted: your manager is called Ms. {v}.",
+            ),
         ),
     ),
     "date": (
         _date,
         (
-            ("wedding", "My sister's wedding is on {v}.", "When is my sister's wedding?"),
-            ("exam", "My driving exam is on {v}.", "When is my driving exam?"),
-            ("flight", "My flight home is on {v}.", "When is my flight home?"),
+            (
+                "wedding",
+                "My sister's wedding is on {v}.",
+                "When is my sister's wedding?",
+                "Noted: your sister's wedding is on {v}.",
+            ),
+            (
+                "exam",
+                "My driving exam is on {v}.",
+                "When is my driving exam?",
+                "Noted: your driving exam is on {v}.",
+            ),
+            (
+                "flight",
+                "My flight home is on {v}.",
+                "When is my flight home?",
+                "Noted: your flight home is on {v}.",
+            ),
         ),
     ),
     "plate": (
         _plate,
         (
-            ("car", "My car's licence plate is {v}.", "What is my car's licence plate?"),
-            ("van", "The licence plate of our van is {v}.", "What is our van's licence plate?"),
+            (
+                "car",
+                "My car's licence plate is {v}.",
+                "What is my car's licence plate?",
+                "Noted: your car's licence plate is {v}.",
+            ),
+            (
+                "van",
+                "The licence plate of our van is {v}.",
+                "What is our van's licence plate?",
+                "Noted: the licence plate of your van is {v}.",
+            ),
         ),
     ),
     "city": (
         lambda rng: rng.choice(_CITIES),
         (
-            ("born", "I was born in {v}.", "In which city was I born?"),
-            ("moving", "Next year I am moving to {v}.", "Which city am I moving to?"),
+            (
+                "born",
+                "I was born in {v}.",
+                "In which city was I born?",
+                "Noted: you were born in {v}.",
+            ),
+            (
+                "moving",
+                "Next year I am moving to {v}.",
+                "Which city am I moving to?",
+                "Noted: next year you are moving to {v}.",
+            ),
         ),
     ),
     "pet": (
         lambda rng: rng.choice(_PETS),
         (
-            ("cat", "My cat is named {v}.", "What is my cat's name?"),
-            ("dog", "Our dog is called {v}.", "What is our dog called?"),
+            (
+                "cat",
+                "My cat is named {v}.",
+                "What is my cat's name?",
+                "Noted: your cat is named {v}.",
+            ),
+            (
+                "dog",
+                "Our dog is called {v}.",
+                "What is our dog called?",
+                "Noted: your dog is called {v}.",
+            ),
         ),
     ),
 }
-"""Fact kind -> (value generator, subjects: (subject, statement, question))."""
+"""Fact kind -> (value generator, subjects: (subject, statement, question, acknowledgement)).
+The assistant restates each fact: a bare "Noted." after every fact leads a small model to
+answer "Noted." again instead of the fact (SmolLM2-135M did so on 118 of 270 questions)."""
 
-ACK = "Noted."
 ASK = "Earlier I told you this. {q} Answer in a few words."
 
 CHAT: tuple[tuple[str, str], ...] = (
@@ -233,11 +315,15 @@ def _conversation(
             if p in pairs:
                 k = pairs.index(p)
                 where[k] = p
-                messages += [("user", facts[k][1][1].format(v=values[k])), ("assistant", ACK)]
+                _, statement, _, echo = facts[k][1]
+                messages += [
+                    ("user", statement.format(v=values[k])),
+                    ("assistant", echo.format(v=values[k])),
+                ]
             else:
                 messages += list(zip(("user", "assistant"), chat[p % len(chat)]))
         text = f" {normalize_answer(' '.join(c for _, c in messages))} "
-        if all(text.count(f" {normalize_answer(v)} ") == 1 for v in values):
+        if all(text.count(f" {normalize_answer(v)} ") == 2 for v in values):
             break
     else:
         raise InvalidInputError(f"could not draw {n_facts} distinct fact values")
