@@ -13,6 +13,8 @@ Speed and memory:
 * ``focus_cost``: seconds of focus (scoring, edit, guarded answer) next to ``none``.
 * ``memory_speed``: time to first token per turn of a ``kvedit.Memory`` against re-reading the
   transcript and a bare extend; tokens run per message, peak RSS, bytes.
+* ``memory_budget``: a ``kvedit.Memory`` under ``max_bytes`` over a long conversation: bytes
+  after every message against the budget, forgetting's cost per message against the message's.
 * ``attention``: kvedit's Triton attention kernel against torch and flash-attn (GPU).
 * ``gpu_e2e``: steered generation of 8B- and 4B-shaped models against unsteered (GPU).
 * ``gpu_seam_check``: the attention seam on CUDA: unsteered bit-identical, exact continuation.

@@ -20,9 +20,10 @@ methods (--methods, comma-separated specs name[:key=value...]):
   snapkv-first  everything kept, compressed once by SnapKV with the first question as query,
                 then reused for every question
   parameters: budget=F (this budget only), recent=N (messages never forgotten; default 2 for
-  facts, 1 for nq-shared), quantize=B (refused: not built yet)
+  facts, 1 for nq-shared), quantize=B (2, 4 or 8: the messages before the last recent held in
+  B bits; with snapkv-first, the compressed state quantized)
 budgets (--budgets): fractions in (0, 1] of the conversation's global-layer entries when the
-first question is asked; at 1.0 every method is reuse (computed once).
+first question is asked; at 1.0 every method without quantize is reuse (computed once).
 """
 
 

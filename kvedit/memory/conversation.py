@@ -241,14 +241,11 @@ class Memory:
         """Make the new state the memory's, after all work is done: one assignment, so an
         interrupt (Ctrl-C) leaves the memory as it was before or as it is after. With
         ``quantize``, the messages before the last ``recent`` are held in its bits first."""
-        all_turns = (*self._turns, *turns)
-        if self.quantize is not None and len(all_turns) > self.recent:
-            exact_from = (
-                all_turns[len(all_turns) - self.recent].start if self.recent else len(state)
-            )
-            state = hold_older_quantized(state, self.quantize, exact_from, forgot=bool(rounds))
+        if self.quantize is not None:
+            starts = [t.start for t in (*self._turns, *turns)]
+            state = hold_older_quantized(state, self.quantize, starts, self.recent, bool(rounds))
         per_token = _bytes_per_token(state)
-        turns = [_with_bytes(t, round(per_token * t.n_tokens)) for t in turns]
+        turns = [t.with_nbytes(round(per_token * t.n_tokens)) for t in turns]
         self._held = _Held(
             state,
             (*self._messages, *messages),
@@ -482,10 +479,6 @@ class _Held:
 def _bytes_per_token(state: KVState) -> float:
     """Bytes one token's entries take on the global layers of ``state``."""
     return sum(layer.nbytes / max(len(layer), 1) for layer in state.layers if layer.window is None)
-
-
-def _with_bytes(turn: Turn, nbytes: int) -> Turn:
-    return Turn(**{**turn.to_json(), "nbytes": nbytes})
 
 
 def _preview(text: str, width: int = 48) -> str:

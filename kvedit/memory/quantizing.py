@@ -19,6 +19,8 @@ packed after every call; only within a call does it hold it dense.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..cache.packed import BITS
 from ..compress.quantization import quantize
 from ..errors import InvalidInputError
@@ -65,12 +67,16 @@ def exact_old_entries(state: KVState, exact_from: int) -> int:
 
 
 def hold_older_quantized(
-    state: KVState, bits: int, exact_from: int, *, forgot: bool = False
+    state: KVState, bits: int, starts: Sequence[int], recent: int, forgot: bool = False
 ) -> KVState:
-    """``state`` with the global layers' entries of tokens before ``exact_from`` packed in
-    ``bits`` bits (whole key groups), when :data:`REQUANTIZE_AFTER` or more of them are exact
-    or, with ``forgot`` (a forgetting round made them dense), when any are; else ``state``
-    itself. The entries from ``exact_from`` on stay exact."""
+    """``state`` with the global layers' entries of the messages before the last ``recent``
+    (``starts``: each message's first token) packed in ``bits`` bits (whole key groups), when
+    :data:`REQUANTIZE_AFTER` or more of them are exact or, with ``forgot`` (a forgetting round
+    made them dense), when any are; else ``state`` itself. The last ``recent`` messages stay
+    exact."""
+    if len(starts) <= recent:
+        return state
+    exact_from = starts[len(starts) - recent] if recent else len(state)
     old = exact_old_entries(state, exact_from)
     if old < (1 if forgot else REQUANTIZE_AFTER):
         return state

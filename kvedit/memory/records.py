@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 __all__ = ["SOURCES", "Turn"]
 
@@ -48,3 +48,7 @@ class Turn:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def with_nbytes(self, nbytes: int) -> Turn:
+        """The same turn holding ``nbytes``."""
+        return replace(self, nbytes=nbytes)
