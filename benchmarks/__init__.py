@@ -28,6 +28,8 @@ Accuracy:
 * ``focus_abstain``: attention shares of relevant and unrelated questions, per abstain threshold.
 * ``focus_no_harm``: #28's no-harm, hit-rate and ceiling table from eval runs (no model).
 * ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
+* ``memory_table``: one table from several ``kvedit eval memory`` runs, each method against
+  ``reuse`` (no model).
 * ``litm_engines``: one lost-in-the-middle run answered by kvedit and by vLLM (vLLM venv).
 
 Tools:

@@ -1,0 +1,114 @@
+"""One table from several ``kvedit eval memory`` runs of the same task and model (other seeds,
+or a run stopped before its end), and each method's accuracy against ``reuse``'s.
+
+Each RUN is a results folder: its ``results.json``, or, for a run that was stopped, its
+``partial.jsonl`` (only the conversations whose records are whole for every method and budget
+of that run are kept, so every method is compared on the same questions). The records are pooled
+and summarized as ``kvedit eval memory`` summarizes one run
+(:func:`kvedit.evals.memory.summarize_memory`, :func:`kvedit.evals.memory.format_memory_table`).
+Below the table, per method and budget: its mean over ``reuse``'s, and per bucket the questions
+lost against ``reuse`` with #28's rule (at most one question lost where a bucket holds 30 or
+fewer, else at least ``reuse`` - 0.02).
+
+Usage: ``python -m benchmarks.memory_table runs/mem-facts-s1 runs/mem-facts-s2 --out
+runs/memory_table.md``
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.common import command_line, parser, write_file
+from kvedit.evals.memory import format_memory_table, summarize_memory
+from kvedit.evals.tasks.memory_schema import BUCKETS
+
+
+def run_records(folder: str | Path) -> list[dict]:
+    """The records of one run: ``results.json``'s, else ``partial.jsonl``'s whole
+    conversations."""
+    folder = Path(folder)
+    done = folder / "results.json"
+    if done.exists():
+        return json.loads(done.read_text())["examples"]
+    lines = (folder / "partial.jsonl").read_text().splitlines()
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a last line cut by the stop
+            continue
+    pairs = {(r["method"], float(r["budget"])) for r in records}
+    by_example: dict[str, set] = defaultdict(set)
+    for r in records:
+        by_example[r["example"]].add((r["method"], float(r["budget"])))
+    whole = {e for e, got in by_example.items() if got == pairs}
+    return [r for r in records if r["example"] in whole]
+
+
+def versus_reuse(records: Sequence[dict]) -> list[str]:
+    """Per method and budget: mean over ``reuse``'s and the questions lost per bucket."""
+    reuse = {r["id"]: r["correct"] for r in records if r["method"] == "reuse"}
+    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    for r in records:
+        if r["method"] != "reuse" and r["id"] in reuse:
+            groups[(r["method"], float(r["budget"]))].append(r)
+    lines = [
+        "| method | budget | mean / reuse | "
+        + " | ".join(f"{b}: lost (n)" for b in BUCKETS)
+        + " | no-harm rule |",
+        "|---|---|---|" + "---|" * len(BUCKETS) + "---|",
+    ]
+    for (method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        cells, ok = [], True
+        for b in BUCKETS:
+            mine = [r for r in rs if r["bucket"] == b]
+            if not mine:
+                cells.append("-")
+                continue
+            have = sum(reuse[r["id"]] for r in mine)
+            got = sum(r["correct"] for r in mine)
+            lost = have - got
+            n = len(mine)
+            ok &= lost <= 1 if n <= 30 else got / n >= have / n - 0.02
+            cells.append(f"{lost:+g} ({n})".replace("+", "") if lost else f"0 ({n})")
+        base = sum(reuse[r["id"]] for r in rs)
+        ratio = sum(r["correct"] for r in rs) / base if base else float("nan")
+        lines.append(
+            f"| {method} | {budget:g} | {ratio:.2f} | "
+            + " | ".join(cells)
+            + f" | {'kept' if ok else 'broken'} |"
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("runs", nargs="+", help="results folders of kvedit eval memory")
+    p.add_argument("--out", default=None, help="write the tables to this markdown file")
+    args = p.parse_args(argv)
+    records = [r for run in args.runs for r in run_records(run)]
+    examples = sorted({r["example"] for r in records})
+    table = format_memory_table(summarize_memory(records))
+    lines = [
+        f"`{command_line(__file__, argv)}`",
+        "",
+        f"{len(examples)} conversations: {', '.join(examples)}",
+        "",
+        "```text",
+        table,
+        "```",
+        "",
+        *versus_reuse(records),
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        write_file(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
