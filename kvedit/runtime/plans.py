@@ -19,7 +19,14 @@ __all__ = ["Active", "BiasPlan", "active_entry", "active_plan", "config_key", "d
 
 
 class BiasPlan(Protocol):
-    """Where the additive key bias of one model comes from, for one context."""
+    """Where the additive key bias of one model comes from, for one context.
+
+    Two optional members the seam reads when present: ``observe(layer_idx, probs)``, called
+    with each layer's attention probabilities ``[batch, heads, q, k]``; and
+    ``output_from_probs = True``, for an observing plan whose pass's outputs are discarded:
+    the attention output is then taken from those probabilities (fast, not bit-identical to
+    an unobserved pass, which every other plan's pass is).
+    """
 
     def key_bias(self, layer_idx: int, k_len: int, total_len: int) -> torch.Tensor | None:
         """Bias for the ``k_len`` keys of layer ``layer_idx``: ``[batch, kv_heads|heads, k_len]``.

@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import errors
-from ..attention import attend, attention_probs
+from ..attention import attend, attend_probs, attention_probs
 from .plans import active_entry
 
 __all__ = [
@@ -186,9 +186,17 @@ def kvedit_attention_forward(
         softcap=softcap,
         sinks=s_aux,
     )
-    if observe is not None:
-        observe(module.layer_idx, attention_probs(query, key, **common))
-    out = attend(query, key, value, custom_mask=custom_mask, **common)
+    # a plan that only reads attention (its pass's outputs are discarded) may take the output
+    # from the probabilities; every other pass computes it as an unobserved one does, bit for bit
+    inexact = getattr(plan, "output_from_probs", False)
+    if observe is not None and custom_mask is None and inexact:
+        probs = attention_probs(query, key, **common)
+        observe(module.layer_idx, probs)
+        out = attend_probs(probs, value)
+    else:
+        if observe is not None:
+            observe(module.layer_idx, attention_probs(query, key, **common))
+        out = attend(query, key, value, custom_mask=custom_mask, **common)
     return out.transpose(1, 2).contiguous(), None
 
 

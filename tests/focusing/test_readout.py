@@ -109,13 +109,13 @@ def test_share_agrees_with_attention_probs_computed_by_hand(llama, monkeypatch):
     model, tok = llama
     state = ops.emphasize(kvedit.capture(model, tok, RECORDS), "Bob", 1.5)  # with a stored bias
     calls = []
-    real_attend = ka.attend
+    real_probs = ka.attention_probs
 
-    def spy(q, k, v, **kwargs):
+    def spy(q, k, **kwargs):
         calls.append((q.clone(), k.clone(), kwargs))
-        return real_attend(q, k, v, **kwargs)
+        return real_probs(q, k, **kwargs)
 
-    monkeypatch.setattr(seam, "attend", spy)  # the seam calls it by this name
+    monkeypatch.setattr(seam, "attention_probs", spy)  # the seam calls it by this name
     share = kvedit.attention_share(state, QUESTION, [SPAN, "Bob"])
     assert len(calls) == len(state.layers)  # one forward, one call per layer
     token_share = torch.zeros(len(state))

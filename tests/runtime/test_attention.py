@@ -171,5 +171,9 @@ def test_attention_probs_times_values_is_the_attend_output(group, bias):
     assert probs.shape == (2, 2 * group, 4, 12) and probs.dtype == torch.float32
     via_probs = probs @ v.repeat_interleave(group, dim=1)
     torch.testing.assert_close(via_probs[live], out[live], atol=FP32_TOL, rtol=FP32_TOL)
+    # attend_probs groups the query heads onto their KV head as attend does
+    grouped = ka.attend_probs(probs, v)
+    assert grouped.shape == out.shape and grouped.dtype == v.dtype
+    torch.testing.assert_close(grouped[live], out[live], atol=FP32_TOL, rtol=FP32_TOL)
     torch.testing.assert_close(probs.double()[live], ref_probs[live], atol=FP32_TOL, rtol=0)
     torch.testing.assert_close(probs.sum(-1)[live], torch.ones_like(probs.sum(-1)[live]))

@@ -112,7 +112,12 @@ def _held_tokens(state: KVState) -> list[int]:
 
 class _MaxObserver(Observer):
     """Records, per layer, the largest attention ``[batch, heads, m]`` any query gives the
-    first ``m = columns[layer]`` keys (the state's entries still in the working cache)."""
+    first ``m = columns[layer]`` keys (the state's entries still in the working cache).
+
+    The working layers are discarded after scoring, so the attention output is taken from the
+    recorded probabilities (``output_from_probs``) rather than computed a second time."""
+
+    output_from_probs = True
 
     def __init__(self, layers: Sequence[LayerKV], columns: list[int]):
         super().__init__(layers)
