@@ -10,6 +10,10 @@ Below the table, per method and budget: its mean over ``reuse``'s, and per bucke
 lost against ``reuse`` with #28's rule (at most one question lost where a bucket holds 30 or
 fewer, else at least ``reuse`` - 0.02).
 
+A method run again in a later RUN (a changed policy, say) replaces its records in the earlier
+ones, question by question (the same conversation, by its digest, or the table is refused); the
+table says how many records were replaced.
+
 Usage: ``python -m benchmarks.memory_table runs/mem-facts-s1 runs/mem-facts-s2 --out
 runs/memory_table.md``
 """
@@ -46,6 +50,23 @@ def run_records(folder: str | Path) -> list[dict]:
         by_example[r["example"]].add((r["method"], float(r["budget"])))
     whole = {e for e, got in by_example.items() if got == pairs}
     return [r for r in records if r["example"] in whole]
+
+
+def latest(records: Sequence[dict]) -> tuple[list[dict], int]:
+    """``records`` with each question's record per method and budget taken from the last run
+    that holds it, and how many earlier records that replaced; a question whose conversation
+    differs between runs (another digest under the same id) is refused."""
+    kept: dict[tuple[str, str, float], dict] = {}
+    replaced = 0
+    for r in records:
+        key = (r["id"], r["method"], float(r["budget"]))
+        old = kept.get(key)
+        if old is not None:
+            if old.get("digest") != r.get("digest"):
+                raise SystemExit(f"{r['id']}: another conversation under the same id in two runs")
+            replaced += 1
+        kept[key] = r
+    return list(kept.values()), replaced
 
 
 def versus_reuse(records: Sequence[dict]) -> list[str]:
@@ -89,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="results folders of kvedit eval memory")
     p.add_argument("--out", default=None, help="write the tables to this markdown file")
     args = p.parse_args(argv)
-    records = [r for run in args.runs for r in run_records(run)]
+    records, replaced = latest([r for run in args.runs for r in run_records(run)])
     examples = sorted({r["example"] for r in records})
     table = format_memory_table(summarize_memory(records))
     lines = [
@@ -97,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"{len(examples)} conversations: {', '.join(examples)}",
         "",
+        *([f"{replaced} records replaced by a later run's", ""] if replaced else []),
         "```text",
         table,
         "```",

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.memory_table import run_records, versus_reuse
+import pytest
+
+from benchmarks.memory_table import latest, run_records, versus_reuse
 
 
 def _record(example, method, budget, q, bucket, correct):
@@ -39,3 +41,16 @@ def test_versus_reuse_counts_losses_per_bucket_with_the_rule():
     table = "\n".join(versus_reuse(rows))
     assert "| window | 0.25 | 0.90 | 1 (10) |" in table and "kept" in table
     assert "| knorm | 0.25 | 0.80 | 2 (10) |" in table and "broken" in table
+
+
+def test_a_later_run_replaces_a_methods_records_question_by_question():
+    old = [_record("a", "reuse", 1.0, 0, "early", 1.0), _record("a", "tova", 0.25, 0, "early", 0.0)]
+    new = [_record("a", "tova", 0.25, 0, "early", 1.0)]
+    rows, replaced = latest(old + new)
+    assert replaced == 1 and sorted((r["method"], r["correct"]) for r in rows) == [
+        ("reuse", 1.0),
+        ("tova", 1.0),
+    ]
+    other = [{**new[0], "digest": "another"}]
+    with pytest.raises(SystemExit, match="another conversation"):
+        latest(old + other)
