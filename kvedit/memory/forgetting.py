@@ -2,17 +2,22 @@
 more than it may, without knowing the next question.
 
 The budget counts the entries of the global-attention layers (a sliding-window layer keeps its
-last tokens by itself and is not counted), the same number on every such layer; a byte budget
-is converted with the bytes one entry takes on all global layers in bfloat16
-(:func:`entry_bytes_bf16`), so a budget means the same on models stored in other dtypes.
+last tokens by itself and is not counted), on average over those layers
+(:func:`global_entries`); a byte budget is converted with the bytes one entry takes on all
+global layers in bfloat16 (:func:`entry_bytes_bf16`), so a budget means the same on models
+stored in other dtypes.
 
 A round (:func:`forget`) scores every global layer's entries with the policy, keeps every
 protected entry (the first :data:`SINK_TOKENS` tokens, the system message, the last ``recent``
 messages, the ``protect`` spans) and the best-scored others up to the target, drops the rest
-from that layer (all KV heads alike, so the bytes go down by exactly what is dropped), and runs
-the state's last token again over what is left (its logits then follow the cache it has). The
-state's history gets a ``forget`` step (not exact): a memory that forgot is no longer a plain
-capture.
+(all KV heads alike, so the bytes go down by exactly what is dropped), and runs the state's
+last token again over what is left (its logits then follow the cache it has). The target is
+each layer's for most policies (every global layer keeps the same entries' count); for the
+policies in :data:`SHARED_POLICIES` it is shared by the global layers, as KVzip shares it:
+their scores (attention probabilities) compare across layers, so the best-scored entries of all
+layers together are kept and a layer the reconstruction reads broadly keeps more than one that
+reads a few tokens. The state's history gets a ``forget`` step (not exact): a memory that
+forgot is no longer a plain capture.
 
 Policies (:data:`POLICIES`), each a score per entry, higher kept first:
 
@@ -29,7 +34,9 @@ Policies (:data:`POLICIES`), each a score per entry, higher kept first:
                 :mod:`kvedit.compress.scorers.reconstruct`), when that scorer is registered
 ==============  ===============================================================================
 
-A compression scorer's per-head scores are averaged over the KV heads.
+A compression scorer's per-head scores are averaged over the KV heads, but for the policies of
+:data:`SHARED_POLICIES`, whose entry scores are their largest over the heads (KVzip's: an entry
+one head needs is kept).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from ..states.state import KVState
 
 __all__ = [
     "LOW_WATER",
+    "SHARED_POLICIES",
     "Budget",
     "POLICIES",
     "SINK_TOKENS",
@@ -72,6 +80,11 @@ rather than at every message."""
 POLICIES = ("window", "knorm", "tova", "snapkv", "h2o", "reconstruct")
 """The forgetting policies by name (module docstring)."""
 
+SHARED_POLICIES = ("reconstruct",)
+"""Policies whose round shares the target among the global layers (module docstring): on the
+facts task's tuning seed, reconstruct kept the same facts with the target shared as KVzip shares
+it and lost them with the same count on every layer (reports/memory/eval_memory.md)."""
+
 
 @dataclass(frozen=True)
 class Round:
@@ -85,10 +98,18 @@ class Round:
     seconds: float
 
 
+def _global_layers(state: KVState) -> list[int]:
+    """Indices of the global-attention layers (every layer when the model has none)."""
+    chosen = [i for i, layer in enumerate(state.layers) if layer.window is None]
+    return chosen or list(range(len(state.layers)))
+
+
 def global_entries(state: KVState) -> int:
-    """The most entries a global-attention layer of ``state`` holds (every layer when the model
-    has none)."""
-    return state.cache_length
+    """The entries a global-attention layer of ``state`` holds on average, rounded up (every
+    layer when the model has none): times :func:`entry_bytes_bf16`, at least the bytes the
+    global layers hold in bfloat16."""
+    sizes = [len(state.layers[i]) for i in _global_layers(state)]
+    return -(-sum(sizes) // len(sizes))
 
 
 def entry_bytes_bf16(state: KVState) -> int:
@@ -116,6 +137,8 @@ def policy_scores(policy: str, state: KVState, layers: Sequence[int]) -> dict[in
         return {i: state.layers[i].token_index.float() for i in layers}
     scorer = make_scorer(policy)
     scores = scorer.score(state, list(layers))
+    if policy in SHARED_POLICIES:  # KVzip: an entry some head needs is kept for all heads
+        return {i: scores[i].float().amax(dim=(0, 1)).cpu() for i in layers}
     return {i: scores[i].float().mean(dim=(0, 1)).cpu() for i in layers}
 
 
@@ -132,7 +155,8 @@ def forget(
 
     Args:
         state: the memory's state (not modified).
-        target: the entries each global layer keeps.
+        target: the entries each global layer keeps (on average over them for the
+            policies of :data:`SHARED_POLICIES`).
         protected: ``BoolTensor[len(state)]``, the tokens no round drops.
         policy: one of :data:`POLICIES`.
 
@@ -141,29 +165,29 @@ def forget(
     """
     t0 = time.perf_counter()
     before = global_entries(state)
-    chosen = [i for i, layer in enumerate(state.layers) if layer.window is None]
-    if not chosen:
-        chosen = list(range(len(state.layers)))
+    chosen = _global_layers(state)
     per_layer = scores(policy, state, chosen)
-    layers = list(state.layers)
+    keeps = {}
     for i in chosen:
-        layer = layers[i]
-        index = layer.token_index.cpu()
+        index = state.layers[i].token_index.cpu()
         keep = (index >= 0) & protected[index.clamp_min(0)]
         keep |= (index >= 0) & (index < SINK_TOKENS)
         keep |= index == len(state) - 1  # the last input: its logits are run again below
-        n_kept = int(keep.sum())
-        if n_kept > target:
-            raise InvalidInputError(
-                f"the protected part holds {n_kept} entries, more than the {target} the budget "
-                "leaves: raise the budget, or protect less (recent=, protect=)"
-            )
-        room = min(target, len(layer)) - n_kept
-        if room > 0:
-            s = per_layer[i].clone()
-            s[keep] = float("-inf")
-            keep[torch.topk(s, room).indices] = True
-        layers[i] = layer.select(keep.nonzero().flatten())
+        keeps[i] = keep
+    n_kept = max(int(k.sum()) for k in keeps.values())  # every layer holds the protected part
+    if n_kept > target:
+        raise InvalidInputError(
+            f"the protected part holds {n_kept} entries, more than the {target} the budget "
+            "leaves: raise the budget, or protect less (recent=, protect=)"
+        )
+    if policy in SHARED_POLICIES:
+        _keep_best_shared(keeps, per_layer, target)
+    else:
+        for i in chosen:
+            _keep_best(keeps[i], per_layer[i], min(target, len(keeps[i])) - int(keeps[i].sum()))
+    layers = list(state.layers)
+    for i in chosen:
+        layers[i] = layers[i].select(keeps[i].nonzero().flatten())
     out = state.replace(layers=layers).with_step(
         Step(
             "compression",
@@ -176,13 +200,41 @@ def forget(
     return out, Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
 
 
+def _keep_best(keep: torch.Tensor, scores: torch.Tensor, room: int) -> None:
+    """Mark in ``keep`` (in place) the ``room`` best-``scores`` entries it does not hold yet."""
+    if room > 0:
+        s = scores.clone()
+        s[keep] = float("-inf")
+        keep[torch.topk(s, room).indices] = True
+
+
+def _keep_best_shared(
+    keeps: dict[int, torch.Tensor], scores: dict[int, torch.Tensor], target: int
+) -> None:
+    """Mark (in place) the best-scored entries of all layers together, so that the layers hold
+    ``target`` entries each on average: ``len(keeps) * target`` in all."""
+    order = list(keeps)
+    flat = torch.cat([scores[i].float().masked_fill(keeps[i], float("-inf")) for i in order])
+    held = sum(int(keeps[i].sum()) for i in order)
+    room = min(len(order) * target, len(flat)) - held
+    if room <= 0:
+        return
+    chosen = torch.zeros(len(flat), dtype=torch.bool)
+    chosen[torch.topk(flat, room).indices] = True
+    start = 0
+    for i in order:
+        n = len(keeps[i])
+        keeps[i] |= chosen[start : start + n]
+        start += n
+
+
 @dataclass(frozen=True)
 class Budget:
     """How much a memory may hold and how it forgets (``Memory(max_tokens=, max_bytes=,
     forget=, recent=, protect=)``).
 
     Attributes:
-        max_entries: the most entries each global layer holds.
+        max_entries: the most entries a global layer holds on average (:func:`global_entries`).
         policy: one of :data:`POLICIES`.
         recent: the last messages never forgotten (the message being added is one of them).
         protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`

@@ -125,3 +125,46 @@ def test_a_forgetting_memory_saves_loads_and_continues_alike(llama, tmp_path):
         loaded.add(role, content)
         assert loaded.state.digest == mem.state.digest
     assert mem.ask("Code?", max_new_tokens=4) == loaded.ask("Code?", max_new_tokens=4)
+
+
+def test_a_shared_target_keeps_the_best_entries_of_all_layers(llama):
+    """reconstruct's round shares the target among the global layers: the layer whose entries
+    score higher keeps more, the layers hold ``target`` entries each on average, and every
+    layer keeps the protected tokens."""
+    import torch
+
+    from kvedit.memory.forgetting import SHARED_POLICIES, forget
+
+    model, tok = llama
+    state = kvedit.capture(model, tok, " ".join(c for _, c in CHAT * 2))
+    n, layers = len(state), len(state.layers)
+    protected = torch.zeros(n, dtype=torch.bool)
+    protected[10:14] = True
+
+    def scores(policy, st, chosen):  # layer 0 reads everything, the others little
+        return {i: torch.rand(n) + (1.0 if i == 0 else 0.0) for i in chosen}
+
+    target = 30
+    assert "reconstruct" in SHARED_POLICIES
+    out, rnd = forget(state, target, protected, "reconstruct", scores=scores)
+    sizes = [len(layer) for layer in out.layers]
+    assert sum(sizes) == target * layers and global_entries(out) == target == rnd.after
+    assert sizes[0] == min(n, target * layers - (layers - 1) * (SINK_TOKENS + 4 + 1))
+    for i in range(layers):
+        assert set(range(10, 14)) | set(range(SINK_TOKENS)) | {n - 1} <= held_tokens(out, i)
+    # the same scores with a per-layer target: every layer keeps the same count
+    flat, _ = forget(state, target, protected, "tova", scores=scores)
+    assert [len(layer) for layer in flat.layers] == [target] * layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_reconstruct_stays_within_the_budget_on_average(arch, request):
+    model, tok = request.getfixturevalue(arch)
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=90, forget="reconstruct")
+    per_entry = entry_bytes_bf16(mem.state)
+    for role, content in CHAT * 4:
+        mem.add(role, content)
+        held = sum(len(mem.state.layers[i]) for i in global_layers(mem.state))
+        assert held <= 90 * len(global_layers(mem.state))
+        assert global_entries(mem.state) * per_entry <= 90 * per_entry
+    assert mem.forgetting
