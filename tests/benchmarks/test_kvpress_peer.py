@@ -56,6 +56,9 @@ def test_export_holds_kvedits_rendering_of_the_conversation(exported):
     renderer = renderer_for("chat", tok)
     (item,) = exported["conversations"]
     assert exported["format"] == peer.FORMAT and item["id"] == conv.id
+    # the folder kvedit loads the model from, for `run` in kvpress's venv (a test model is
+    # built in memory: none)
+    assert exported["model_dir"] is None
     assert item["digest"] == conv.digest()
     assert item["full_entries"] == full_entries(renderer, conv) == len(item["context_ids"])
     messages = [Message(r, c) for r, c in conv.messages]
