@@ -181,8 +181,10 @@ def export(args: argparse.Namespace) -> int:
         args.task, args.n_examples, args.seed, args.size, args.questions
     )
     model, tokenizer = load_model(args.model, device="cpu")
-    folder = Path(model.config.name_or_path)  # the folder kvedit loads (none: built in memory)
-    model_dir = str(folder.resolve()) if (folder / "config.json").exists() else None
+    name = model.config.name_or_path  # the folder kvedit loads (none: built in memory)
+    model_dir = (
+        str(Path(name).resolve()) if name and (Path(name) / "config.json").exists() else None
+    )
     del model
     renderer = renderer_for("chat", tokenizer)
     items = []
@@ -386,19 +388,19 @@ def run(args: argparse.Namespace) -> int:
     passes = [(PRESSES[s], b) for s in names for b in budgets]
     if args.baseline:
         passes.insert(0, (NO_PRESS, 1.0))
+    named = args.model_dir or data.get("model_dir")
+    if not named or not (Path(named) / "config.json").exists():
+        raise SystemExit(
+            f"{named or 'no model_dir'}: no Hugging Face model folder; `export` records the one "
+            "kvedit loads (run it again), or give --model-dir"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     sizes = {c["id"]: len(c["probes"]) for c in convs}
     done = complete_groups(read_jsonl(out), sizes) if args.resume else []
     out.write_text("".join(json.dumps(r) + "\n" for r in done))
     have = {group_key(r) for r in done}
-    folder = Path(args.model_dir or data.get("model_dir") or "")
-    if not (folder / "config.json").exists():
-        raise SystemExit(
-            f"{folder}: no Hugging Face model folder here; `export` records the one kvedit "
-            "loads (run it again), or give --model-dir"
-        )
-    model, tokenizer = load(folder)
+    model, tokenizer = load(Path(named))
     check = tokenizer(convs[0]["context_text"], add_special_tokens=False)["input_ids"]
     same_ids = list(check) == convs[0]["context_ids"]
     pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)

@@ -10,9 +10,9 @@ Below the table, per method and budget: its mean over ``reuse``'s, and per bucke
 lost against ``reuse`` with #28's rule (at most one question lost where a bucket holds 30 or
 fewer, else at least ``reuse`` - 0.02).
 
-A method run again in a later RUN (a changed policy, say) replaces its records in the earlier
-ones, question by question (the same conversation, by its digest, or the table is refused); the
-table says how many records were replaced.
+A method and budget run again in a later RUN (a changed policy, say) replaces all its records
+of the earlier runs (a question of the same id must be the same conversation, by its digest, or
+the table is refused); the table says how many records were replaced.
 
 Usage: ``python -m benchmarks.memory_table runs/mem-facts-s1 runs/mem-facts-s2 --out
 runs/memory_table.md``
@@ -52,21 +52,26 @@ def run_records(folder: str | Path) -> list[dict]:
     return [r for r in records if r["example"] in whole]
 
 
-def latest(records: Sequence[dict]) -> tuple[list[dict], int]:
-    """``records`` with each question's record per method and budget taken from the last run
-    that holds it, and how many earlier records that replaced; a question whose conversation
-    differs between runs (another digest under the same id) is refused."""
-    kept: dict[tuple[str, str, float], dict] = {}
-    replaced = 0
-    for r in records:
-        key = (r["id"], r["method"], float(r["budget"]))
-        old = kept.get(key)
-        if old is not None:
-            if old.get("digest") != r.get("digest"):
-                raise SystemExit(f"{r['id']}: another conversation under the same id in two runs")
-            replaced += 1
-        kept[key] = r
-    return list(kept.values()), replaced
+def latest(runs: Sequence[Sequence[dict]]) -> tuple[list[dict], int]:
+    """The records of ``runs`` (each run's, in order), each method and budget's taken from the
+    last run that holds it (a mix of runs in one row would mix two versions of the method), and
+    how many earlier records that dropped; a question whose conversation differs between runs
+    (another digest under the same id) is refused."""
+    digests: dict[str, str | None] = {}
+    for r in (r for run in runs for r in run):
+        if digests.setdefault(r["id"], r.get("digest")) != r.get("digest"):
+            raise SystemExit(f"{r['id']}: another conversation under the same id in two runs")
+    owner: dict[tuple[str, float], int] = {}
+    for k, run in enumerate(runs):
+        for r in run:
+            owner[(r["method"], float(r["budget"]))] = k
+    kept = [
+        r
+        for k, run in enumerate(runs)
+        for r in run
+        if owner[(r["method"], float(r["budget"]))] == k
+    ]
+    return kept, sum(len(run) for run in runs) - len(kept)
 
 
 def versus_reuse(records: Sequence[dict]) -> list[str]:
@@ -110,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="results folders of kvedit eval memory")
     p.add_argument("--out", default=None, help="write the tables to this markdown file")
     args = p.parse_args(argv)
-    records, replaced = latest([r for run in args.runs for r in run_records(run)])
+    records, replaced = latest([run_records(run) for run in args.runs])
     examples = sorted({r["example"] for r in records})
     table = format_memory_table(summarize_memory(records))
     lines = [

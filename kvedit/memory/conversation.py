@@ -57,8 +57,8 @@ class Memory:
     a model whose config understates its context; every message and answer is refused before
     any work when it would run past it.
 
-    Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (entries of each
-    global-attention layer) or ``max_bytes`` (those entries' bytes in bfloat16), a message that
+    Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (entries of a
+    global-attention layer, on average over them) or ``max_bytes`` (those entries' bytes in bfloat16), a message that
     would take the memory past its budget first makes it forget, with the ``forget`` policy,
     down to :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
     last ``recent`` messages and the ``protect`` spans are never forgotten. Each round is a

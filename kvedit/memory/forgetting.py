@@ -89,7 +89,8 @@ it and lost them with the same count on every layer (reports/memory/eval_memory.
 @dataclass(frozen=True)
 class Round:
     """One forgetting round: at which message, the policy, the global-layer entries before and
-    after, and its cost in seconds (scoring, dropping and the last token's rerun)."""
+    after (:func:`global_entries`: on average over those layers), and its cost in seconds
+    (scoring, dropping and the last token's rerun)."""
 
     at_message: int
     policy: str
@@ -151,7 +152,8 @@ def forget(
     at_message: int = 0,
     scores: Callable[[str, KVState, Sequence[int]], dict[int, torch.Tensor]] = policy_scores,
 ) -> tuple[KVState, Round]:
-    """``state`` with each global layer cut to ``target`` entries.
+    """``state`` with its global layers cut to ``target`` entries each (on average for the
+    policies of :data:`SHARED_POLICIES`).
 
     Args:
         state: the memory's state (not modified).
@@ -253,8 +255,9 @@ class Budget:
         n_new: int,
         at_message: int,
     ) -> tuple[KVState, Round | None]:
-        """``state`` with room for ``n_new`` more entries per global layer: unchanged when they
-        fit, else forgotten down to :data:`LOW_WATER` of the budget less ``n_new``.
+        """``state`` with room for ``n_new`` more entries per global layer (on average over
+        them, :func:`global_entries`): unchanged when they fit, else forgotten down to
+        :data:`LOW_WATER` of the budget less ``n_new``.
 
         ``protected_ranges``: token ranges ``[start, end)`` of ``state`` never forgotten (the
         system message, the recent messages). Raises :class:`~kvedit.errors.InvalidInputError`

@@ -80,6 +80,16 @@ def hold_older_quantized(
     old = exact_old_entries(state, exact_from)
     if old < (1 if forgot else REQUANTIZE_AFTER):
         return state
-    layer = _global_layer(state)
-    residual = int((layer.token_index >= exact_from).sum())
-    return quantize(state, bits, residual=residual, group=GROUP)
+    # every global layer holds the recent messages whole (never forgotten), and nothing after
+    # them: the same count of exact entries at each layer's end, whatever else a layer holds
+    tails = {
+        int((layer.token_index >= exact_from).sum())
+        for layer in state.layers
+        if layer.window is None
+    }
+    if len(tails) != 1:
+        raise InvalidInputError(
+            f"the global layers hold the last {recent} messages in different counts {sorted(tails)}"
+            ": the memory's layers were altered"
+        )
+    return quantize(state, bits, residual=tails.pop(), group=GROUP)

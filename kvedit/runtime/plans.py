@@ -23,9 +23,10 @@ class BiasPlan(Protocol):
 
     Two optional members the seam reads when present: ``observe(layer_idx, probs)``, called
     with each layer's attention probabilities ``[batch, heads, q, k]``; and
-    ``output_from_probs = True``, for an observing plan whose pass's outputs are discarded:
-    the attention output is then taken from those probabilities (fast, not bit-identical to
-    an unobserved pass, which every other plan's pass is).
+    ``output_from_probs = True``, for an observing plan whose pass only scores (its outputs
+    feed nothing but the rest of that scoring): the attention output is then taken from those
+    probabilities (fast, equal up to rounding, not bit-identical to an unobserved pass, which
+    every other plan's pass is).
     """
 
     def key_bias(self, layer_idx: int, k_len: int, total_len: int) -> torch.Tensor | None:

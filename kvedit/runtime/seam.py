@@ -186,8 +186,9 @@ def kvedit_attention_forward(
         softcap=softcap,
         sinks=s_aux,
     )
-    # a plan that only reads attention (its pass's outputs are discarded) may take the output
-    # from the probabilities; every other pass computes it as an unobserved one does, bit for bit
+    # a plan that only scores (its pass's outputs feed nothing but the rest of that scoring) may
+    # take the output from the probabilities, equal up to rounding; every other pass computes
+    # it as an unobserved one does, bit for bit
     inexact = getattr(plan, "output_from_probs", False)
     if observe is not None and custom_mask is None and inexact:
         probs = attention_probs(query, key, **common)

@@ -43,14 +43,18 @@ def test_versus_reuse_counts_losses_per_bucket_with_the_rule():
     assert "| knorm | 0.25 | 0.80 | 2 (10) |" in table and "broken" in table
 
 
-def test_a_later_run_replaces_a_methods_records_question_by_question():
-    old = [_record("a", "reuse", 1.0, 0, "early", 1.0), _record("a", "tova", 0.25, 0, "early", 0.0)]
+def test_a_later_run_replaces_a_methods_records_of_every_earlier_run():
+    old = [
+        _record("a", "reuse", 1.0, 0, "early", 1.0),
+        _record("a", "tova", 0.25, 0, "early", 0.0),
+        _record("b", "tova", 0.25, 0, "early", 0.0),  # not in the later run: dropped too
+    ]
     new = [_record("a", "tova", 0.25, 0, "early", 1.0)]
-    rows, replaced = latest(old + new)
-    assert replaced == 1 and sorted((r["method"], r["correct"]) for r in rows) == [
-        ("reuse", 1.0),
-        ("tova", 1.0),
+    rows, replaced = latest([old, new])
+    assert replaced == 2 and sorted((r["id"], r["method"], r["correct"]) for r in rows) == [
+        ("a-q0", "reuse", 1.0),
+        ("a-q0", "tova", 1.0),
     ]
     other = [{**new[0], "digest": "another"}]
     with pytest.raises(SystemExit, match="another conversation"):
-        latest(old + other)
+        latest([old, other])

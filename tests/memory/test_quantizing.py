@@ -61,7 +61,7 @@ def test_older_messages_are_packed_and_the_recent_ones_stay_exact(arch, request)
     _check_held(mem)
 
 
-@pytest.mark.parametrize("policy", ["window", "knorm"])
+@pytest.mark.parametrize("policy", ["window", "knorm", "reconstruct"])
 def test_with_a_budget_the_entries_stay_within_it_and_the_older_part_packed(llama, policy):
     model, tok = llama
     mem = kvedit.Memory(model, tok, system="Hi.", max_tokens=150, forget=policy, quantize=4)
@@ -95,3 +95,24 @@ def test_quantize_saves_loads_and_continues_alike(llama, tmp_path):
 def test_bad_bits_are_refused(llama, bits):
     with pytest.raises(InvalidInputError, match="quantize"):
         kvedit.Memory(*llama, quantize=bits)
+
+
+def test_layers_holding_the_recent_messages_unequally_are_refused(llama):
+    """The exact tail is counted per global layer: a state whose layers hold the last messages
+    in different counts is refused rather than quantized at the wrong cut."""
+    import torch
+
+    from kvedit.memory.quantizing import hold_older_quantized
+
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system="Hi.")
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+    state = mem.state
+    starts = [t.start for t in mem.turns]
+    layers = list(state.layers)
+    layers[0] = layers[0].select(torch.arange(len(layers[0]) - 1))  # one recent entry gone
+    altered = state.replace(layers=layers)
+    with pytest.raises(InvalidInputError, match="different counts"):
+        hold_older_quantized(altered, 4, starts, recent=2, forgot=True)
+    assert hold_older_quantized(state, 4, starts, recent=2, forgot=True) is not state

@@ -16,9 +16,10 @@ reduced to its maximum over the chunk's queries at once). When the positions lef
 state cannot hold the prompt and the whole text, the reconstruction is cut into *segments* of
 the most tokens that fit, each run afresh on the cache after the prompt (the scores are the
 maximum over segments). The reconstructed tokens are the text's tokens but its special ones
-(a BOS token, chat markers) whose entries the state still holds: a state that forgot part of
-its text (:class:`kvedit.Memory` under a budget) reconstructs what it holds, so a round costs
-in proportion to the budget, not to the whole transcript.
+(a BOS token, chat markers) whose entries some global layer still holds: a state that forgot
+part of its text (:class:`kvedit.Memory` under a budget) reconstructs what it holds. Where its
+layers hold different tokens (``forget="reconstruct"`` shares the budget among them), that is
+every token any layer holds, which can be most of the transcript.
 
 Every entry is scored by the attention it receives, text tokens or not (a separator, a re-read
 copy appended after the text: the reconstruction runs after them and sees them); nothing scores
@@ -114,8 +115,9 @@ class _MaxObserver(Observer):
     """Records, per layer, the largest attention ``[batch, heads, m]`` any query gives the
     first ``m = columns[layer]`` keys (the state's entries still in the working cache).
 
-    The working layers are discarded after scoring, so the attention output is taken from the
-    recorded probabilities (``output_from_probs``) rather than computed a second time."""
+    The pass only scores (its entries feed the later chunks of this scoring, then are dropped),
+    so the attention output is taken from the recorded probabilities (``output_from_probs``:
+    equal up to rounding) rather than computed a second time."""
 
     output_from_probs = True
 
