@@ -15,7 +15,8 @@ of the earlier runs (a question of the same id must be the same conversation, by
 the table is refused); the table says how many records were replaced.
 
 Usage: ``python -m benchmarks.memory_table runs/mem-facts-s1 runs/mem-facts-s2 --out
-runs/memory_table.md``
+runs/memory_table.md [--plot runs/memory_table.png --title TITLE]`` (the plot as ``kvedit eval
+memory`` draws one run's: accuracy by budget, a line per method)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import command_line, parser, write_file
-from kvedit.evals.memory import format_memory_table, summarize_memory
+from kvedit.evals.memory import format_memory_table, plot_memory, summarize_memory
 from kvedit.evals.tasks.memory_schema import BUCKETS
 
 
@@ -114,10 +115,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("runs", nargs="+", help="results folders of kvedit eval memory")
     p.add_argument("--out", default=None, help="write the tables to this markdown file")
+    p.add_argument("--plot", default=None, help="write the pooled accuracy plot to this PNG")
+    p.add_argument("--title", default=None, help="the plot's title")
     args = p.parse_args(argv)
     records, replaced = latest([run_records(run) for run in args.runs])
     examples = sorted({r["example"] for r in records})
-    table = format_memory_table(summarize_memory(records))
+    summary = summarize_memory(records)
+    table = format_memory_table(summary)
+    if args.plot:
+        plot_memory(summary, args.plot, args.title)
     lines = [
         f"`{command_line(__file__, argv)}`",
         "",

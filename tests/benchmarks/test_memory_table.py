@@ -58,3 +58,21 @@ def test_a_later_run_replaces_a_methods_records_of_every_earlier_run():
     other = [{**new[0], "digest": "another"}]
     with pytest.raises(SystemExit, match="another conversation"):
         latest([old, other])
+
+
+def test_main_writes_the_pooled_table_and_plot(tmp_path, capsys):
+    from benchmarks.memory_table import main
+
+    for k, correct in enumerate((1.0, 0.0)):
+        run = tmp_path / f"run{k}"
+        run.mkdir()
+        rows = [
+            _record(f"c{k}", "reuse", 1.0, 0, "early", 1.0),
+            _record(f"c{k}", "window", 0.25, 0, "early", correct),
+        ]
+        rows = [{**r, "digest": f"d{k}", "seconds": 1.0, "rounds": 0} for r in rows]
+        (run / "results.json").write_text(json.dumps({"examples": rows}))
+    plot = tmp_path / "pooled.png"
+    assert main([str(tmp_path / "run0"), str(tmp_path / "run1"), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert "2 conversations: c0, c1" in capsys.readouterr().out
