@@ -10,9 +10,10 @@ Below the table, per method and budget: its mean over ``reuse``'s, and per bucke
 lost against ``reuse`` with #28's rule (at most one question lost where a bucket holds 30 or
 fewer, else at least ``reuse`` - 0.02).
 
-A method and budget run again in a later RUN (a changed policy, say) replaces all its records
-of the earlier runs (a question of the same id must be the same conversation, by its digest, or
-the table is refused); the table says how many records were replaced.
+A method and budget run again in a later RUN on conversations an earlier RUN holds it on (a
+changed policy, say) replaces all that earlier run's records of it (a question of the same id
+must be the same conversation, by its digest, or the table is refused); runs of other
+conversations (other seeds) pool whole. The table says how many records were replaced.
 
 Usage: ``python -m benchmarks.memory_table runs/mem-facts-s1 runs/mem-facts-s2 --out
 runs/memory_table.md [--plot runs/memory_table.png --title TITLE]`` (the plot as ``kvedit eval
@@ -54,23 +55,33 @@ def run_records(folder: str | Path) -> list[dict]:
 
 
 def latest(runs: Sequence[Sequence[dict]]) -> tuple[list[dict], int]:
-    """The records of ``runs`` (each run's, in order), each method and budget's taken from the
-    last run that holds it (a mix of runs in one row would mix two versions of the method), and
-    how many earlier records that dropped; a question whose conversation differs between runs
-    (another digest under the same id) is refused."""
+    """The records of ``runs`` (each run's, in order), pooled; where a later run holds a method
+    and budget on a conversation an earlier run holds it on, the earlier run's records of that
+    method and budget are all dropped (a row never mixes two versions of a method), and how many
+    that dropped; a question whose conversation differs between runs (another digest under the
+    same id) is refused. Runs of other conversations (other seeds) pool whole."""
     digests: dict[str, str | None] = {}
     for r in (r for run in runs for r in run):
         if digests.setdefault(r["id"], r.get("digest")) != r.get("digest"):
             raise SystemExit(f"{r['id']}: another conversation under the same id in two runs")
-    owner: dict[tuple[str, float], int] = {}
-    for k, run in enumerate(runs):
+    held: list[dict[tuple[str, float], set[str]]] = []  # per run: (method, budget) -> examples
+    for run in runs:
+        got: dict[tuple[str, float], set[str]] = defaultdict(set)
         for r in run:
-            owner[(r["method"], float(r["budget"]))] = k
+            got[(r["method"], float(r["budget"]))].add(r["example"])
+        held.append(got)
+    dropped = {
+        (j, key)
+        for k in range(len(runs))
+        for key, examples in held[k].items()
+        for j in range(k)
+        if held[j].get(key, set()) & examples
+    }
     kept = [
         r
-        for k, run in enumerate(runs)
+        for j, run in enumerate(runs)
         for r in run
-        if owner[(r["method"], float(r["budget"]))] == k
+        if (j, (r["method"], float(r["budget"]))) not in dropped
     ]
     return kept, sum(len(run) for run in runs) - len(kept)
 

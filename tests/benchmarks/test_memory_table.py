@@ -58,6 +58,10 @@ def test_a_later_run_replaces_a_methods_records_of_every_earlier_run():
     other = [{**new[0], "digest": "another"}]
     with pytest.raises(SystemExit, match="another conversation"):
         latest([old, other])
+    # a run of other conversations (another seed) pools whole
+    seed2 = [_record("c", "tova", 0.25, 0, "early", 1.0)]
+    rows, replaced = latest([old, seed2])
+    assert replaced == 0 and len(rows) == 4
 
 
 def test_main_writes_the_pooled_table_and_plot(tmp_path, capsys):
@@ -70,7 +74,8 @@ def test_main_writes_the_pooled_table_and_plot(tmp_path, capsys):
             _record(f"c{k}", "reuse", 1.0, 0, "early", 1.0),
             _record(f"c{k}", "window", 0.25, 0, "early", correct),
         ]
-        rows = [{**r, "digest": f"d{k}", "seconds": 1.0, "rounds": 0} for r in rows]
+        extra = {"digest": f"d{k}", "seconds": 1.0, "rounds": 0, "forget_seconds": 0.0}
+        rows = [{**r, **extra} for r in rows]
         (run / "results.json").write_text(json.dumps({"examples": rows}))
     plot = tmp_path / "pooled.png"
     assert main([str(tmp_path / "run0"), str(tmp_path / "run1"), "--plot", str(plot)]) == 0
