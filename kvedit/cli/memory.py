@@ -36,7 +36,7 @@ def memory_parser(sub) -> None:
     )
     p.add_argument("--task", default="facts", choices=["facts", "nq-shared"])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--methods", default="reuse,window,knorm,tova,snapkv")
+    p.add_argument("--methods", default="reuse,window,knorm,tova,snapkv,reconstruct")
     p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")
     p.add_argument("--n-examples", type=positive("--n-examples"), default=10)
     p.add_argument(

@@ -30,7 +30,7 @@ from ..states.files.write import save_state
 from ..states.state import KVState
 from .answering import commit, common_prefix, decode
 from .files import memory_attachment, read_memory
-from .forgetting import Round, budget_from, global_entries
+from .forgetting import DEFAULT_POLICY, Round, budget_from, global_entries
 from .quantizing import check_bits, hold_older_quantized
 from .records import Turn
 from .rendering import ROLES, Message, Rendering, renderer_for
@@ -58,9 +58,10 @@ class Memory:
     any work when it would run past it.
 
     Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (entries of a
-    global-attention layer, on average over them) or ``max_bytes`` (those entries' bytes in bfloat16), a message that
-    would take the memory past its budget first makes it forget, with the ``forget`` policy,
-    down to :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
+    global-attention layer, on average over them) or ``max_bytes`` (those entries' bytes in
+    bfloat16), a message that would take the memory past its budget first makes it forget, with
+    the ``forget`` policy (default :data:`~kvedit.memory.forgetting.DEFAULT_POLICY`), down to
+    :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
     last ``recent`` messages and the ``protect`` spans are never forgotten. Each round is a
     history step (the memory is no longer a plain capture) and a
     :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
@@ -82,7 +83,7 @@ class Memory:
         max_positions: int | None = None,
         max_tokens: int | None = None,
         max_bytes: int | None = None,
-        forget: str = "window",
+        forget: str = DEFAULT_POLICY,
         recent: int = 2,
         protect: Spans | None = None,
         quantize: int | None = None,

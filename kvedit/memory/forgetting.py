@@ -55,6 +55,7 @@ from ..states.passes import recompute_last
 from ..states.state import KVState
 
 __all__ = [
+    "DEFAULT_POLICY",
     "LOW_WATER",
     "SHARED_POLICIES",
     "Budget",
@@ -79,6 +80,11 @@ rather than at every message."""
 
 POLICIES = ("window", "knorm", "tova", "snapkv", "h2o", "reconstruct")
 """The forgetting policies by name (module docstring)."""
+
+DEFAULT_POLICY = "reconstruct"
+"""``Memory(forget=)``'s default: on the facts task's tuning seed it kept the most (0.519 against
+``reuse``'s 0.556; ``window``, ``tova`` and ``snapkv-first`` at most 0.11), though its rounds
+cost several times a message's own time (reports/memory/eval_memory.md, budget.md)."""
 
 SHARED_POLICIES = ("reconstruct",)
 """Policies whose round shares the target among the global layers (module docstring): on the
@@ -244,7 +250,7 @@ class Budget:
     """
 
     max_entries: int
-    policy: str = "window"
+    policy: str = DEFAULT_POLICY
     recent: int = 2
     protect: tuple = ()
 
