@@ -29,8 +29,9 @@ Three sub-commands, each in its own interpreter:
   per question.
 * ``score`` (kvedit's venv): scores the records with ``kvedit.evals.metrics.best_subspan_em``
   and prints ``kvedit.evals.memory_report.format_memory_table`` (a row per press and budget;
-  ``rounds`` is 0: kvpress compresses once); ``--kvedit RESULTS.json`` adds a ``kvedit eval
-  memory`` run's rows on the same conversations.
+  ``rounds`` is 0: kvpress compresses once); ``--kvedit RUN ...`` adds ``kvedit eval memory``
+  runs' rows on the same conversations (results folders, pooled as ``benchmarks.memory_table``
+  pools them: a method a later run repeats on the same conversations replaces the earlier's).
 
 Commands, from the repository root::
 
@@ -447,9 +448,11 @@ def score(args: argparse.Namespace) -> int:
         records += read_jsonl(Path(path))
     rows = as_memory_records(records, best_subspan_em)
     if args.kvedit:
+        from benchmarks.memory_table import latest, run_records
+
         examples = {r["example"] for r in rows}
-        payload = json.loads(Path(args.kvedit).read_text())
-        rows = [r for r in payload["examples"] if r["example"] in examples] + rows
+        runs = [[r for r in run_records(d) if r["example"] in examples] for d in args.kvedit]
+        rows = latest(runs)[0] + rows
     summary = summarize_memory(rows)
     print(format_memory_table(summary))
     if args.json:
@@ -491,7 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     s = sub.add_parser("score", help="score the records and print the table (kvedit's venv)")
     s.add_argument("records", nargs="+", help="records.jsonl files of `run`")
-    s.add_argument("--kvedit", default=None, help="a kvedit eval memory results.json to add")
+    s.add_argument(
+        "--kvedit", nargs="+", default=None, help="kvedit eval memory results folders to add"
+    )
     s.add_argument("--json", default=None, help="write the summary here")
     s.set_defaults(fn=score)
 

@@ -126,3 +126,36 @@ def test_score_prints_kvedits_table_per_press_and_budget(tmp_path, capsys):
     assert zipped.split()[1:6] == ["0.1", "0.000", "0.000", "1.000", "0.333"]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["kvpress-SnapKVPress"]["0.25"]["max_entries"] == 250
+
+
+def test_score_adds_kvedit_runs_a_later_one_replacing_a_method(tmp_path, capsys):
+    path = tmp_path / "records.jsonl"
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in _records("e0", "KVzipPress", 0.25, [True]))
+    )
+
+    def kvedit_run(name: str, correct: float) -> str:
+        row = {
+            "id": "e0-q0",
+            "example": "e0",
+            "digest": "d",
+            "method": "reconstruct",
+            "budget": 0.25,
+            "bucket": "early",
+            "correct": correct,
+            "seconds": 1.0,
+            "rounds": 2,
+            "forget_seconds": 0.5,
+            "max_entries": 250,
+        }
+        other = {**row, "id": "e9-q0", "example": "e9"}  # not in the kvpress records: left out
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "results.json").write_text(json.dumps({"examples": [row, other]}))
+        return str(folder)
+
+    old, new = kvedit_run("old", 0.0), kvedit_run("new", 1.0)
+    assert peer.main(["score", str(path), "--kvedit", old, new]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in lines if line.startswith("reconstruct ")]
+    assert row.split()[1:6] == ["0.25", "1.000", "-", "-", "1.000"] and row.split()[8] == "1"
