@@ -121,7 +121,7 @@ def global_entries(state: KVState) -> int:
 
 def entry_bytes_bf16(state: KVState) -> int:
     """Bytes one entry takes on all global layers together, keys and values in bfloat16."""
-    layers = [layer for layer in state.layers if layer.window is None] or state.layers
+    layers = [state.layers[i] for i in _global_layers(state)]
     return sum(2 * layer.kv_shape[1] * layer.kv_shape[3] * 2 for layer in layers)
 
 
@@ -189,10 +189,10 @@ def forget(
             "leaves: raise the budget, or protect less (recent=, protect=)"
         )
     if policy in SHARED_POLICIES:
-        _keep_best_shared(keeps, per_layer, target)
+        _keep_best(keeps, per_layer, target)
     else:
         for i in chosen:
-            _keep_best(keeps[i], per_layer[i], min(target, len(keeps[i])) - int(keeps[i].sum()))
+            _keep_best({i: keeps[i]}, per_layer, target)
     layers = list(state.layers)
     for i in chosen:
         layers[i] = layers[i].select(keeps[i].nonzero().flatten())
@@ -208,19 +208,12 @@ def forget(
     return out, Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
 
 
-def _keep_best(keep: torch.Tensor, scores: torch.Tensor, room: int) -> None:
-    """Mark in ``keep`` (in place) the ``room`` best-``scores`` entries it does not hold yet."""
-    if room > 0:
-        s = scores.clone()
-        s[keep] = float("-inf")
-        keep[torch.topk(s, room).indices] = True
-
-
-def _keep_best_shared(
+def _keep_best(
     keeps: dict[int, torch.Tensor], scores: dict[int, torch.Tensor], target: int
 ) -> None:
-    """Mark (in place) the best-scored entries of all layers together, so that the layers hold
-    ``target`` entries each on average: ``len(keeps) * target`` in all."""
+    """Mark (in place) the best-scored entries of the layers of ``keeps`` together, so that
+    they hold ``target`` entries each on average: ``len(keeps) * target`` in all (one layer:
+    its own ``target``)."""
     order = list(keeps)
     flat = torch.cat([scores[i].float().masked_fill(keeps[i], float("-inf")) for i in order])
     held = sum(int(keeps[i].sum()) for i in order)

@@ -186,17 +186,16 @@ def kvedit_attention_forward(
         softcap=softcap,
         sinks=s_aux,
     )
+    probs = None
+    if observe is not None:
+        probs = attention_probs(query, key, **common)
+        observe(module.layer_idx, probs)
     # a plan that only scores (its pass's outputs feed nothing but the rest of that scoring) may
     # take the output from the probabilities, equal up to rounding; every other pass computes
     # it as an unobserved one does, bit for bit
-    inexact = getattr(plan, "output_from_probs", False)
-    if observe is not None and custom_mask is None and inexact:
-        probs = attention_probs(query, key, **common)
-        observe(module.layer_idx, probs)
+    if probs is not None and custom_mask is None and getattr(plan, "output_from_probs", False):
         out = attend_probs(probs, value)
     else:
-        if observe is not None:
-            observe(module.layer_idx, attention_probs(query, key, **common))
         out = attend(query, key, value, custom_mask=custom_mask, **common)
     return out.transpose(1, 2).contiguous(), None
 
