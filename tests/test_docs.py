@@ -363,3 +363,35 @@ def test_the_path_walker_finds_links_images_and_code_paths():
 @pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
 def test_every_link_and_path_in_the_docs_exists(doc: Path):
     assert missing(doc, doc.read_text()) == []
+
+
+# The opening and closing markers only: a line of "=" is also a markdown heading underline.
+CONFLICT = re.compile(r"^(<<<<<<< |>>>>>>> )", re.M)
+
+
+def conflict_lines(text: str) -> list[int]:
+    """The 1-based lines of ``text`` that are a merge's conflict markers."""
+    return [text.count("\n", 0, m.start()) + 1 for m in CONFLICT.finditer(text)]
+
+
+def test_the_conflict_finder_finds_each_marker():
+    text = "a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> branch\nd\n"
+    assert conflict_lines(text) == [2, 6]
+    assert conflict_lines("Heading\n=======\n<<<<<<<x\n") == []
+
+
+def test_no_tracked_text_file_holds_a_merge_conflict():
+    files = subprocess.run(
+        ["git", "ls-files", "*.md", "*.py", "*.toml", "*.txt", "*.cfg", "*.sh", "Makefile"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    found = {
+        name: lines
+        for name in files
+        if (REPO / name).is_file()
+        and (lines := conflict_lines((REPO / name).read_text(errors="replace")))
+    }
+    assert not found, f"merge-conflict markers left in {found}"
