@@ -61,7 +61,7 @@ DECODE_SINGLE_PASS_MAX_KEYS = 2048
 
 # Prefill tiles (> 64 query rows), fp16/bf16. (major, minor) -> {block_d: first config}.
 # NOT YET MEASURED: seeded from the notes (Hopper: bigger key tiles, 8 warps, 2-3 stages within
-# its 227 KB of shared memory) and from the one H200 run (2026-11-30: 128x64, 8 warps, 3 stages
+# its 227 KB of shared memory) and from the one H200 run (reports/benchmarks/gpu_h200: 128x64, 8 warps, 3 stages
 # at D = 128 gave 0.62x SDPA at 16K). Replace with the sweep's winners.
 PREFILL_CONFIGS: dict[tuple[int, int], dict[int, KernelConfig]] = {
     (9, 0): {  # H100 / H200
