@@ -125,11 +125,7 @@ def _select(
     tokens = protected_tokens(state, protect, protect_bias)
     if keep == 1.0:
         return state
-    targets = [
-        i
-        for i in (range(len(state.layers)) if chosen is None else chosen)
-        if state.layers[i].window is None
-    ]
+    targets = [i for i in state.global_layers if chosen is None or i in chosen]
     if not targets:
         return state
     packed = [i for i in targets if state.layers[i].packed]

@@ -479,7 +479,8 @@ class _Held:
 
 def _bytes_per_token(state: KVState) -> float:
     """Bytes one token's entries take on the global layers of ``state``."""
-    return sum(layer.nbytes / max(len(layer), 1) for layer in state.layers if layer.window is None)
+    layers = [state.layers[i] for i in state.global_layers]
+    return sum(layer.nbytes / max(len(layer), 1) for layer in layers)
 
 
 def _preview(text: str, width: int = 48) -> str:

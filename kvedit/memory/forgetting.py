@@ -107,8 +107,7 @@ class Round:
 
 def _global_layers(state: KVState) -> list[int]:
     """Indices of the global-attention layers (every layer when the model has none)."""
-    chosen = [i for i, layer in enumerate(state.layers) if layer.window is None]
-    return chosen or list(range(len(state.layers)))
+    return list(state.global_layers or range(len(state.layers)))
 
 
 def global_entries(state: KVState) -> int:

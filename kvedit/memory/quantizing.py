@@ -48,19 +48,12 @@ def check_bits(bits: int | None) -> int | None:
     return bits
 
 
-def _global_layer(state: KVState):
-    for layer in state.layers:
-        if layer.window is None:
-            return layer
-    return None
-
-
 def exact_old_entries(state: KVState, exact_from: int) -> int:
     """Entries of a global layer of ``state`` for tokens before ``exact_from`` that are held
     exact (not packed)."""
-    layer = _global_layer(state)
-    if layer is None:
+    if not state.global_layers:
         return 0
+    layer = state.layers[state.global_layers[0]]
     old = int((layer.token_index < exact_from).sum())
     packed = layer.n_packed if layer.packed else 0
     return max(old - packed, 0)
@@ -82,11 +75,7 @@ def hold_older_quantized(
         return state
     # every global layer holds the recent messages whole (never forgotten), and nothing after
     # them: the same count of exact entries at each layer's end, whatever else a layer holds
-    tails = {
-        int((layer.token_index >= exact_from).sum())
-        for layer in state.layers
-        if layer.window is None
-    }
+    tails = {int((state.layers[i].token_index >= exact_from).sum()) for i in state.global_layers}
     if len(tails) != 1:
         raise InvalidInputError(
             f"the global layers hold the last {recent} messages in different counts {sorted(tails)}"

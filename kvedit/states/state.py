@@ -43,33 +43,10 @@ from ..spans import Spans, char_ranges, tokens_in_ranges
 from .decoding import Answer, Decoder, eos_ids, sample
 from .files.write import save_state
 from .passes import appended_layers, run_model
+from .stamps import tensor_stamp
 from .view import LastInput
 
 __all__ = ["KVState", "LastInput", "LayerKV"]
-
-
-def _tensor_versions(prefix: str, obj, out: list) -> None:
-    """``(name, version)`` of each tensor attribute of a layer ``obj`` (and of the objects it
-    holds, one level down: a merged layer's shared directions), appended to ``out``."""
-    for name, value in sorted(vars(obj).items()):
-        if isinstance(value, torch.Tensor):
-            out.append((f"{prefix}{name}", value._version))
-        elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
-            for inner_name, inner in sorted(vars(value).items()):
-                if isinstance(inner, torch.Tensor):
-                    out.append((f"{prefix}{name}.{inner_name}", inner._version))
-
-
-def tensor_stamp(state: KVState) -> tuple[tuple[str, int], ...]:
-    """The version counter of every tensor a state holds, by name (``layer 3 keys``...):
-    torch bumps a tensor's counter on each in-place write to it or to a view of it."""
-    out: list[tuple[str, int]] = [
-        (name, getattr(state, name)._version)
-        for name in ("token_ids", "offsets", "position_ids", "last_logits")
-    ]
-    for i, layer in enumerate(state.layers):
-        _tensor_versions(f"layer {i} ", layer, out)
-    return tuple(out)
 
 
 @dataclass(eq=False, frozen=True)
@@ -140,10 +117,17 @@ class KVState:
         return int(self.token_ids.shape[0])
 
     @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Indices of the global-attention layers: those without a sliding window (every layer
+        of most models; Gemma-3's full-attention layers; empty when every layer slides)."""
+        return tuple(i for i, layer in enumerate(self.layers) if layer.window is None)
+
+    @property
     def cache_length(self) -> int:
-        """Number of KV entries of the global layers (edits such as duplication change it)."""
-        global_layers = [len(layer) for layer in self.layers if layer.window is None]
-        return max(global_layers or [len(layer) for layer in self.layers])
+        """Number of KV entries of the global layers (edits such as duplication change it;
+        every layer counts when none is global)."""
+        chosen = self.global_layers or range(len(self.layers))
+        return max(len(self.layers[i]) for i in chosen)
 
     @property
     def nbytes(self) -> int:

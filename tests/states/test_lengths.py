@@ -189,3 +189,17 @@ def test_the_entry_points_that_take_a_text_take_the_limit(llama, tmp_path):
     assert found.state.max_positions == 3000
     with pytest.raises(InvalidInputError, match=r"prompt is \d+ tokens long .* attends to 40 pos"):
         kvedit.steer(model, tok, emphasize="Bob", max_positions=40).generate(RECORDS)
+
+
+def test_global_layers_are_those_without_a_window(llama, gemma3):
+    """Gemma-3's sliding layers are not global; every layer of a model without them is; the
+    cache length is counted on the global layers."""
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    assert state.global_layers == tuple(range(len(state.layers)))
+    model, tok = gemma3
+    state = kvedit.capture(model, tok, RECORDS * 3)
+    windows = [layer.window for layer in state.layers]
+    assert state.global_layers == tuple(i for i, w in enumerate(windows) if w is None)
+    assert 0 < len(state.global_layers) < len(state.layers)
+    assert state.cache_length == max(len(state.layers[i]) for i in state.global_layers)

@@ -106,8 +106,8 @@ class Reconstruct(Scorer):
 def _held_tokens(state: KVState) -> list[int]:
     """The text tokens whose entries the state's global layers still hold (any of them), in
     order: the context the model reconstructs (a forgotten token is not re-read)."""
-    layers = [layer for layer in state.layers if layer.window is None] or state.layers
-    held = torch.cat([layer.token_index for layer in layers]).unique()
+    chosen = state.global_layers or range(len(state.layers))
+    held = torch.cat([state.layers[i].token_index for i in chosen]).unique()
     return [t for t in held.tolist() if t >= 0]
 
 
