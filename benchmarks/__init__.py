@@ -11,6 +11,8 @@ Speed and memory:
 * ``packed_memory``: peak memory of ``generate`` from quantized and merged states.
 * ``compression_memory``: bytes a compressed cache holds on the lost-in-the-middle prompts.
 * ``focus_cost``: seconds of focus (scoring, edit, guarded answer) next to ``none``.
+* ``decode_pair``: the unedited and the edited answer decoded as one batch of two against one
+  after the other (question pass, decode step).
 * ``memory_speed``: time to first token per turn of a ``kvedit.Memory`` against re-reading the
   transcript and a bare extend; tokens run per message, peak RSS, bytes.
 * ``memory_budget``: a ``kvedit.Memory`` under ``max_bytes`` over a long conversation: bytes
