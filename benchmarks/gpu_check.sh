@@ -7,10 +7,13 @@
 #      PASS/MISS targets; with --sweep also the launch-config sweep and the one-pass/split-K
 #      decode threshold (kvedit/triton/configs.py takes its numbers from there);
 #   4. the end-to-end benchmark (python -m benchmarks.gpu_e2e: 8B- and 4B-shaped models, 4K and
-#      16K, unsteered / steer / captured state + edit).
+#      16K, unsteered / steer / captured state + edit);
+#   5. focus's two answers as one batch of two against one after the other (python -m
+#      benchmarks.decode_pair: an 8B-shaped model, 4K tokens).
 # Everything lands in "${OUT:-runs/gpu_<gpu>_<date>}": gpu_env.txt,
-# triton_tests.log/.xml, seam_check.log/.json, attention_bench.log/.json, e2e.log/.json.
-# Budget: under 6 minutes in all (quick; each step has its own timeout; --sweep adds about 1).
+# triton_tests.log/.xml, seam_check.log/.json, attention_bench.log/.json, e2e.log/.json,
+# decode_pair.log/.json.
+# Budget: under 7 minutes in all (quick; each step has its own timeout; --sweep adds about 1).
 # --cpu checks the script itself on a machine without a GPU: the same steps through Triton's
 # interpreter (TRITON_INTERPRET=1), the benchmarks at tiny shapes (--cpu-smoke, --tiny); its
 # timings mean nothing.
@@ -39,6 +42,8 @@ tests_limit=130
 seam_limit=40
 e2e_limit=110
 e2e_args=()
+pair_limit=60
+pair_args=(--shape llama3-8b --tokens 4096)
 if ((full)); then bench_args=(); bench_limit=540; fi
 if ((sweep)); then bench_args+=(--sweep); bench_limit=$((bench_limit + 60)); fi
 if ((cpu)); then
@@ -48,6 +53,7 @@ if ((cpu)); then
     export TRITON_INTERPRET=1
     bench_args+=(--cpu-smoke)
     e2e_args+=(--tiny)
+    pair_limit=120 pair_args=(--shape tiny-llama3-8b --tokens 200 --steps 4 --repeats 1)
 else
     unset TRITON_INTERPRET
 fi
@@ -89,5 +95,11 @@ timeout "$e2e_limit" "$py" -m benchmarks.gpu_e2e "${e2e_args[@]}" --json "$out_d
 e2e_rc=${PIPESTATUS[0]}
 echo "end to end: exit $e2e_rc after $((SECONDS - start)) s" | tee -a "$out_dir/e2e.log"
 
-echo "gpu_check: tests $tests_rc, seam $seam_rc, kernel bench $bench_rc, e2e $e2e_rc; results in $out_dir"
-[[ $tests_rc -eq 0 && $seam_rc -eq 0 && $bench_rc -eq 0 && $e2e_rc -eq 0 ]]
+start=$SECONDS
+timeout "$pair_limit" "$py" -m benchmarks.decode_pair "${pair_args[@]}" --out "$out_dir/decode_pair.json" 2>&1 \
+    | tee "$out_dir/decode_pair.log"
+pair_rc=${PIPESTATUS[0]}
+echo "decode pair: exit $pair_rc after $((SECONDS - start)) s" | tee -a "$out_dir/decode_pair.log"
+
+echo "gpu_check: tests $tests_rc, seam $seam_rc, kernel bench $bench_rc, e2e $e2e_rc, pair $pair_rc; results in $out_dir"
+[[ $tests_rc -eq 0 && $seam_rc -eq 0 && $bench_rc -eq 0 && $e2e_rc -eq 0 && $pair_rc -eq 0 ]]
