@@ -10,6 +10,8 @@ Below the table, per method and budget: its mean over ``reuse``'s, and per bucke
 lost against ``reuse`` with #28's rule (at most one question lost where a bucket holds 30 or
 fewer, else at least ``reuse`` - 0.02).
 
+A method whose spec sets the record's own budget (``window:budget=0.1`` run at 0.1) is named
+without it, so it shares a row and a line with the same method run at that budget otherwise.
 A method and budget run again in a later RUN on conversations an earlier RUN holds it on (a
 changed policy, say) replaces all that earlier run's records of it (a question of the same id
 must be the same conversation, by its digest, or the table is refused); runs of other
@@ -32,13 +34,31 @@ from kvedit.evals.memory import format_memory_table, plot_memory, summarize_memo
 from kvedit.evals.tasks.memory_schema import BUCKETS
 
 
+def budget_named(record: dict) -> dict:
+    """``record`` with its method named without a ``budget=`` part that says the record's own
+    budget (``window:budget=0.1`` at 0.1 is ``window`` at 0.1: one row and one line per
+    method, whichever way a run set its budget); any other record as it is."""
+    name, *parts = record["method"].split(":")
+    kept = [
+        part
+        for part in parts
+        if not (
+            part.partition("=")[0].strip() == "budget"
+            and float(part.partition("=")[2]) == float(record["budget"])
+        )
+    ]
+    if len(kept) == len(parts):
+        return record
+    return {**record, "method": ":".join([name, *kept])}
+
+
 def run_records(folder: str | Path) -> list[dict]:
-    """The records of one run: ``results.json``'s, else ``partial.jsonl``'s whole
-    conversations."""
+    """The records of one run (methods named by :func:`budget_named`): ``results.json``'s,
+    else ``partial.jsonl``'s whole conversations."""
     folder = Path(folder)
     done = folder / "results.json"
     if done.exists():
-        return json.loads(done.read_text())["examples"]
+        return [budget_named(r) for r in json.loads(done.read_text())["examples"]]
     lines = (folder / "partial.jsonl").read_text().splitlines()
     records = []
     for line in lines:
@@ -51,7 +71,7 @@ def run_records(folder: str | Path) -> list[dict]:
     for r in records:
         by_example[r["example"]].add((r["method"], float(r["budget"])))
     whole = {e for e, got in by_example.items() if got == pairs}
-    return [r for r in records if r["example"] in whole]
+    return [budget_named(r) for r in records if r["example"] in whole]
 
 
 def latest(runs: Sequence[Sequence[dict]]) -> tuple[list[dict], int]:

@@ -81,3 +81,20 @@ def test_main_writes_the_pooled_table_and_plot(tmp_path, capsys):
     assert main([str(tmp_path / "run0"), str(tmp_path / "run1"), "--plot", str(plot)]) == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert "2 conversations: c0, c1" in capsys.readouterr().out
+
+
+def test_a_budget_in_the_spec_names_the_method_at_that_budget(tmp_path):
+    """``window:budget=0.1`` at 0.1 pools with ``window`` at 0.1 from another run; a spec whose
+    other parts differ stays its own method."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder, method in ((one, "window:budget=0.1"), (two, "window:quantize=4:budget=0.1")):
+        folder.mkdir()
+        records = [_record("e0", method, 0.1, 0, "early", 1.0)]
+        (folder / "results.json").write_text(json.dumps({"examples": records}))
+    assert [r["method"] for r in run_records(one)] == ["window"]
+    assert [r["method"] for r in run_records(two)] == ["window:quantize=4"]
+    (one / "results.json").unlink()
+    (one / "partial.jsonl").write_text(
+        json.dumps(_record("e0", "tova:budget=0.5", 0.25, 0, "early", 1.0)) + "\n"
+    )
+    assert [r["method"] for r in run_records(one)] == ["tova:budget=0.5"]  # not its budget
