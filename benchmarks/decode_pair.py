@@ -30,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import time
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
 from benchmarks.common import add_model, parser, write_json
+from benchmarks.gpu_e2e import timed
 from kvedit import ops
 from kvedit.cache import LayerKV
 from kvedit.cache.adapter import dynamic_cache
@@ -46,16 +47,6 @@ from kvedit.states.state import KVState
 
 STRENGTH = 2.0
 """The emphasis of the benchmark's edit (nats); the cost does not depend on it."""
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _clock(device: torch.device) -> float:
-    _sync(device)
-    return time.perf_counter()
 
 
 def pair_layer(plain: LayerKV, edited: LayerKV) -> LayerKV:
@@ -78,18 +69,17 @@ def pair_layer(plain: LayerKV, edited: LayerKV) -> LayerKV:
 @torch.no_grad()
 def measure(plain: KVState, edited: KVState, continuation: str, steps: int) -> dict:
     """Question pass and decode steps, one state at a time and the two as one batch."""
-    device = plain.device
+    device, kind = plain.device, plain.device.type  # timed() waits for CUDA's work to end
     ids = plain.encode(continuation, reserve=steps)
     singles, logits = [], []
     for state in (plain, edited):
-        start = _clock(device)
-        dec = Decoder(state, continuation)
-        question = _clock(device) - start
+        question, dec = timed(partial(Decoder, state, continuation), kind)
         step_times, rows = [], [dec.next_logits.float()]
         for _ in range(steps):
-            start = _clock(device)
-            rows.append(dec.push(int(rows[-1].argmax())).float())
-            step_times.append(_clock(device) - start)
+            token = int(rows[-1].argmax())
+            seconds, out = timed(partial(dec.push, token), kind)
+            step_times.append(seconds)
+            rows.append(out.float())
         singles.append((question, statistics.median(step_times)))
         logits.append(torch.stack(rows))
 
@@ -97,27 +87,26 @@ def measure(plain: KVState, edited: KVState, continuation: str, steps: int) -> d
     layers = [pair_layer(a, b) for a, b in zip(plain.layers, edited.layers, strict=True)]
     cache, plan = dynamic_cache(layers), StateBias(layers)
     position = plain.next_position
-    start = _clock(device)
-    out = forward(
-        model,
-        torch.tensor([ids, ids], device=device),
-        torch.arange(position, position + len(ids), device=device).expand(2, -1),
-        cache,
-        plan=plan,
-        logits_to_keep=1,
-    )[:, -1]
-    question = _clock(device) - start
+    question, out = timed(
+        lambda: forward(
+            model,
+            torch.tensor([ids, ids], device=device),
+            torch.arange(position, position + len(ids), device=device).expand(2, -1),
+            cache,
+            plan=plan,
+            logits_to_keep=1,
+        ),
+        kind,
+    )
     position += len(ids)
-    step_times, rows = [], [out.float()]
+    step_times, rows = [], [out[:, -1].float()]
     for k in range(steps):
         # each row is fed its own single run's token, so both runs see the same inputs
         tokens = torch.stack([logits[r][k].argmax() for r in (0, 1)]).view(2, 1)
-        start = _clock(device)
-        out = forward(
-            model, tokens, torch.full((2, 1), position + k, device=device), cache, plan=plan
-        )[:, -1]
-        step_times.append(_clock(device) - start)
-        rows.append(out.float())
+        where = torch.full((2, 1), position + k, device=device)
+        seconds, out = timed(partial(forward, model, tokens, where, cache, plan=plan), kind)
+        step_times.append(seconds)
+        rows.append(out[:, -1].float())
     pair = torch.stack(rows, dim=1)  # [2, steps + 1, vocab]
     gap = max(float((pair[r] - logits[r]).abs().max()) for r in (0, 1))
     edit_gap = float((logits[0][0] - logits[1][0]).abs().max())
