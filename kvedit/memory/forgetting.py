@@ -105,22 +105,17 @@ class Round:
     seconds: float
 
 
-def _global_layers(state: KVState) -> list[int]:
-    """Indices of the global-attention layers (every layer when the model has none)."""
-    return list(state.global_layers or range(len(state.layers)))
-
-
 def global_entries(state: KVState) -> int:
     """The entries a global-attention layer of ``state`` holds on average, rounded up (every
     layer when the model has none): times :func:`entry_bytes_bf16`, at least the bytes the
     global layers hold in bfloat16."""
-    sizes = [len(state.layers[i]) for i in _global_layers(state)]
+    sizes = [len(state.layers[i]) for i in state.counted_layers]
     return -(-sum(sizes) // len(sizes))
 
 
 def entry_bytes_bf16(state: KVState) -> int:
     """Bytes one entry takes on all global layers together, keys and values in bfloat16."""
-    layers = [state.layers[i] for i in _global_layers(state)]
+    layers = [state.layers[i] for i in state.counted_layers]
     return sum(2 * layer.kv_shape[1] * layer.kv_shape[3] * 2 for layer in layers)
 
 
@@ -172,7 +167,7 @@ def forget(
     """
     t0 = time.perf_counter()
     before = global_entries(state)
-    chosen = _global_layers(state)
+    chosen = state.counted_layers
     per_layer = scores(policy, state, chosen)
     keeps = {}
     for i in chosen:

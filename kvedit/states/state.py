@@ -123,11 +123,16 @@ class KVState:
         return tuple(i for i, layer in enumerate(self.layers) if layer.window is None)
 
     @property
+    def counted_layers(self) -> tuple[int, ...]:
+        """Indices of the layers a length or a memory budget counts: the global-attention
+        layers (:attr:`global_layers`), or every layer when every layer slides."""
+        return self.global_layers or tuple(range(len(self.layers)))
+
+    @property
     def cache_length(self) -> int:
-        """Number of KV entries of the global layers (edits such as duplication change it;
-        every layer counts when none is global)."""
-        chosen = self.global_layers or range(len(self.layers))
-        return max(len(self.layers[i]) for i in chosen)
+        """Number of KV entries of the counted layers (:attr:`counted_layers`; edits such as
+        duplication change it)."""
+        return max(len(self.layers[i]) for i in self.counted_layers)
 
     @property
     def nbytes(self) -> int:

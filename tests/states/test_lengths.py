@@ -6,6 +6,8 @@ call adds at most :data:`kvedit.checks.MAX_TOKENS_PER_CALL` tokens (a memory bou
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import RECORDS
 
@@ -203,3 +205,17 @@ def test_global_layers_are_those_without_a_window(llama, gemma3):
     assert state.global_layers == tuple(i for i, w in enumerate(windows) if w is None)
     assert 0 < len(state.global_layers) < len(state.layers)
     assert state.cache_length == max(len(state.layers[i]) for i in state.global_layers)
+    assert state.counted_layers == state.global_layers
+
+
+def test_every_layer_counts_when_every_layer_slides(llama):
+    """A model whose layers all slide has no global layer: a length and a memory budget then
+    count every layer (KVState.counted_layers)."""
+    model, tok = llama
+    state = kvedit.capture(model, tok, RECORDS)
+    sliding = state.replace(
+        layers=[dataclasses.replace(layer, window=10_000) for layer in state.layers]
+    )
+    assert sliding.global_layers == ()
+    assert sliding.counted_layers == tuple(range(len(state.layers)))
+    assert sliding.cache_length == len(state)

@@ -106,8 +106,7 @@ class Reconstruct(Scorer):
 def _held_tokens(state: KVState) -> list[int]:
     """The text tokens whose entries the state's global layers still hold (any of them), in
     order: the context the model reconstructs (a forgotten token is not re-read)."""
-    chosen = state.global_layers or range(len(state.layers))
-    held = torch.cat([state.layers[i].token_index for i in chosen]).unique()
+    held = torch.cat([state.layers[i].token_index for i in state.counted_layers]).unique()
     return [t for t in held.tolist() if t >= 0]
 
 
