@@ -7,6 +7,7 @@ the span at all. Zero-width tokens (BOS, other special tokens) never overlap any
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -132,6 +133,21 @@ def tokens_in_ranges(offsets: torch.Tensor, ranges: Iterable[tuple[int, int]]) -
     for a, b in ranges:
         hit |= (starts < b) & (ends > a) & (ends > starts)
     return hit.nonzero().flatten()
+
+
+def word_index(text: str, offsets: torch.Tensor) -> torch.Tensor:
+    """``LongTensor[n]``: for each token, the number of the whitespace-separated word of
+    ``text`` its first non-space character falls in (``offsets`` ``[n, 2]``: the tokens'
+    character ranges); a token without one (whitespace, a special token's empty range) gets a
+    number no other token has. Tokens of one word share its number: ``"SZ-611."`` is one word,
+    however many tokens it takes."""
+    starts = [m.start() for m in re.finditer(r"\S+", text)]
+    out = []
+    for i, (a, b) in enumerate(offsets.tolist()):
+        part = text[a:b]
+        first = a + len(part) - len(part.lstrip())
+        out.append(bisect.bisect_right(starts, first) - 1 if first < b else len(starts) + i)
+    return torch.tensor(out, dtype=torch.long)
 
 
 def token_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, torch.Tensor]:

@@ -310,3 +310,20 @@ def test_good_spans():
     assert char_ranges("Alice and Alice", "Alice") == [(0, 5), (10, 15)]
     with pytest.raises(SpanNotFoundError):
         char_ranges("Alice", (0, 6))
+
+
+def test_tokens_of_one_word_share_its_number():
+    """word_index: the tokens of a whitespace-separated word share its number (punctuation
+    and digits included), whitespace-only and zero-width tokens get numbers of their own."""
+    from kvedit.spans import word_index
+
+    text = "My code is SZ-611. ok"
+    # "My" " code" " is" " SZ" "-" "611" "." " " "ok" and a zero-width special at the end
+    cuts = [(0, 2), (2, 7), (7, 10), (10, 13), (13, 14), (14, 17), (17, 18), (18, 19), (19, 21)]
+    offsets = torch.tensor([*cuts, (21, 21)])
+    words = word_index(text, offsets).tolist()
+    assert words[:3] == [0, 1, 2]
+    assert words[3:7] == [3, 3, 3, 3]  # SZ-611. is one word
+    assert words[8] == 4
+    assert len(set(words)) == 7 and words[7] not in words[:7] + words[8:]
+    assert words[9] not in words[:9]

@@ -36,7 +36,9 @@ Policies (:data:`POLICIES`), each a score per entry, higher kept first:
 
 A compression scorer's per-head scores are averaged over the KV heads, but for the policies of
 :data:`SHARED_POLICIES`, whose entry scores are their largest over the heads (KVzip's: an entry
-one head needs is kept).
+one head needs is kept), then the largest over the entries of the same word
+(:func:`kvedit.spans.word_index`: a code such as ``SZ-611.`` takes several tokens, and a code
+with a digit forgotten is a wrong code), so a word is kept or forgotten whole.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .. import checks
 from ..compress.scorers import SCORERS, make_scorer
 from ..errors import InvalidInputError, SpanNotFoundError, UnsupportedModelError
 from ..provenance import Step
+from ..spans import word_index
 from ..states.passes import recompute_last
 from ..states.state import KVState
 
@@ -87,9 +90,10 @@ DEFAULT_POLICY = "reconstruct"
 cost several times a message's own time (reports/memory/eval_memory.md, budget.md)."""
 
 SHARED_POLICIES = ("reconstruct",)
-"""Policies whose round shares the target among the global layers (module docstring): on the
-facts task's tuning seed, reconstruct kept the same facts with the target shared as KVzip shares
-it and lost them with the same count on every layer (reports/memory/eval_memory.md)."""
+"""Policies whose round shares the target among the global layers and keeps words whole (module
+docstring): on the facts task's tuning seed, reconstruct kept the facts with the target shared
+as KVzip shares it and lost them with the same count on every layer, and whole words kept more
+of them on Gemma-3 (reports/memory/eval_memory.md)."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,24 @@ def policy_scores(policy: str, state: KVState, layers: Sequence[int]) -> dict[in
     scorer = make_scorer(policy)
     scores = scorer.score(state, list(layers))
     if policy in SHARED_POLICIES:  # KVzip: an entry some head needs is kept for all heads
-        return {i: scores[i].float().amax(dim=(0, 1)).cpu() for i in layers}
+        words = word_index(state.text, state.offsets)
+        return {
+            i: _word_max(scores[i].float().amax(dim=(0, 1)).cpu(), words, state, i) for i in layers
+        }
     return {i: scores[i].float().mean(dim=(0, 1)).cpu() for i in layers}
+
+
+def _word_max(
+    scores: torch.Tensor, words: torch.Tensor, state: KVState, layer: int
+) -> torch.Tensor:
+    """``[n]`` scores of layer ``layer``'s entries, each the largest of the entries of its word
+    (``words``: :func:`kvedit.spans.word_index` of the state's tokens) the layer holds."""
+    index = state.layers[layer].token_index.cpu()
+    held = index >= 0
+    w = torch.where(held, words[index.clamp_min(0)], -1 - torch.arange(len(index)))
+    w = torch.unique(w, return_inverse=True)[1]  # entries without a token: a word each
+    best = torch.full((int(w.max()) + 1,), float("-inf")).scatter_reduce(0, w, scores, "amax")
+    return best[w]
 
 
 def forget(

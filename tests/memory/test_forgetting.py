@@ -168,3 +168,27 @@ def test_reconstruct_stays_within_the_budget_on_average(arch, request):
         assert held <= 90 * len(global_layers(mem.state))
         assert global_entries(mem.state) * per_entry <= 90 * per_entry
     assert mem.forgetting
+
+
+def test_reconstruct_keeps_or_forgets_a_word_whole(llama):
+    """A round's reconstruct score of an entry is the best of its word's entries (max over KV
+    heads first), so the tokens of a code or a name are kept or forgotten together."""
+    import torch
+
+    from kvedit.compress.scorers import make_scorer
+    from kvedit.memory.forgetting import policy_scores
+    from kvedit.spans import word_index
+
+    model, tok = llama
+    state = kvedit.capture(model, tok, " ".join(c for _, c in CHAT))
+    words = word_index(state.text, state.offsets)
+    assert len(words.unique()) < len(state)  # some words take several tokens
+    layers = [0, len(state.layers) - 1]
+    raw = make_scorer("reconstruct").score(state, layers)
+    got = policy_scores("reconstruct", state, layers)
+    for i in layers:
+        per_entry = raw[i].float().amax(dim=(0, 1))
+        w = words[state.layers[i].token_index]
+        want = torch.stack([per_entry[w == w[j]].max() for j in range(len(w))])
+        assert torch.equal(got[i], want)
+        assert not torch.equal(got[i], per_entry)  # the grouping changes the scores
