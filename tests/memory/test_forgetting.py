@@ -22,10 +22,6 @@ def held_tokens(state, layer) -> set[int]:
     return set(state.layers[layer].token_index.tolist())
 
 
-def global_layers(state) -> list[int]:
-    return [i for i, layer in enumerate(state.layers) if layer.window is None]
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_the_budget_is_never_exceeded_and_protected_tokens_stay(arch, policy, request):
@@ -38,7 +34,7 @@ def test_the_budget_is_never_exceeded_and_protected_tokens_stay(arch, policy, re
         for role, content in CHAT:
             mem.add(role, content)
             assert global_entries(mem.state) <= 120
-            for layer in global_layers(mem.state):
+            for layer in mem.state.global_layers:
                 held = held_tokens(mem.state, layer)
                 # the system message, the sinks, the last two messages, the protected span
                 assert set(range(system.start, system.end)) <= held
@@ -164,8 +160,8 @@ def test_reconstruct_stays_within_the_budget_on_average(arch, request):
     per_entry = entry_bytes_bf16(mem.state)
     for role, content in CHAT * 4:
         mem.add(role, content)
-        held = sum(len(mem.state.layers[i]) for i in global_layers(mem.state))
-        assert held <= 90 * len(global_layers(mem.state))
+        held = sum(len(mem.state.layers[i]) for i in mem.state.global_layers)
+        assert held <= 90 * len(mem.state.global_layers)
         assert global_entries(mem.state) * per_entry <= 90 * per_entry
     assert mem.forgetting
 
