@@ -55,6 +55,11 @@ class NoOthers:
         raise AssertionError("never called")
 
 
+class NoOutside:  # the guard protocol before it passed the prompt's frame
+    def decide(self, original, edited, continuation, *, evidence=(), others=(), query=None):
+        raise AssertionError("never called")
+
+
 class Positional:
     def decide(self, original, edited):
         raise AssertionError("never called")
@@ -67,7 +72,11 @@ class AnyKeywords:
 
 @pytest.mark.parametrize(
     ("guard", "match"),
-    [(NoOthers(), "NoOthers.decide .*takes no keyword others="), (Positional(), "Positional")],
+    [
+        (NoOthers(), "NoOthers.decide .*takes no keyword others="),
+        (NoOutside(), "NoOutside.decide .*takes no keyword outside="),
+        (Positional(), "Positional"),
+    ],
 )
 def test_a_decide_that_cannot_take_what_focus_passes_is_refused_before_work(
     state, no_scoring, guard, match
@@ -84,7 +93,9 @@ def test_a_decide_taking_kwargs_is_accepted(state):
 @pytest.mark.parametrize("returned", [True, None])
 def test_a_decide_that_returns_no_verdict_is_a_clear_error(state, returned):
     class Says:
-        def decide(self, original, edited, continuation, *, evidence=(), others=(), query=None):
+        def decide(
+            self, original, edited, continuation, *, evidence=(), others=(), query=None, outside=""
+        ):
             return returned
 
     with pytest.raises(InvalidTypeError, match=rf"guard Says.decide returned {returned!r}"):

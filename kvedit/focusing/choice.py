@@ -47,7 +47,7 @@ from .guard import (
     check_verdict,
     evidence_and_others,
 )
-from .passages import Range, split_passages
+from .passages import Range, outside_passages, split_passages
 from .primed import Continued, PrimedState
 
 __all__ = [
@@ -443,7 +443,13 @@ def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
         else original
     )
     verdict = guard.decide(
-        primed, edited, found.question, evidence=evidence, others=others, query=found.query
+        primed,
+        edited,
+        found.question,
+        evidence=evidence,
+        others=others,
+        query=found.query,
+        outside=outside_passages(original.text, found.passages),
     )
     verdict = check_verdict(guard, verdict)
     if verdict.kept:

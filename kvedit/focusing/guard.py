@@ -9,7 +9,8 @@ label, and says which state to answer from: a :class:`Verdict`, of the guard's o
 :class:`SupportGuard` (the default of :func:`kvedit.focus`:
 :data:`kvedit.focusing.choice.DEFAULT_GUARD`) reads the unedited answer: when at least half of
 its telling words are in the passages the edit would raise (:func:`answer_support`: words
-neither the question's nor shared by most other passages), the model is already reading them.
+the prompt does not say outside its passages and most other passages do not hold), the model
+is already reading them.
 The edit can add no evidence there, only disturb the answer (on NQ it made the model copy the
 passage's opening sentence), so the unedited state answers. It costs the unedited answer (one
 question pass and its decode steps) before the edited one.
@@ -27,7 +28,6 @@ and one decode step per agreeing token.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,6 +38,7 @@ from .. import checks
 from ..errors import InvalidTypeError
 from ..states.decoding import Answer, Decoder
 from ..states.state import KVState
+from .words import COMMON_SHARE, common_words, words
 
 __all__ = [
     "COMMON_SHARE",
@@ -107,8 +108,9 @@ class Guard(Protocol):
     """Decides whether ``edited`` (an edit of ``original``) should answer ``continuation``.
 
     ``evidence`` holds the texts of the passages the edit raises, ``others`` those of the
-    context's other passages, and ``query`` the asking part of ``continuation`` (without the
-    chat template); a guard may ignore all three."""
+    context's other passages, ``query`` the asking part of ``continuation`` (without the
+    chat template), and ``outside`` the prompt's text outside its passages (instruction,
+    headers, chat template); a guard may ignore all four."""
 
     def decide(
         self,
@@ -119,10 +121,11 @@ class Guard(Protocol):
         evidence: Sequence[str] = (),
         others: Sequence[str] = (),
         query: str | None = None,
+        outside: str = "",
     ) -> Verdict: ...
 
 
-DECIDE_KEYWORDS = ("evidence", "others", "query")
+DECIDE_KEYWORDS = ("evidence", "others", "query", "outside")
 """The keywords kvedit passes to a guard's ``decide`` (after ``original, edited,
 continuation``)."""
 
@@ -143,13 +146,14 @@ def check_guard(guard: object) -> Guard | None:
     if not callable(decide):
         raise InvalidTypeError(
             "guard must have a decide(original, edited, continuation, *, evidence, others, "
-            f"query) method (kvedit.focusing.guard.Guard), or be None, not {guard!r}"
+            f"query, outside) method (kvedit.focusing.guard.Guard), or be None, not {guard!r}"
         )
     refusal = checks.call_refusal(decide, 3, DECIDE_KEYWORDS)
     if refusal is not None:
         raise InvalidTypeError(
             f"guard {type(guard).__name__}.decide cannot be called as kvedit calls it, "
-            "decide(original, edited, continuation, evidence=..., others=..., query=...): "
+            "decide(original, edited, continuation, evidence=..., others=..., query=..., "
+            f"outside=...): "
             f"{refusal} (accept the keywords, or **kwargs)"
         )
     return guard  # type: ignore[return-value]
@@ -198,6 +202,7 @@ class AgreementGuard:
         evidence: Sequence[str] = (),
         others: Sequence[str] = (),
         query: str | None = None,
+        outside: str = "",
     ) -> AgreementVerdict:
         """The verdict for ``edited`` (``evidence`` and ``query`` are not used)."""
         base, edit = original.decoder(continuation), edited.decoder(continuation)
@@ -238,7 +243,6 @@ STOP_WORDS = frozenset(
         "at",
         "be",
         "by",
-        "document",
         "for",
         "from",
         "in",
@@ -254,18 +258,17 @@ STOP_WORDS = frozenset(
         "was",
         "were",
         "with",
-        "answer",
-        "question",
-        "title",
     ]
 )
-"""Words :func:`content_words` leaves out: they say nothing about where an answer came from."""
+"""English function words, which :func:`content_words` leaves out: they say nothing about where
+an answer came from. The words of a prompt's own frame (its instruction, headers, template) are
+left out by :func:`answer_support` from the prompt itself, never from a list."""
 
 
 def content_words(text: str) -> list[str]:
-    """The lower-cased words (letters and digits) of ``text`` longer than one character, with
-    :data:`STOP_WORDS` left out."""
-    return [w for w in re.findall(r"[^\W_]+", text.lower()) if len(w) > 1 and w not in STOP_WORDS]
+    """The words of ``text`` (:func:`kvedit.focusing.words.words`) longer than one character,
+    with :data:`STOP_WORDS` left out."""
+    return [w for w in words(text) if len(w) > 1 and w not in STOP_WORDS]
 
 
 def evidence_and_others(texts: Sequence[str], chosen: Sequence[int]) -> tuple[list[str], list[str]]:
@@ -275,37 +278,29 @@ def evidence_and_others(texts: Sequence[str], chosen: Sequence[int]) -> tuple[li
     return [texts[i] for i in chosen], [t for i, t in enumerate(texts) if i not in picked]
 
 
-COMMON_SHARE = 0.5
-"""A word found in more than this share of the other passages is shared context (a template's
-"assignment", the topic's "winner"), not a sign of which passage an answer came from:
-:func:`answer_support` leaves it out; half is the middle of a range of shares that decide alike
-(tuning: reports/focus/README.md)."""
-
-
 def answer_support(
     answer: str,
     evidence: Sequence[str],
     question: str,
     others: Sequence[str] = (),
     shared: float = COMMON_SHARE,
+    outside: str = "",
 ) -> float:
     """The share of ``answer``'s telling words that occur in ``evidence`` (the texts of the
     passages an edit raises); 0 when the answer has no telling word.
 
-    The telling words are its :func:`content_words` that are not in ``question`` and not found
-    in more than ``shared`` (default :data:`COMMON_SHARE`; 1 leaves none out) of ``others``
-    (the context's other passages; none left out when ``others`` is empty). A word the answer
-    invents, found in no passage, counts against it."""
-    asked = set(content_words(question))
-    words = [w for w in content_words(answer) if w not in asked]
-    if others:
-        seen = [set(content_words(text)) for text in others]
-        limit = shared * len(seen)
-        words = [w for w in words if sum(w in s for s in seen) <= limit]
-    if not words:
+    The telling words are its :func:`content_words` that are neither the prompt's own words
+    (those of ``question`` and of ``outside``, the prompt's text outside its passages: an
+    instruction's "answer", a header's "document") nor common among ``others`` (the context's
+    other passages: :func:`kvedit.focusing.words.common_words`, held by more than ``shared``
+    of them, default :data:`~kvedit.focusing.words.COMMON_SHARE`; 1 leaves none out). A word
+    the answer invents, found in no passage, counts against it."""
+    asked = set(words(question)) | set(words(outside)) | common_words(others, shared)
+    telling = [w for w in content_words(answer) if w not in asked]
+    if not telling:
         return 0.0
-    present = {w for text in evidence for w in content_words(text)}
-    return sum(w in present for w in words) / len(words)
+    present = {w for text in evidence for w in words(text)}
+    return sum(w in present for w in telling) / len(telling)
 
 
 SUPPORT_THRESHOLD = 0.5
@@ -319,8 +314,8 @@ class SupportGuard:
     """Keep the edit unless the unedited answer already comes from the edited passages.
 
     The unedited state answers first (greedy). When at least ``threshold`` of that answer's
-    telling words (:func:`answer_support`: words neither in the question nor shared by most
-    other passages) occur in the passages the edit raises, the unedited state answers;
+    telling words (:func:`answer_support`: words the prompt does not say outside its passages
+    and most other passages do not hold) occur in the passages the edit raises, the unedited state answers;
     otherwise the edited one does. An answer with no
     such word (an empty answer, or one that only repeats the question) keeps the edit.
 
@@ -365,10 +360,11 @@ class SupportGuard:
         evidence: Sequence[str] = (),
         others: Sequence[str] = (),
         query: str | None = None,
+        outside: str = "",
     ) -> SupportVerdict:
         """The verdict for ``edited``: the unedited answer's support in ``evidence``, with
-        the words of ``query`` (default: ``continuation``) and those most of ``others`` share
-        left out."""
+        the prompt's own words (those of ``continuation``, ``query`` and ``outside``) and
+        those most of ``others`` share left out."""
         unedited = original.answer(continuation, self.max_new_tokens)
         text = unedited.text if self.read is None else self.read(unedited.text)
         if not isinstance(text, str):
@@ -376,8 +372,8 @@ class SupportGuard:
                 f"SupportGuard's read {getattr(self.read, '__name__', self.read)!r} returned "
                 f"{checks.describe(text)}, not the str of the answer it reads"
             )
-        asked = continuation if query is None else query
-        share = answer_support(text, evidence, asked, others, self.shared)
+        asked = continuation if query is None else f"{query}\n{continuation}"
+        share = answer_support(text, evidence, asked, others, self.shared, outside)
         if share >= self.threshold:
             return SupportVerdict(False, "supported", unedited, share)
         answer = edited.answer(continuation, self.max_new_tokens)

@@ -20,7 +20,7 @@ from ..errors import EmptySelectionError, InvalidInputError
 from ..spans import as_span_list, char_ranges, tokens_in_ranges
 from ..states.state import KVState
 
-__all__ = ["MAX_PASSAGE_TOKENS", "SPLITTERS", "split_passages"]
+__all__ = ["MAX_PASSAGE_TOKENS", "SPLITTERS", "outside_passages", "split_passages"]
 
 SPLITTERS = ("paragraphs", "lines", "sentences")
 """The splitter names :func:`split_passages` knows."""
@@ -34,6 +34,18 @@ _BOUNDARIES = {
 }
 
 Range = tuple[int, int]
+
+
+def outside_passages(text: str, passages: Sequence[Range]) -> str:
+    """``text`` without its ``passages`` (character ranges), each cut replaced by a line
+    break: the prompt's own frame (instruction, headers, chat template)."""
+    out, start = [], 0
+    for a, b in sorted(passages):
+        if a > start:
+            out.append(text[start:a])
+        start = max(start, b)
+    out.append(text[start:])
+    return "\n".join(out)
 
 
 def _special_strings(tokenizer) -> list[str]:

@@ -19,6 +19,7 @@ from .passages import Range, template_ranges
 from .primed import Continued
 from .readout import attention_share, continued_share
 from .sizing import strength_for_share
+from .words import holders, most, split_words, words
 
 SHARE_EPS = 1e-6
 """Shares are clamped to ``[SHARE_EPS, 1 - SHARE_EPS]`` before sizing a bias (a share of 0
@@ -40,28 +41,19 @@ MIN_SPREAD = 0.02
 _META_WORDS = frozenset({"question", "questions", "q", "query", "ask", "asked", "asks"})
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
 def _distinctive_holders(question: str, documents: Sequence[str]) -> dict[str, set[int]]:
     """Each distinctive word of ``question`` (see :func:`distinctive_words`) and the indices
-    of the documents that hold it as a whole word."""
-    lowered = [d.lower() for d in documents]
-    most = max(1, max(1, len(documents)) // 2)
-    out = {}
-    for w in set(_words(question)):
-        pattern = re.compile(r"\b" + re.escape(w) + r"\b")
-        held = {i for i, d in enumerate(lowered) if pattern.search(d)}
-        if 0 < len(held) <= most:
-            out[w] = held
-    return out
+    of the documents that hold it."""
+    limit = most(len(documents))
+    found = holders(words(question), documents)
+    return {w: held for w, held in found.items() if 0 < len(held) <= limit}
 
 
 def distinctive_words(question: str, documents: Sequence[str]) -> set[str]:
-    """The question's *distinctive* words, lowercased: words that occur (as whole words) in
-    some of ``documents`` but not in most of them (in 1 to ``max(1, n // 2)`` of the ``n``).
-    Names and entities, not the question's form ("what", "is", "number")."""
+    """The question's *distinctive* words (:func:`kvedit.focusing.words.words`): those some of
+    ``documents`` hold but not more than :data:`~kvedit.focusing.words.COMMON_SHARE` of them
+    (and at most one when there are one or two). Names and entities, not the question's form
+    ("what", "is", "number")."""
     return set(_distinctive_holders(question, documents))
 
 
@@ -72,8 +64,8 @@ def content_free_question(question: str, documents: Sequence[str]) -> str:
     ``"?"`` when nothing was removed.
     """
     distinctive = distinctive_words(question, documents)
-    words = re.findall(r"\w+|\W+", question)
-    kept = [w for w in words if not (w.strip() and w[0].isalnum() and w.lower() in distinctive)]
+    pieces = split_words(question)
+    kept = [w for w in pieces if not (w[0].isalnum() and w.lower() in distinctive)]
     out = re.sub(r"\s+", " ", "".join(kept)).strip()
     return out if out != question.strip() else "?"
 
@@ -130,12 +122,12 @@ def echo_passages(question: str, texts: Sequence[str]) -> list[int]:
     word of the question (or a word such as "question"), and it holds at least two of the
     question's words and half of them. Such a passage draws the question's attention by
     repeating it, not by answering it, so :func:`choose` never picks it."""
-    asked = set(_words(question))
+    asked = set(words(question))
     out = []
     for i, text in enumerate(texts):
-        words = set(_words(text))
-        shared = words & asked
-        if words - asked - _META_WORDS or len(shared) < max(2, (len(asked) + 1) // 2):
+        held = set(words(text))
+        shared = held & asked
+        if held - asked - _META_WORDS or len(shared) < max(2, (len(asked) + 1) // 2):
             continue
         out.append(i)
     return out

@@ -247,7 +247,9 @@ def test_focus_is_frozen_and_guarded_returns_a_new_one(llama):
     assert unguarded is not found and unguarded.state is edited and unguarded.kept
 
     class Refuse:  # a guard of one's own, returning the common Verdict
-        def decide(self, original, edited, continuation, *, evidence=(), others=(), query=None):
+        def decide(
+            self, original, edited, continuation, *, evidence=(), others=(), query=None, outside=""
+        ):
             return Verdict(False, "refused here", original.answer(continuation, 3))
 
     dropped = guarded(found, edited, Refuse())

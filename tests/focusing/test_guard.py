@@ -126,7 +126,7 @@ def test_token_logprobs_and_capture_tokens_refuse_bad_ids(llama):
 def test_answer_support_counts_the_answers_own_words_found_in_the_evidence():
     from kvedit.focusing.guard import answer_support, content_words
 
-    assert content_words("The answer is: Paris, in 1889!") == ["paris", "1889"]
+    assert content_words("The answer is: Paris, in 1889!") == ["answer", "paris", "1889"]
     question = "Where was the tower built?"
     # "tower" and "built" are the question's words: only "paris" and "1889" count
     assert answer_support("The tower was built in Paris in 1889.", ["Paris, 1889."], question) == 1
@@ -134,6 +134,22 @@ def test_answer_support_counts_the_answers_own_words_found_in_the_evidence():
     assert answer_support("The tower was built.", ["anything"], question) == 0.0  # no own word
     assert answer_support("Paris", [], question) == 0.0
     assert answer_support("Paris", ["Lyon.", "Paris."], question) == 1.0  # any passage
+
+
+def test_answer_support_leaves_out_the_prompts_own_words_not_a_list_of_them():
+    from kvedit.focusing.guard import answer_support
+
+    question = "Who built the tower?"
+    answer = "The answer: Eiffel"
+    # "answer" is a telling word unless the prompt itself says it outside its passages
+    assert answer_support(answer, ["Eiffel built it."], question) == 0.5
+    framed = "Answer the question from the documents below.\n"
+    assert answer_support(answer, ["Eiffel built it."], question, outside=framed) == 1.0
+    # a header word in every passage is common among the others, as before
+    docs = [f"Document [{i}] Title: T{i}. Text {i}." for i in range(5)]
+    said = "Document [3]: Eiffel"
+    assert answer_support(said, ["Eiffel built it."], question, docs) == 1.0
+    assert answer_support(said, ["Eiffel built it."], question) == 0.5
 
 
 def test_answer_support_leaves_out_words_most_other_passages_share():
@@ -183,16 +199,31 @@ def test_focus_passes_the_chosen_passages_to_the_guard(llama):
     seen = []
 
     class Recorder:
-        def decide(self, original, edited, continuation, *, evidence=(), others=(), query=None):
-            seen.append((list(evidence), list(others), query))
+        def decide(
+            self, original, edited, continuation, *, evidence=(), others=(), query=None, outside=""
+        ):
+            seen.append((list(evidence), list(others), query, outside))
             return AgreementGuard(max_new_tokens=4).decide(original, edited, continuation)
 
-    found = kvedit.focus(state, QUESTION, guard=Recorder(), threshold=None, query="Bo's number?")
+    lines = ["Ann's number is 11.", "Bo's number is 22.", "Cy's number is 33."]
+    records = [(state.text.index(t), state.text.index(t) + len(t)) for t in lines]
+    found = kvedit.focus(
+        state, QUESTION, records, guard=Recorder(), threshold=None, query="Bo's number?"
+    )
     texts = [state.text[a:b] for a, b in found.passages]
+    assert texts == lines
     chosen = [texts[i] for i in found.chosen]
     rest = [t for i, t in enumerate(texts) if i not in found.chosen]
     assert len(rest) == len(texts) - 1 > 0
-    assert seen == [(chosen, rest, "Bo's number?")]
+    assert [s[:3] for s in seen] == [(chosen, rest, "Bo's number?")]
+    # the prompt's frame: every character of the state's text outside the passages, in order
+    outside = seen[0][3]
+    frame = "".join(
+        c for i, c in enumerate(state.text) if not any(a <= i < b for a, b in found.passages)
+    )
+    assert outside.replace("\n", "") == frame.replace("\n", "")
+    assert "Read the records." in outside
+    assert not any(t in outside for t in texts)
     assert kvedit.focus(state, QUESTION, threshold=None).verdict.support is not None  # default
 
 

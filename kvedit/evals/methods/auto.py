@@ -15,7 +15,7 @@ from kvedit.evals.methods.focus import example_focus, focused_answer, focused_st
 from kvedit.evals.methods.params import check_count, check_fraction, check_real
 from kvedit.evals.methods.registry import Method, register_method
 from kvedit.focusing.choice import ABSTAIN_THRESHOLD, SCORE_SMOOTHING, SUPPORT_THRESHOLD, Focus
-from kvedit.focusing.guard import COMMON_SHARE
+from kvedit.focusing.words import COMMON_SHARE
 from kvedit.states.state import KVState
 
 __all__ = ["GUARDS", "Auto", "AutoParams", "auto_hit_rate"]
@@ -49,7 +49,7 @@ class AutoParams(EditParams):
         support: :class:`~kvedit.focusing.guard.SupportGuard`'s threshold
             (:data:`kvedit.focusing.choice.SUPPORT_THRESHOLD`).
         shared: :class:`~kvedit.focusing.guard.SupportGuard`'s share of the other documents a word
-            may be found in and still count as support (:data:`kvedit.focusing.guard.COMMON_SHARE`;
+            may be found in and still count as support (:data:`kvedit.focusing.words.COMMON_SHARE`;
             1: none left out, the rule before shared words were left out). Recorded, so runs made before are never
             reused for this rule.
         smoothing: The share added to both sides of each score's log ratio, as a fraction
