@@ -163,7 +163,7 @@ def test_duplicate_is_log2_emphasis(arch):
     model, tok = _model(arch)
     with _refusals():
         st = kvedit.capture(model, tok, PREFIX)
-        global_layers = [i for i, layer in enumerate(st.layers) if layer.window is None]
+        global_layers = st.global_layers
         dup = kvedit.ops.duplicate(st, SPAN, 1).logits(QUESTION)
         if global_layers:
             emph = kvedit.ops.emphasize(st, SPAN, math.log(2), layers=global_layers)

@@ -68,7 +68,7 @@ def test_suppress_and_scale_keys_reach_the_next_token(captured):
 def test_duplicate_reaches_the_next_token_as_emphasize_log_copies(captured):
     _, _, state = captured
     dup = ops.duplicate(state, SPAN, 2)
-    global_layers = [i for i, layer in enumerate(state.layers) if layer.window is None]
+    global_layers = state.global_layers
     emph = ops.emphasize(state, SPAN, math.log(3), layers=global_layers)
     assert changed(dup.last_logits, state.last_logits)
     torch.testing.assert_close(dup.last_logits, emph.last_logits, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,124 @@
+"""Where the support guard's verdict depends on how it tells the prompt's words from an answer's.
+
+``kvedit.focusing.guard.SupportGuard`` leaves out of an answer's telling words the words the
+prompt itself says outside its passages (its instruction, headers, chat template, question).
+It once left out a fixed list instead, which held the NQ prompt's "document", "title",
+"answer" and "question", and read only the question's words besides. This replays both on the
+answers of ``kvedit eval litm`` runs (``none`` and ``auto`` with the support guard, on the same
+examples): for every question ``auto`` edited, the support of ``none``'s answer (the guard's
+unedited answer) in the chosen passages under each rule, and the questions where the two
+verdicts differ. Where none differ, the run's ``auto`` is also what the list would have
+answered.
+
+Usage::
+
+    python -m benchmarks.guard_words runs/nq10-seed0/results.json --task nq --seed 0 --trials 100
+    python -m benchmarks.guard_words runs/lockers-seed7/results.json --data reports/litm/lockers-seed7.jsonl.gz
+
+The example options are the run's own (``kvedit eval litm``'s ``--task``, ``--data``,
+``--n-docs``, ``--positions``, ``--trials``, ``--seed``); ``--model`` and ``--prompt`` are read
+from the run. Loads the model's tokenizer only; runs no model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.common import markdown_table, parser, write_file
+from kvedit.evals.litm import build_examples, resolve_prompt
+from kvedit.evals.methods.context import split_prompt
+from kvedit.focusing.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
+from kvedit.focusing.passages import outside_passages, template_ranges
+from kvedit.models import load_model
+
+LISTED = ("document", "title", "answer", "question")
+"""The prompt words the guard's stop list held before it read the prompt itself."""
+
+
+def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
+    """Both rules' support and verdict for every question ``auto`` edited in ``results``."""
+    by_digest = {ex.digest(): ex for ex in examples}
+    none = {r["example"]: r for r in results["examples"] if r["method"] == "none"}
+    rows = []
+    for rec in results["examples"]:
+        if rec["method"] != "auto" or not rec.get("chosen") or "support" not in rec:
+            continue
+        ex, unedited = by_digest[rec["example"]], none[rec["example"]]["prediction"]
+        prefix, continuation, spans = split_prompt(tokenizer, ex, prompt)
+        evidence, others = evidence_and_others([prefix[a:b] for a, b in spans], rec["chosen"])
+        cut = min([a for a, _ in template_ranges(continuation, tokenizer)] or [len(continuation)])
+        query = continuation[:cut].strip() or continuation
+        framed = answer_support(
+            unedited,
+            evidence,
+            f"{query}\n{continuation}",
+            others,
+            outside=outside_passages(prefix, spans),
+        )
+        listed = answer_support(unedited, evidence, " ".join((query, *LISTED)), others)
+        rows.append(
+            {
+                "id": rec["id"],
+                "support": framed,
+                "support_listed": listed,
+                "recorded": rec["support"],
+                "kept": framed < SUPPORT_THRESHOLD,
+                "kept_listed": listed < SUPPORT_THRESHOLD,
+            }
+        )
+    differ = [r for r in rows if r["kept"] != r["kept_listed"]]
+    return {
+        "edited": len(rows),
+        "support_differs": sum(abs(r["support"] - r["support_listed"]) > 1e-9 for r in rows),
+        "verdict_differs": len(differ),
+        "replay_matches_run": sum(abs(r["support"] - r["recorded"]) < 1e-3 for r in rows),
+        "differ": differ,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    p.add_argument("results", nargs="+", type=Path, help="results.json of eval litm runs")
+    p.add_argument("--task", default="records")
+    p.add_argument("--data", default=None)
+    p.add_argument("--n-docs", type=int, default=None)
+    p.add_argument("--positions", default=None, help="comma-separated gold positions")
+    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the table here (markdown)")
+    args = p.parse_args(argv)
+    positions = [int(x) for x in args.positions.split(",")] if args.positions else None
+    examples = build_examples(args.task, args.data, args.n_docs, positions, args.trials, args.seed)
+    rows = []
+    for path in args.results:
+        results = json.loads(path.read_text())
+        _, tokenizer = load_model(results["model"])
+        prompt = resolve_prompt(results["extra"]["prompt"], results["model"])
+        got = replay(results, examples, tokenizer, prompt)
+        rows.append(
+            [
+                path.parent.name,
+                got["edited"],
+                got["replay_matches_run"],
+                got["support_differs"],
+                got["verdict_differs"],
+                ", ".join(r["id"] for r in got["differ"]) or "-",
+            ]
+        )
+    head = [
+        "run",
+        "edited",
+        "replayed support = run's",
+        "support differs",
+        "verdict differs",
+        "where",
+    ]
+    table = "\n".join(markdown_table(head, rows)) + "\n"
+    print(table, end="")
+    if args.out:
+        write_file(args.out, table)
+
+
+if __name__ == "__main__":
+    main()

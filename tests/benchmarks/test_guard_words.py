@@ -1,0 +1,38 @@
+"""``benchmarks.guard_words``: the support guard's verdict replayed on a run's answers under the
+prompt's own words and under the word list they replaced."""
+
+from __future__ import annotations
+
+from benchmarks.guard_words import replay
+from kvedit.evals.litm import build_examples
+
+
+def test_the_replay_finds_where_the_prompts_own_words_change_the_verdict(llama):
+    _, tok = llama
+    (ex,) = build_examples("records", n_docs=5, positions=[2], trials=1, seed=0)
+    code = ex.documents[2].split()[-1].rstrip(".")
+    digest = ex.digest()
+
+    def run(unedited: str, recorded: float) -> dict:
+        base = {"id": ex.id, "example": digest, "gold_index": 2}
+        return {
+            "examples": [
+                {**base, "method": "none", "prediction": unedited},
+                {**base, "method": "auto", "chosen": [2], "support": recorded},
+                {**base, "id": "other", "example": "-", "method": "auto", "chosen": []},
+            ]
+        }
+
+    # "below", "some" and "records" are the instruction's words, not the list's: the list
+    # counts them as telling words found in no passage (support 1/4, the edit answers); the
+    # prompt's own words leave them out (support 1, the unedited answer stands)
+    got = replay(run(f"Below, some records: {code}", 1.0), [ex], tok, "plain")
+    assert got["edited"] == 1 and got["replay_matches_run"] == 1  # the abstention is skipped
+    (row,) = got["differ"]
+    assert (row["support"], row["support_listed"]) == (1.0, 0.25)
+    assert (row["kept"], row["kept_listed"]) == (False, True)
+    assert got["verdict_differs"] == got["support_differs"] == 1
+    # the listed words are the instruction's too here: both rules read the same support
+    same = replay(run(f"The answer to the question: {code}", 0.5), [ex], tok, "plain")
+    assert same["differ"] == [] and same["support_differs"] == 0
+    assert same["replay_matches_run"] == 0  # a recorded support the replay does not give
