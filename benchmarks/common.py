@@ -122,6 +122,18 @@ def peak_rss_kb(reset: bool) -> int:
 # ----------------------------------------------------------------------------------- outputs
 
 
+def read_run(path: str | Path) -> dict:
+    """The ``results.json`` of an eval run at ``path``; a missing, unreadable or non-JSON file
+    ends the benchmark with one line naming it (``SystemExit``), not a traceback."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not a readable eval run's results.json ({e})") from None
+    if not isinstance(payload, dict):
+        raise SystemExit(f"{path}: not an eval run's results.json (a JSON object)")
+    return payload
+
+
 def write_json(path: str | Path | None, payload: object, indent: int | None = 2) -> bool:
     """Write ``payload`` as JSON to ``path`` atomically (folders created); False if ``path`` is
     None (nothing asked), True once written."""

@@ -23,13 +23,12 @@ Reads only the files; prints the markdown table (and writes it with ``--out``).
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import parser, write_file
+from benchmarks.common import parser, read_run, write_file
 
 NO_HARM_MARGIN = 0.02
 """``auto`` may fall this far below ``none`` at a position with :data:`LARGE` examples."""
@@ -110,7 +109,7 @@ def table(paths: Sequence[Path]) -> str:
     ]
     summary = ["", "| run | none | auto | gold_only | ceiling |", "|---|---|---|---|---|"]
     for path in paths:
-        results = json.loads(path.read_text())
+        results = read_run(path)
         name = path.parent.name
         rows = positions(results)
         for p in rows:

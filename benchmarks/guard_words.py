@@ -22,10 +22,9 @@ from the run. Loads the model's tokenizer only; runs no model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from benchmarks.common import markdown_table, parser, write_file
+from benchmarks.common import markdown_table, parser, read_run, write_file
 from kvedit.evals.litm import build_examples, resolve_prompt
 from kvedit.evals.methods.context import split_prompt
 from kvedit.focusing.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     examples = build_examples(args.task, args.data, args.n_docs, positions, args.trials, args.seed)
     rows = []
     for path in args.results:
-        results = json.loads(path.read_text())
+        results = read_run(path)
         _, tokenizer = load_model(results["model"])
         prompt = resolve_prompt(results["extra"]["prompt"], results["model"])
         got = replay(results, examples, tokenizer, prompt)

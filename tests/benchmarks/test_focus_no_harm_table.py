@@ -39,3 +39,17 @@ def test_the_table_counts_lost_and_won_questions_and_judges_each_position(tmp_pa
     text = table.table([path])
     assert "| run | 9 | 3 | 0.667 | 0.000 | 2 | 0 | 0.67 | **no** |" in text
     assert "| run | 0.667 | 0.333 | 1.000 | **no** |" in text  # auto far below gold_only
+
+
+def test_a_missing_or_broken_results_file_is_one_line_naming_it(tmp_path):
+    import pytest
+
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    for path in (tmp_path / "missing.json", broken):
+        with pytest.raises(SystemExit, match=path.name):
+            table.table([path])
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    with pytest.raises(SystemExit, match="JSON object"):
+        table.table([listed])
