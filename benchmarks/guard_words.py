@@ -15,6 +15,7 @@ Usage::
     python -m benchmarks.guard_words runs/nq10-seed0/results.json --task nq --seed 0 --trials 100
     python -m benchmarks.guard_words runs/lockers-seed7/results.json --data reports/litm/lockers-seed7.jsonl.gz
 
+A stopped run's ``partial.jsonl`` stands for its ``results.json`` (the records made so far).
 The example options are the run's own (``kvedit eval litm``'s ``--task``, ``--data``,
 ``--n-docs``, ``--positions``, ``--trials``, ``--seed``); ``--model`` and ``--prompt`` are read
 from the run. Loads the model's tokenizer only; runs no model.
@@ -22,6 +23,7 @@ from the run. Loads the model's tokenizer only; runs no model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from benchmarks.common import markdown_table, parser, read_run, write_file
@@ -33,6 +35,21 @@ from kvedit.models import load_model
 
 LISTED = ("document", "title", "answer", "question")
 """The prompt words the guard's stop list held before it read the prompt itself."""
+
+
+def read_records(path: Path) -> dict:
+    """A run's ``results.json``, or a stopped run's ``partial.jsonl`` (its records so far, with
+    the model and prompt of the ``partial.settings.json`` beside it) in the same shape."""
+    if path.name != "partial.jsonl":
+        return read_run(path)
+    settings = read_run(path.with_name("partial.settings.json"))
+    try:
+        lines = path.read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not a readable run's partial.jsonl ({e})") from None
+    extra = {"prompt": settings["prompt"]}
+    return {"model": settings["model"], "extra": extra, "examples": records}
 
 
 def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
@@ -78,7 +95,12 @@ def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
-    p.add_argument("results", nargs="+", type=Path, help="results.json of eval litm runs")
+    p.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        help="results.json of eval litm runs (or a stopped run's partial.jsonl)",
+    )
     p.add_argument("--task", default="records")
     p.add_argument("--data", default=None)
     p.add_argument("--n-docs", type=int, default=None)
@@ -91,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     examples = build_examples(args.task, args.data, args.n_docs, positions, args.trials, args.seed)
     rows = []
     for path in args.results:
-        results = read_run(path)
+        results = read_records(path)
         _, tokenizer = load_model(results["model"])
         prompt = resolve_prompt(results["extra"]["prompt"], results["model"])
         got = replay(results, examples, tokenizer, prompt)

@@ -36,3 +36,23 @@ def test_the_replay_finds_where_the_prompts_own_words_change_the_verdict(llama):
     same = replay(run(f"The answer to the question: {code}", 0.5), [ex], tok, "plain")
     assert same["differ"] == [] and same["support_differs"] == 0
     assert same["replay_matches_run"] == 0  # a recorded support the replay does not give
+
+
+def test_a_stopped_runs_partial_records_stand_for_its_results(tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks.guard_words import read_records
+
+    records = [{"id": "a", "method": "none"}, {"id": "a", "method": "auto", "chosen": []}]
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = {"model": "smollm2-135m-instruct", "prompt": "chat", "seed": 0}
+    (tmp_path / "partial.settings.json").write_text(json.dumps(settings))
+    got = read_records(partial)
+    assert got["examples"] == records and got["model"] == settings["model"]
+    assert got["extra"]["prompt"] == "chat"
+    partial.write_text("{broken\n")
+    with pytest.raises(SystemExit, match="partial.jsonl"):
+        read_records(partial)
