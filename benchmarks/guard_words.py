@@ -30,7 +30,8 @@ from benchmarks.common import markdown_table, parser, read_run, write_file
 from kvedit.evals.litm import build_examples, resolve_prompt
 from kvedit.evals.methods.context import split_prompt
 from kvedit.focusing.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
-from kvedit.focusing.passages import outside_passages, template_ranges
+from kvedit.focusing.passages import outside_passages
+from kvedit.focusing.scoring import asking_text
 from kvedit.models import load_model
 
 LISTED = ("document", "title", "answer", "question")
@@ -63,8 +64,7 @@ def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
         ex, unedited = by_digest[rec["example"]], none[rec["example"]]["prediction"]
         prefix, continuation, spans = split_prompt(tokenizer, ex, prompt)
         evidence, others = evidence_and_others([prefix[a:b] for a, b in spans], rec["chosen"])
-        cut = min([a for a, _ in template_ranges(continuation, tokenizer)] or [len(continuation)])
-        query = continuation[:cut].strip() or continuation
+        query = asking_text(continuation, tokenizer)  # the query focus defaults to
         framed = answer_support(
             unedited,
             evidence,

@@ -153,8 +153,7 @@ def check_guard(guard: object) -> Guard | None:
         raise InvalidTypeError(
             f"guard {type(guard).__name__}.decide cannot be called as kvedit calls it, "
             "decide(original, edited, continuation, evidence=..., others=..., query=..., "
-            f"outside=...): "
-            f"{refusal} (accept the keywords, or **kwargs)"
+            f"outside=...): {refusal} (accept the keywords, or **kwargs)"
         )
     return guard  # type: ignore[return-value]
 
@@ -204,7 +203,8 @@ class AgreementGuard:
         query: str | None = None,
         outside: str = "",
     ) -> AgreementVerdict:
-        """The verdict for ``edited`` (``evidence`` and ``query`` are not used)."""
+        """The verdict for ``edited`` (``evidence``, ``others``, ``query`` and ``outside`` are
+        not used)."""
         base, edit = original.decoder(continuation), edited.decoder(continuation)
         tokens: list[int] = []
         base_lps: list[float] = []  # each state's log-probs of the shared tokens
@@ -315,9 +315,9 @@ class SupportGuard:
 
     The unedited state answers first (greedy). When at least ``threshold`` of that answer's
     telling words (:func:`answer_support`: words the prompt does not say outside its passages
-    and most other passages do not hold) occur in the passages the edit raises, the unedited state answers;
-    otherwise the edited one does. An answer with no
-    such word (an empty answer, or one that only repeats the question) keeps the edit.
+    and most other passages do not hold) occur in the passages the edit raises, the unedited
+    state answers; otherwise the edited one does. An answer with no such word (an empty
+    answer, or one that only repeats the question) keeps the edit.
 
     Attributes:
         threshold: the support (a share in ``[0, 1]``) at which the unedited answer stands

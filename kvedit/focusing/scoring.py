@@ -205,8 +205,15 @@ def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float)
 
 
 def default_query(state: KVState, question: str) -> str:
-    """The asking text of a continuation: up to its first chat-template token, stripped."""
-    cut = min([a for a, _ in template_ranges(question, state.tokenizer)] or [len(question)])
+    """The asking text of a continuation: up to its first chat-template token, stripped
+    (:func:`asking_text` with the state's tokenizer)."""
+    return asking_text(question, state.tokenizer)
+
+
+def asking_text(question: str, tokenizer) -> str:
+    """The asking text of a continuation ``question``: up to its first chat-template token
+    (``tokenizer``'s special tokens), stripped; ``question`` itself when that leaves nothing."""
+    cut = min([a for a, _ in template_ranges(question, tokenizer)] or [len(question)])
     return question[:cut].strip() or question
 
 
