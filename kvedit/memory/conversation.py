@@ -284,7 +284,10 @@ class Memory:
         ``"plain"`` format's next message label) or ``max_new_tokens``; a cut answer is
         still a whole message. With ``remember`` (the default) the question and the answer
         are added to the memory, the answer's decoded K/V kept (:mod:`kvedit.memory.answering`);
-        otherwise the memory is left as it was.
+        otherwise the memory is left as it was. Under a budget (``max_tokens``/``max_bytes``)
+        the answer is read from what a remembered ask would keep: a forgetting round that
+        makes room for the question and the answer runs either way, and without ``remember``
+        it is dropped with them.
 
         ``focus``: ``True`` (with :data:`kvedit.DEFAULT_GUARD`) or a guard emphasizes the
         messages the question points at (:func:`kvedit.focus`, the messages' contents as

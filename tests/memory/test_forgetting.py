@@ -188,3 +188,18 @@ def test_reconstruct_keeps_or_forgets_a_word_whole(llama):
         want = torch.stack([per_entry[w == w[j]].max() for j in range(len(w))])
         assert torch.equal(got[i], want)
         assert not torch.equal(got[i], per_entry)  # the grouping changes the scores
+
+
+def test_an_ask_not_remembered_answers_from_what_a_remembered_one_keeps(llama):
+    model, tok = llama
+    budget = dict(system="You are terse.", max_tokens=120, forget="knorm")
+    kept, asked = kvedit.Memory(model, tok, **budget), kvedit.Memory(model, tok, **budget)
+    for role, content in CHAT * 3:
+        kept.add(role, content)
+        asked.add(role, content)
+    before = _snapshot(asked)
+    answer = asked.ask("What is my locker code?", max_new_tokens=8, remember=False)
+    assert _snapshot(asked) == before  # the round that made room is dropped with the answer
+    rounds = len(kept.forgetting)
+    assert kept.ask("What is my locker code?", max_new_tokens=8) == answer
+    assert len(kept.forgetting) == rounds + 1  # the remembered ask forgot to make room
