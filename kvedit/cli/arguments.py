@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -20,6 +21,34 @@ def positive(name: str):
         if value < 1:
             raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
         return value
+
+    parse.__name__ = name
+    return parse
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30})
+
+
+def byte_size(name: str):
+    """An argparse type: a size in bytes, ``1000000``, ``512KiB`` or ``1.5GB`` (units KB, MB,
+    GB of 1000 and KiB, MiB, GiB of 1024, any case); at least one byte."""
+
+    def parse(text: str) -> int:
+        number = text.strip().rstrip("bBiIkKmMgG ")
+        unit = text.strip()[len(number) :].strip().lower()
+        try:
+            value = float(number)
+        except ValueError:
+            value = None
+        if value is None or unit not in _UNITS or not math.isfinite(value * _UNITS[unit]):
+            raise argparse.ArgumentTypeError(
+                f"expected a size such as 2000000, 512KiB or 1.5GB, not {text!r}"
+            )
+        size = int(value * _UNITS[unit])
+        if size < 1:
+            raise argparse.ArgumentTypeError(f"must be at least one byte, not {text!r}")
+        return size
 
     parse.__name__ = name
     return parse

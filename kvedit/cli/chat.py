@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from ..errors import CacheMismatchError, CorruptCacheError, KVEditError, TemplateError
-from .arguments import max_positions_arg, nonempty, positive
+from ..memory.forgetting import DEFAULT_POLICY, POLICIES, global_entries
+from .arguments import byte_size, max_positions_arg, nonempty, positive
 from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, exit_status, message
 
 _NAME = "kvedit chat"
@@ -28,6 +29,11 @@ the memory saved (exit status 0); Ctrl-C, at the prompt or during an answer, end
 way (exit status 130), and an interrupted answer is not kept: the memory is as it was before
 that question. A line the model cannot take (too long for its positions) gets one error line
 and the chat goes on. Lines may be piped in (one question a line).
+
+With --max-tokens or --max-bytes the memory forgets, without knowing the next question, when it
+would hold more (kvedit.Memory's budget: the system message, the last --recent messages and the
+--protect texts are never forgotten); a turn that forgot says so after its cost. The budget is
+not stored in the file: give it again each run.
 """
 
 _COMMANDS = ("/explain", "/save", "/quit", "/help")
@@ -75,6 +81,45 @@ def chat_parser(sub) -> None:
         help="the longest answer, in tokens (default 128)",
     )
     max_positions_arg(p)
+    budget = p.add_argument_group("forgetting (kvedit.Memory's budget; not stored in the file)")
+    held = budget.add_mutually_exclusive_group()
+    held.add_argument(
+        "--max-tokens",
+        type=positive("--max-tokens"),
+        default=None,
+        metavar="N",
+        help="the most entries the memory holds per global-attention layer",
+    )
+    held.add_argument(
+        "--max-bytes",
+        type=byte_size("--max-bytes"),
+        default=None,
+        metavar="SIZE",
+        help="the most bytes the memory's global layers hold in bfloat16 (a number of bytes, "
+        "or with KB, MB, GB, KiB, MiB or GiB)",
+    )
+    budget.add_argument(
+        "--forget",
+        default=None,
+        choices=POLICIES,
+        metavar="POLICY",
+        help=f"which entries go first: {', '.join(POLICIES)} (default {DEFAULT_POLICY})",
+    )
+    budget.add_argument(
+        "--recent",
+        type=positive("--recent"),
+        default=None,
+        metavar="N",
+        help="the last messages never forgotten (default 2)",
+    )
+    budget.add_argument(
+        "--protect",
+        action="append",
+        default=None,
+        type=nonempty("--protect"),
+        metavar="TEXT",
+        help="a text never forgotten where the memory holds it (repeatable)",
+    )
     p.set_defaults(run=run_chat)
 
 
@@ -86,9 +131,39 @@ def run_chat(args) -> int:
         raise UsageError("--system is empty: give the system message, or leave --system out")
     path = Path(args.memory)
     _check_path(path)
+    budget = _budget(args)
     model, tok = load_model(args.model)
-    memory = _open(path, model, tok, args)
+    memory = _open(path, model, tok, args, budget)
     return _Chat(memory, path, args.max_new_tokens).run()
+
+
+def _budget(args) -> dict:
+    """``Memory``'s budget keywords from the forgetting options; refused, before the model
+    loads, where an option needs a budget that is not given."""
+    if args.max_tokens is None and args.max_bytes is None:
+        given = [
+            name
+            for name, value in (
+                ("--forget", args.forget),
+                ("--recent", args.recent),
+                ("--protect", args.protect),
+            )
+            if value is not None
+        ]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} without a budget: give --max-tokens or --max-bytes "
+                "(nothing is forgotten without one)"
+            )
+        return {}
+    budget = {"max_tokens": args.max_tokens, "max_bytes": args.max_bytes}
+    if args.forget is not None:
+        budget["forget"] = args.forget
+    if args.recent is not None:
+        budget["recent"] = args.recent
+    if args.protect is not None:
+        budget["protect"] = list(args.protect)
+    return budget
 
 
 def _check_path(path: Path) -> None:
@@ -102,16 +177,22 @@ def _check_path(path: Path) -> None:
         raise UsageError(f"--memory {path}: the folder {folder} is not writable")
 
 
-def _open(path: Path, model, tok, args):
-    """The memory in ``path`` (checked against --system and --prompt), or a new one."""
+def _open(path: Path, model, tok, args, budget: dict):
+    """The memory in ``path`` (checked against --system and --prompt), or a new one; with
+    ``budget`` (``Memory``'s keywords) from here on."""
     from ..memory.conversation import Memory
 
     if not path.exists():
         return Memory(
-            model, tok, system=args.system, prompt=args.prompt, max_positions=args.max_positions
+            model,
+            tok,
+            system=args.system,
+            prompt=args.prompt,
+            max_positions=args.max_positions,
+            **budget,
         )
     try:
-        memory = Memory.load(path, model, tok, max_positions=args.max_positions)
+        memory = Memory.load(path, model, tok, max_positions=args.max_positions, **budget)
     except (CacheMismatchError, CorruptCacheError) as e:
         raise UsageError(f"--memory {e}; the file is left as it is") from None
     except OSError as e:
@@ -219,6 +300,7 @@ class _Chat:
 
     def _ask(self, question: str) -> None:
         before = self._mark()
+        rounds = len(self.memory.forgetting)
         try:
             answer = self.memory.ask(question, max_new_tokens=self.max_new_tokens)
         except KeyboardInterrupt:
@@ -230,7 +312,7 @@ class _Chat:
             self._error(f"{message(e)}; the question was not kept")
             return
         print(_printable(answer), flush=True)
-        self._dim(self._cost())
+        self._dim(self._cost(self.memory.forgetting[rounds:]))
 
     def _interrupted(self, before: tuple[int, int]) -> None:
         """After Ctrl-C during an answer: say whether the question was kept (it is not, unless
@@ -253,13 +335,22 @@ class _Chat:
             not turns or turns[-1].end == len(self.memory.state)
         )
 
-    def _cost(self) -> str:
+    def _cost(self, rounds) -> str:
+        """The last turn's cost; ``rounds``: the forgetting rounds it ran."""
         q, a = self.memory.turns[-2:]
         answer = f"answer {a.n_tokens:,} tok ({a.kept:,} kept from decoding"
         answer += f", {a.computed:,} computed)" if a.computed else ")"
+        forgot = ""
+        if rounds:
+            dropped = sum(r.before - r.after for r in rounds)
+            seconds = sum(r.seconds for r in rounds)
+            forgot = f", forgot {dropped:,} entries ({rounds[-1].policy}, {seconds:.1f} s)"
+        held = ""
+        if self.memory.budget is not None:
+            held = f" ({global_entries(self.memory.state):,} of {self.memory.budget.max_entries:,} held)"
         return (
             f"[{q.start:,} tok reused, question {q.computed:,} tok computed, {answer}, "
-            f"memory {len(self.memory.state):,} tok, {_size(self.memory.nbytes)}]"
+            f"memory {len(self.memory.state):,} tok{held}, {_size(self.memory.nbytes)}{forgot}]"
         )
 
     def _mark(self) -> tuple[int, int]:
@@ -294,9 +385,21 @@ class _Chat:
 
     def _start_line(self) -> None:
         if self.existed:
-            self._dim(f"[memory {self.path}: {self._counts()}, prompt {self.memory.prompt!r}]")
+            head = f"[memory {self.path}: {self._counts()}, prompt {self.memory.prompt!r}"
         else:
-            self._dim(f"[new memory {self.path}, prompt {self.memory.prompt!r}]")
+            head = f"[new memory {self.path}, prompt {self.memory.prompt!r}"
+        budget = self.memory.budget
+        if budget is not None:
+            head += (
+                f", holds at most {budget.max_entries:,} entries a global layer "
+                f"(forgets by {budget.policy}, the last {budget.recent} messages kept)"
+            )
+        elif self.memory.forgetting:
+            head += (
+                f"; it forgot in {len(self.memory.forgetting)} rounds before, and without "
+                "--max-tokens or --max-bytes nothing more is forgotten"
+            )
+        self._dim(head + "]")
         if self.tty_in:
             self._dim("[/help lists the commands; Ctrl-D ends the chat, saved]")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -106,6 +107,14 @@ def _command_name(argv: list[str]) -> str:
     return " ".join(words)
 
 
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of a closed pipe
+    raises nothing more (Python's documented way out of a SIGPIPE)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``kvedit`` command line; returns the exit status (never raises, except that
     ``--help`` and ``--version`` return 0 after printing).
@@ -129,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         if e.code is None or isinstance(e.code, int):
             return e.code or EXIT_OK
         error: BaseException = KVEditError(str(e.code))
+    except BrokenPipeError:  # whatever read the output (``| head``) stopped reading: no message
+        _drop_stdout()
+        return EXIT_FAILURE
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001  the CLI's one error handler
         error = e
         if debug:

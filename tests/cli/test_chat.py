@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from kvedit import capture
 from kvedit.cli import main as cli_main
 from kvedit.memory import conversation
 from kvedit.memory.conversation import Memory
+from kvedit.memory.forgetting import entry_bytes_bf16
 from kvedit.models import load_model
 from kvedit.states.files.write import save_state
 
@@ -258,6 +260,92 @@ def test_a_real_pipe_gets_no_prompt_and_the_file(tmp_path):
     assert "> " not in done.stdout
     assert done.stdout.splitlines()[-1].startswith(f"saved {path}: 2 messages, ")
     assert path.exists()
+
+
+def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, tmp_path, tiny):
+    path = tmp_path / "chat.kv"
+    lines = "".join(f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(6))
+    budget = ["--max-tokens", "150", "--forget", "knorm", "--protect", "4821"]
+    status, out, err = _chat(monkeypatch, capsys, path, lines, *budget)
+    assert status == 0, err
+    first, *rest = out.splitlines()
+    assert first == (
+        f"[new memory {path}, prompt 'chat', holds at most 150 entries a global layer "
+        "(forgets by knorm, the last 2 messages kept)]"
+    )
+    costs = [line for line in rest if "tok reused" in line]
+    held = [int(re.search(r"\((\d+) of 150 held\)", c).group(1)) for c in costs]
+    assert len(held) == 6 and max(held) <= 150
+    forgot = [c for c in costs if ", forgot " in c]
+    assert forgot and all(c.endswith(" s)]") and "(knorm, " in c for c in forgot)
+    memory = Memory.load(path, *tiny)
+    assert len(memory.forgetting) == len(forgot) and len(memory) == 12
+    held_now = set(memory.state.layers[0].token_index.tolist())
+    assert set(memory.state.token_indices("4821").tolist()) <= held_now  # --protect
+    # the budget is not in the file: a run without one says what the file did before
+    status, out, err = _chat(monkeypatch, capsys, path, "")
+    assert status == 0, err
+    assert out.splitlines()[0].endswith(
+        f"; it forgot in {len(forgot)} rounds before, and without --max-tokens or --max-bytes "
+        "nothing more is forgotten]"
+    )
+
+
+def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
+    path = tmp_path / "chat.kv"
+    status, out, err = _chat(monkeypatch, capsys, path, "", "--max-bytes", "96KiB")
+    assert status == 0, err
+    per_entry = entry_bytes_bf16(Memory(*tiny).state)
+    assert f"holds at most {96 * 1024 // per_entry:,} entries a global layer" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--forget", "knorm"], "--forget without a budget: give --max-tokens or --max-bytes"),
+        (
+            ["--recent", "3", "--protect", "x"],
+            "--recent, --protect without a budget: give --max-tokens or --max-bytes",
+        ),
+        (["--max-bytes", "3XB"], "argument --max-bytes: expected a size such as 2000000"),
+        (["--max-bytes", "0.5"], "argument --max-bytes: must be at least one byte"),
+        (["--max-tokens", "9", "--max-bytes", "9"], "not allowed with argument"),
+        (["--max-tokens", "9", "--forget", "lru"], "argument --forget: invalid choice: 'lru'"),
+    ],
+)
+def test_bad_forgetting_options_are_refused_before_the_model_loads(
+    monkeypatch, capsys, tmp_path, args, says
+):
+    monkeypatch.setattr("kvedit.models.load_model", lambda *a: pytest.fail("model loaded"))
+    status, out, err = _chat(monkeypatch, capsys, tmp_path / "c.kv", "hi\n", *args)
+    assert status == 2
+    assert says in err.splitlines()[-1]
+    assert not (tmp_path / "c.kv").exists()
+
+
+def test_h2o_on_a_sliding_window_model_is_one_line(monkeypatch, capsys, tmp_path):
+    status, out, err = _chat(
+        monkeypatch, capsys, tmp_path / "c.kv", "hi\n", "--model", "tiny-gemma3",
+        "--max-tokens", "50", "--forget", "h2o",
+    )  # fmt: skip
+    assert status == 1 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith("kvedit chat: error: forget='h2o' cannot serve a model with sliding")
+
+
+def test_a_closed_output_pipe_ends_the_chat_without_a_message(tmp_path):
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "kvedit", *CHAT, "--memory", str(tmp_path / "chat.kv")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    chat.stdout.close()  # as `kvedit chat ... | head -0` does
+    _, err = chat.communicate(b"hello\n", timeout=300)
+    assert chat.returncode == 1
+    assert err.decode() == ""
 
 
 # ---------------------------------------------------------------------------- in a terminal
