@@ -264,7 +264,9 @@ def test_a_real_pipe_gets_no_prompt_and_the_file(tmp_path):
 
 def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, tmp_path, tiny):
     path = tmp_path / "chat.kv"
-    lines = "".join(f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(6))
+    lines = "".join(
+        f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(6)
+    )
     budget = ["--max-tokens", "150", "--forget", "knorm", "--protect", "4821"]
     status, out, err = _chat(monkeypatch, capsys, path, lines, *budget)
     assert status == 0, err
