@@ -80,6 +80,13 @@ def chat_parser(sub) -> None:
         metavar="N",
         help="the longest answer, in tokens (default 128)",
     )
+    p.add_argument(
+        "--focus",
+        action="store_true",
+        help="emphasize, for each answer, the messages the question points at "
+        "(kvedit.Memory.ask(focus=True): the memory itself is not edited); a line after the "
+        "cost says what focus did",
+    )
     max_positions_arg(p)
     budget = p.add_argument_group("forgetting (kvedit.Memory's budget; not stored in the file)")
     held = budget.add_mutually_exclusive_group()
@@ -134,7 +141,7 @@ def run_chat(args) -> int:
     budget = _budget(args)
     model, tok = load_model(args.model)
     memory = _open(path, model, tok, args, budget)
-    return _Chat(memory, path, args.max_new_tokens).run()
+    return _Chat(memory, path, args.max_new_tokens, args.focus).run()
 
 
 def _budget(args) -> dict:
@@ -217,10 +224,11 @@ def _open(path: Path, model, tok, args, budget: dict):
 class _Chat:
     """The read-ask-print loop over one memory and its file."""
 
-    def __init__(self, memory, path: Path, max_new_tokens: int) -> None:
+    def __init__(self, memory, path: Path, max_new_tokens: int, focus: bool = False) -> None:
         self.memory = memory
         self.path = path
         self.max_new_tokens = max_new_tokens
+        self.focus = focus
         self.existed = path.exists()
         self.saved_at = self._mark() if self.existed else None
         self.line_no = 0
@@ -302,7 +310,7 @@ class _Chat:
         before = self._mark()
         rounds = len(self.memory.forgetting)
         try:
-            answer = self.memory.ask(question, max_new_tokens=self.max_new_tokens)
+            answer = self.memory.ask(question, max_new_tokens=self.max_new_tokens, focus=self.focus)
         except KeyboardInterrupt:
             self._interrupted(before)
             raise
@@ -313,6 +321,9 @@ class _Chat:
             return
         print(_printable(answer), flush=True)
         self._dim(self._cost(self.memory.forgetting[rounds:]))
+        if self.focus:
+            said = self.memory.focus_said() or "no earlier message to emphasize"
+            self._dim(f"[focus: {_printable(said)}]")
 
     def _interrupted(self, before: tuple[int, int]) -> None:
         """After Ctrl-C during an answer: say whether the question was kept (it is not, unless

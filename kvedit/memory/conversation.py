@@ -408,16 +408,23 @@ class Memory:
                 f"{spent / max(len(self._messages), 1):.3f} s per message; holds "
                 f"{global_entries(self._state)} entries of {len(self._state)} tokens"
             )
-        if self.last_focus is not None:
-            f = self.last_focus
-            if f.chosen and f.kept:
-                chosen = ", ".join(self._message_at(f.passages[i]) for i in f.chosen)
-                lines.append(f"last focus: emphasized {chosen}")
-            elif f.chosen:
-                lines.append(f"last focus: edit dropped by the guard ({f.verdict})")
-            else:
-                lines.append(f"last focus: abstained ({f.reason})")
+        said = self.focus_said()
+        if said is not None:
+            lines.append(f"last focus: {said}")
         return "\n".join(lines)
+
+    def focus_said(self) -> str | None:
+        """What focus did for the last question asked with ``focus`` (:attr:`last_focus`), in
+        words: the messages it emphasized, the guard's verdict where it dropped the edit, or
+        why it abstained; None when no question was asked with focus."""
+        f = self.last_focus
+        if f is None:
+            return None
+        if f.chosen and f.kept:
+            return "emphasized " + ", ".join(self._message_at(f.passages[i]) for i in f.chosen)
+        if f.chosen:
+            return f"edit dropped by the guard ({f.verdict})"
+        return f"abstained ({f.reason})"
 
     def _message_at(self, span: tuple[int, int]) -> str:
         for i, r in enumerate(self._rendering.contents):

@@ -262,6 +262,21 @@ def test_a_real_pipe_gets_no_prompt_and_the_file(tmp_path):
     assert path.exists()
 
 
+def test_focus_says_after_each_answer_what_it_did(monkeypatch, capsys, tmp_path, tiny):
+    path = tmp_path / "chat.kv"
+    lines = "my locker code is 4821\nthe river is calm\nwhat is my locker code?\n"
+    status, out, err = _chat(monkeypatch, capsys, path, lines, "--focus")
+    assert status == 0, err
+    said = [line for line in out.splitlines() if line.startswith("[focus: ")]
+    assert said[0] == "[focus: no earlier message to emphasize]"
+    memory = Memory.load(path, *tiny)
+    assert len(said) == 3 and len(memory) == 6
+    for line in said[1:]:  # focus ran over the earlier messages: what it did, in words
+        assert line.startswith(
+            ("[focus: emphasized message ", "[focus: abstained (", "[focus: edit")
+        )
+
+
 def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, tmp_path, tiny):
     path = tmp_path / "chat.kv"
     lines = "".join(
