@@ -9,7 +9,14 @@ import signal
 import sys
 from pathlib import Path
 
-from ..errors import CacheMismatchError, CorruptCacheError, KVEditError, TemplateError
+from ..errors import (
+    CacheMismatchError,
+    CorruptCacheError,
+    InvalidInputError,
+    KVEditError,
+    TemplateError,
+    UnsupportedModelError,
+)
 from ..memory.forgetting import DEFAULT_POLICY, POLICIES, global_entries
 from .arguments import byte_size, max_positions_arg, nonempty, positive
 from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, exit_status, message
@@ -95,15 +102,17 @@ def chat_parser(sub) -> None:
         type=positive("--max-tokens"),
         default=None,
         metavar="N",
-        help="the most entries the memory holds per global-attention layer",
+        help="the most entries the memory holds per global-attention layer, on average over "
+        "those layers",
     )
     held.add_argument(
         "--max-bytes",
         type=byte_size("--max-bytes"),
         default=None,
         metavar="SIZE",
-        help="the most bytes the memory's global layers hold in bfloat16 (a number of bytes, "
-        "or with KB, MB, GB, KiB, MiB or GiB)",
+        help="the most bytes the memory's global-layer entries take in bfloat16 (a number of "
+        "bytes, or with KB, MB, GB, KiB, MiB or GiB); the size each turn prints is what the "
+        "memory holds, every layer in the model's dtype",
     )
     budget.add_argument(
         "--forget",
@@ -117,7 +126,8 @@ def chat_parser(sub) -> None:
         type=positive("--recent"),
         default=None,
         metavar="N",
-        help="the last messages never forgotten (default 2)",
+        help="the last N messages never forgotten, the question and answer being added among "
+        "them (default 2: every earlier message may be forgotten)",
     )
     budget.add_argument(
         "--protect",
@@ -142,6 +152,18 @@ def run_chat(args) -> int:
     model, tok = load_model(args.model)
     memory = _open(path, model, tok, args, budget)
     return _Chat(memory, path, args.max_new_tokens, args.focus).run()
+
+
+def _options(args) -> str:
+    """The forgetting options given, as typed (for an error that names them)."""
+    given = [
+        ("--max-tokens", args.max_tokens),
+        ("--max-bytes", args.max_bytes),
+        ("--forget", args.forget),
+        ("--recent", args.recent),
+    ]
+    given += [("--protect", repr(text)) for text in args.protect or ()]
+    return " ".join(f"{name} {value}" for name, value in given if value is not None)
 
 
 def _budget(args) -> dict:
@@ -189,6 +211,11 @@ def _open(path: Path, model, tok, args, budget: dict):
     ``budget`` (``Memory``'s keywords) from here on."""
     from ..memory.conversation import Memory
 
+    if budget:  # a budget the model cannot serve is a bad option, refused before the file
+        try:
+            Memory(model, tok, max_positions=args.max_positions, **budget)
+        except (InvalidInputError, UnsupportedModelError) as e:
+            raise UsageError(f"{_options(args)}: {message(e)}") from None
     if not path.exists():
         return Memory(
             model,
@@ -358,7 +385,8 @@ class _Chat:
             forgot = f", forgot {dropped:,} entries ({rounds[-1].policy}, {seconds:.1f} s)"
         held = ""
         if self.memory.budget is not None:
-            held = f" ({global_entries(self.memory.state):,} of {self.memory.budget.max_entries:,} held)"
+            entries, most = global_entries(self.memory.state), self.memory.budget.max_entries
+            held = f" ({entries:,} of {most:,} entries held)"
         return (
             f"[{q.start:,} tok reused, question {q.computed:,} tok computed, {answer}, "
             f"memory {len(self.memory.state):,} tok{held}, {_size(self.memory.nbytes)}{forgot}]"
@@ -402,14 +430,13 @@ class _Chat:
         budget = self.memory.budget
         if budget is not None:
             head += (
-                f", holds at most {budget.max_entries:,} entries a global layer "
+                f", holds at most {budget.max_entries:,} entries a global layer on average "
                 f"(forgets by {budget.policy}, the last {budget.recent} messages kept)"
             )
-        elif self.memory.forgetting:
-            head += (
-                f"; it forgot in {len(self.memory.forgetting)} rounds before, and without "
-                "--max-tokens or --max-bytes nothing more is forgotten"
-            )
+        if self.memory.forgetting:
+            head += f"; it forgot in {len(self.memory.forgetting)} rounds before"
+            if budget is None:
+                head += ", and without --max-tokens or --max-bytes nothing more is forgotten"
         self._dim(head + "]")
         if self.tty_in:
             self._dim("[/help lists the commands; Ctrl-D ends the chat, saved]")

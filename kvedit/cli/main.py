@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import sys
 import traceback
 
@@ -107,6 +108,16 @@ def _command_name(argv: list[str]) -> str:
     return " ".join(words)
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader went away (the write end polls as an error)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll here
+        return False
+
+
 def _drop_stdout() -> None:
     """Point stdout at the null device, so that the interpreter's last flush of a closed pipe
     raises nothing more (Python's documented way out of a SIGPIPE)."""
@@ -138,9 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         if e.code is None or isinstance(e.code, int):
             return e.code or EXIT_OK
         error: BaseException = KVEditError(str(e.code))
-    except BrokenPipeError:  # whatever read the output (``| head``) stopped reading: no message
-        _drop_stdout()
-        return EXIT_FAILURE
+    except BrokenPipeError as e:
+        if not _stdout_closed():
+            error = e
+            if debug:
+                traceback.print_exc()
+        else:  # whatever read the output (``| head``) stopped reading: nothing to say
+            _drop_stdout()
+            return EXIT_FAILURE
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001  the CLI's one error handler
         error = e
         if debug:

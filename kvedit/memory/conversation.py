@@ -402,9 +402,17 @@ class Memory:
             )
         if self._rounds:
             spent = sum(r.seconds for r in self._rounds)
+            by_policy: dict[str, int] = {}
+            for r in self._rounds:  # a memory loaded with another policy forgot by both
+                by_policy[r.policy] = by_policy.get(r.policy, 0) + 1
+            policies = ", ".join(f"{n} by {name}" for name, n in by_policy.items())
+            budget = (
+                "no budget now"
+                if self.budget is None
+                else f"budget {self.budget.max_entries} entries"
+            )
             lines.append(
-                f"forgetting ({self.budget.policy}, budget {self.budget.max_entries} entries): "
-                f"{len(self._rounds)} rounds, {spent:.2f} s, "
+                f"forgetting ({budget}): {len(self._rounds)} rounds ({policies}), {spent:.2f} s, "
                 f"{spent / max(len(self._messages), 1):.3f} s per message; holds "
                 f"{global_entries(self._state)} entries of {len(self._state)} tokens"
             )

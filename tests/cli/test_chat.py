@@ -264,17 +264,19 @@ def test_a_real_pipe_gets_no_prompt_and_the_file(tmp_path):
 
 def test_focus_says_after_each_answer_what_it_did(monkeypatch, capsys, tmp_path, tiny):
     path = tmp_path / "chat.kv"
-    lines = "my locker code is 4821\nthe river is calm\nwhat is my locker code?\n"
-    status, out, err = _chat(monkeypatch, capsys, path, lines, "--focus")
+    questions = ["my locker code is 4821", "the river is calm", "what is my locker code?"]
+    status, out, err = _chat(
+        monkeypatch, capsys, path, "".join(q + "\n" for q in questions), "--focus"
+    )
     assert status == 0, err
     said = [line for line in out.splitlines() if line.startswith("[focus: ")]
-    assert said[0] == "[focus: no earlier message to emphasize]"
-    memory = Memory.load(path, *tiny)
-    assert len(said) == 3 and len(memory) == 6
-    for line in said[1:]:  # focus ran over the earlier messages: what it did, in words
-        assert line.startswith(
-            ("[focus: emphasized message ", "[focus: abstained (", "[focus: edit")
-        )
+    memory, expected = Memory(*tiny), []  # the same questions through the library
+    for q in questions:
+        memory.ask(q, max_new_tokens=6, focus=True)
+        expected.append(f"[focus: {memory.focus_said() or 'no earlier message to emphasize'}]")
+    assert said == expected
+    assert said[0] == "[focus: no earlier message to emphasize]" and said[1] != said[0]
+    assert Memory.load(path, *tiny).messages == memory.messages
 
 
 def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, tmp_path, tiny):
@@ -287,11 +289,11 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
     assert status == 0, err
     first, *rest = out.splitlines()
     assert first == (
-        f"[new memory {path}, prompt 'chat', holds at most 150 entries a global layer "
+        f"[new memory {path}, prompt 'chat', holds at most 150 entries a global layer on average "
         "(forgets by knorm, the last 2 messages kept)]"
     )
     costs = [line for line in rest if "tok reused" in line]
-    held = [int(re.search(r"\((\d+) of 150 held\)", c).group(1)) for c in costs]
+    held = [int(re.search(r"\((\d+) of 150 entries held\)", c).group(1)) for c in costs]
     assert len(held) == 6 and max(held) <= 150
     forgot = [c for c in costs if ", forgot " in c]
     assert forgot and all(c.endswith(" s)]") and "(knorm, " in c for c in forgot)
@@ -300,12 +302,25 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
     held_now = set(memory.state.layers[0].token_index.tolist())
     assert set(memory.state.token_indices("4821").tolist()) <= held_now  # --protect
     # the budget is not in the file: a run without one says what the file did before
-    status, out, err = _chat(monkeypatch, capsys, path, "")
+    status, out, err = _chat(monkeypatch, capsys, path, "/explain\n")
     assert status == 0, err
     assert out.splitlines()[0].endswith(
         f"; it forgot in {len(forgot)} rounds before, and without --max-tokens or --max-bytes "
         "nothing more is forgotten]"
     )
+    n = len(forgot)
+    assert f"forgetting (no budget now): {n} rounds ({n} by knorm), " in out
+    # another policy from here on: the start line and /explain tell the rounds apart
+    more = "".join(f"and line {i}: the bridge is old\n" for i in range(3))
+    status, out, err = _chat(
+        monkeypatch, capsys, path, more + "/explain\n", "--max-tokens", "150", "--forget", "window"
+    )
+    assert status == 0, err
+    assert out.splitlines()[0].endswith(
+        f"(forgets by window, the last 2 messages kept); it forgot in {n} rounds before]"
+    )
+    m = len(Memory.load(path, *tiny).forgetting) - n
+    assert m > 0 and f"({n} by knorm, {m} by window)" in out
 
 
 def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
@@ -314,6 +329,12 @@ def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
     assert status == 0, err
     per_entry = entry_bytes_bf16(Memory(*tiny).state)
     assert f"holds at most {96 * 1024 // per_entry:,} entries a global layer" in out
+    status, out, err = _chat(monkeypatch, capsys, path, "", "--max-bytes", "300")
+    assert (status, out) == (2, "")
+    assert err.strip() == (
+        f"kvedit chat: error: --max-bytes 300: max_bytes=300 holds no entry: one takes "
+        f"{per_entry} bytes in bfloat16"
+    )
 
 
 @pytest.mark.parametrize(
@@ -340,29 +361,59 @@ def test_bad_forgetting_options_are_refused_before_the_model_loads(
     assert not (tmp_path / "c.kv").exists()
 
 
-def test_h2o_on_a_sliding_window_model_is_one_line(monkeypatch, capsys, tmp_path):
+def test_h2o_on_a_sliding_window_model_is_a_bad_option_and_the_file_is_left(
+    monkeypatch, capsys, tmp_path
+):
+    path = tmp_path / "c.kv"
+    Memory(*load_model("tiny-gemma3"), system="hi").save(path)
+    before = path.read_bytes()
     status, out, err = _chat(
-        monkeypatch, capsys, tmp_path / "c.kv", "hi\n", "--model", "tiny-gemma3",
+        monkeypatch, capsys, path, "hi\n", "--model", "tiny-gemma3",
         "--max-tokens", "50", "--forget", "h2o",
     )  # fmt: skip
-    assert status == 1 and out == ""
+    assert status == 2 and out == ""
     (line,) = err.splitlines()
-    assert line.startswith("kvedit chat: error: forget='h2o' cannot serve a model with sliding")
+    assert line.startswith(
+        "kvedit chat: error: --max-tokens 50 --forget h2o: forget='h2o' cannot serve a model "
+        "with sliding-window layers"
+    )
+    assert path.read_bytes() == before
 
 
-def test_a_closed_output_pipe_ends_the_chat_without_a_message(tmp_path):
+def test_a_closed_output_pipe_ends_the_chat_without_a_message_and_saves(tmp_path):
+    path = tmp_path / "chat.kv"
     chat = subprocess.Popen(
-        [sys.executable, "-m", "kvedit", *CHAT, "--memory", str(tmp_path / "chat.kv")],
+        [sys.executable, "-m", "kvedit", *CHAT, "--memory", str(path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
-    chat.stdout.close()  # as `kvedit chat ... | head -0` does
-    _, err = chat.communicate(b"hello\n", timeout=300)
+    chat.stdout.readline()  # the start line
+    chat.stdin.write(b"hello\n")
+    chat.stdin.flush()
+    while b"tok reused" not in chat.stdout.readline():  # the first answer's cost line
+        pass
+    chat.stdout.close()  # the reader goes away, as `| head` does
+    _, err = chat.communicate(b"and again\n", timeout=300)
     assert chat.returncode == 1
     assert err.decode() == ""
+    memory = Memory.load(path, *load_model("tiny-llama"))  # saved on the way out
+    assert [m.content for m in memory.messages][0] == "hello"
+
+
+def test_a_broken_pipe_that_is_not_the_output_is_an_error(monkeypatch, capsys, tmp_path):
+    def run_chat(args):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket's, say: stdout is fine
+
+    monkeypatch.setattr("kvedit.cli.chat.run_chat", run_chat)
+    with (tmp_path / "out").open("w") as out:  # a real, open stdout
+        monkeypatch.setattr(sys, "stdout", out)
+        status = cli_main([*CHAT, "--memory", str(tmp_path / "c.kv")])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvedit chat: error: ") and "Broken pipe" in err
 
 
 # ---------------------------------------------------------------------------- in a terminal
