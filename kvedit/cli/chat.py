@@ -155,7 +155,7 @@ def run_chat(args) -> int:
 
 
 def _options(args) -> str:
-    """The forgetting options given, as typed (for an error that names them)."""
+    """The forgetting options given (a size in bytes), for an error that names them."""
     given = [
         ("--max-tokens", args.max_tokens),
         ("--max-bytes", args.max_bytes),
