@@ -95,6 +95,12 @@ def chat_parser(sub) -> None:
         "cost says what focus did",
     )
     max_positions_arg(p)
+    _budget_args(p)
+    p.set_defaults(run=run_chat)
+
+
+def _budget_args(p) -> None:
+    """The forgetting options: ``kvedit.Memory``'s budget keywords."""
     budget = p.add_argument_group("forgetting (kvedit.Memory's budget; not stored in the file)")
     held = budget.add_mutually_exclusive_group()
     held.add_argument(
@@ -137,7 +143,6 @@ def chat_parser(sub) -> None:
         metavar="TEXT",
         help="a text never forgotten where the memory holds it (repeatable)",
     )
-    p.set_defaults(run=run_chat)
 
 
 def run_chat(args) -> int:

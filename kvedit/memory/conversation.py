@@ -29,8 +29,9 @@ from ..states.capturing import empty_state, extend_ids
 from ..states.files.write import save_state
 from ..states.state import KVState
 from .answering import commit, common_prefix, decode
+from .explaining import explain_text, focus_said
 from .files import memory_attachment, read_memory
-from .forgetting import DEFAULT_POLICY, Round, budget_from, global_entries
+from .forgetting import DEFAULT_POLICY, Round, budget_from
 from .quantizing import check_bits, hold_older_quantized
 from .records import Turn
 from .rendering import ROLES, Message, Rendering, renderer_for
@@ -387,60 +388,23 @@ class Memory:
         return bool(self.last_focus.chosen) and self.last_focus.kept
 
     def explain(self) -> str:
-        """Per message: role, tokens, computed / kept / loaded, bytes; the memory's size; and
-        what focus chose for the last question asked with focus."""
-        lines = [repr(self)]
-        for t in self._turns:
-            how = {"computed": f"computed {t.computed}", "loaded": "loaded from file"}.get(
-                t.source, f"decoded, kept {t.kept}, computed {t.computed}"
-            )
-            if t.recomputed:
-                how += f", {t.recomputed} recomputed ({t.note})"
-            lines.append(
-                f"{t.index:4d} {t.role:9s} {t.n_tokens:6d} tok  {how}; "
-                f"{t.nbytes / 1024:.0f} KiB  {_preview(t.content)}"
-            )
-        if self._rounds:
-            spent = sum(r.seconds for r in self._rounds)
-            by_policy: dict[str, int] = {}
-            for r in self._rounds:  # a memory loaded with another policy forgot by both
-                by_policy[r.policy] = by_policy.get(r.policy, 0) + 1
-            policies = ", ".join(f"{n} by {name}" for name, n in by_policy.items())
-            budget = (
-                "no budget now"
-                if self.budget is None
-                else f"budget {self.budget.max_entries} entries"
-            )
-            lines.append(
-                f"forgetting ({budget}): {len(self._rounds)} rounds ({policies}), {spent:.2f} s, "
-                f"{spent / max(len(self._messages), 1):.3f} s per message; holds "
-                f"{global_entries(self._state)} entries of {len(self._state)} tokens"
-            )
-        said = self.focus_said()
-        if said is not None:
-            lines.append(f"last focus: {said}")
-        return "\n".join(lines)
+        """Per message: role, tokens, computed / kept / loaded, bytes; the memory's size; the
+        forgetting rounds; and what focus chose for the last question asked with focus."""
+        return explain_text(
+            repr(self),
+            self._turns,
+            self._rounds,
+            self.budget,
+            len(self._messages),
+            self._state,
+            self.focus_said(),
+        )
 
     def focus_said(self) -> str | None:
         """What focus did for the last question asked with ``focus`` (:attr:`last_focus`), in
         words: the messages it emphasized, the guard's verdict where it dropped the edit, or
         why it abstained; None when no question was asked with focus."""
-        f = self.last_focus
-        if f is None:
-            return None
-        if f.chosen and f.kept:
-            return "emphasized " + ", ".join(self._message_at(f.passages[i]) for i in f.chosen)
-        if f.chosen:
-            return f"edit dropped by the guard ({f.verdict})"
-        return f"abstained ({f.reason})"
-
-    def _message_at(self, span: tuple[int, int]) -> str:
-        for i, r in enumerate(self._rendering.contents):
-            if r is not None and r[0] <= span[0] < r[1]:
-                return (
-                    f"message {i} ({self._messages[i].role}: {_preview(self._messages[i].content)})"
-                )
-        return f"characters {span[0]}..{span[1]}"
+        return focus_said(self.last_focus, self._rendering.contents, self._messages)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the memory to one state file (the cache, sealed, with the messages in its
@@ -499,11 +463,6 @@ def _bytes_per_token(state: KVState) -> float:
     """Bytes one token's entries take on the global layers of ``state``."""
     layers = [state.layers[i] for i in state.global_layers]
     return sum(layer.nbytes / max(len(layer), 1) for layer in layers)
-
-
-def _preview(text: str, width: int = 48) -> str:
-    one = " ".join(text.split())
-    return repr(one if len(one) <= width else one[: width - 1] + "…")
 
 
 def _guard_of(focus: bool | Guard) -> Guard | None:

@@ -1,0 +1,89 @@
+"""What a :class:`kvedit.Memory` holds and did, in words: :meth:`Memory.explain`'s lines and
+:meth:`Memory.focus_said`, from the memory's records (turns, forgetting rounds, the last focus).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..focusing.choice import Focus
+from ..states.state import KVState
+from .forgetting import Budget, Round, global_entries
+from .records import Turn
+from .rendering import Message
+
+__all__ = ["explain_text", "focus_said", "preview"]
+
+
+def preview(text: str, width: int = 48) -> str:
+    """``text`` on one line, cut to ``width`` characters (with an ellipsis), quoted."""
+    one = " ".join(text.split())
+    return repr(one if len(one) <= width else one[: width - 1] + "…")
+
+
+def explain_text(
+    header: str,
+    turns: Sequence[Turn],
+    rounds: Sequence[Round],
+    budget: Budget | None,
+    n_messages: int,
+    state: KVState,
+    said: str | None,
+) -> str:
+    """Per message: role, tokens, computed / kept / loaded, bytes (after ``header``); the
+    forgetting rounds by policy (a memory loaded with another policy forgot by both) against
+    the ``budget`` it has now; and ``said``, what focus did last (:func:`focus_said`)."""
+    lines = [header]
+    for t in turns:
+        how = {"computed": f"computed {t.computed}", "loaded": "loaded from file"}.get(
+            t.source, f"decoded, kept {t.kept}, computed {t.computed}"
+        )
+        if t.recomputed:
+            how += f", {t.recomputed} recomputed ({t.note})"
+        lines.append(
+            f"{t.index:4d} {t.role:9s} {t.n_tokens:6d} tok  {how}; "
+            f"{t.nbytes / 1024:.0f} KiB  {preview(t.content)}"
+        )
+    if rounds:
+        spent = sum(r.seconds for r in rounds)
+        by_policy: dict[str, int] = {}
+        for r in rounds:
+            by_policy[r.policy] = by_policy.get(r.policy, 0) + 1
+        policies = ", ".join(f"{n} by {name}" for name, n in by_policy.items())
+        now = "no budget now" if budget is None else f"budget {budget.max_entries} entries"
+        lines.append(
+            f"forgetting ({now}): {len(rounds)} rounds ({policies}), {spent:.2f} s, "
+            f"{spent / max(n_messages, 1):.3f} s per message; holds "
+            f"{global_entries(state)} entries of {len(state)} tokens"
+        )
+    if said is not None:
+        lines.append(f"last focus: {said}")
+    return "\n".join(lines)
+
+
+def focus_said(
+    found: Focus | None,
+    contents: Sequence[tuple[int, int] | None],
+    messages: Sequence[Message],
+) -> str | None:
+    """What focus did (``found``, over messages whose contents span ``contents``, character
+    ranges of the memory's text), in words: the messages it emphasized, the guard's verdict
+    where it dropped the edit, or why it abstained; None when ``found`` is None."""
+    if found is None:
+        return None
+    if found.chosen and found.kept:
+        return "emphasized " + ", ".join(
+            _message_at(found.passages[i], contents, messages) for i in found.chosen
+        )
+    if found.chosen:
+        return f"edit dropped by the guard ({found.verdict})"
+    return f"abstained ({found.reason})"
+
+
+def _message_at(
+    span: tuple[int, int], contents: Sequence[tuple[int, int] | None], messages: Sequence[Message]
+) -> str:
+    for i, r in enumerate(contents):
+        if r is not None and r[0] <= span[0] < r[1]:
+            return f"message {i} ({messages[i].role}: {preview(messages[i].content)})"
+    return f"characters {span[0]}..{span[1]}"
