@@ -100,8 +100,10 @@ def chat_parser(sub) -> None:
 
 
 def _budget_args(p) -> None:
-    """The forgetting options: ``kvedit.Memory``'s budget keywords."""
-    budget = p.add_argument_group("forgetting (kvedit.Memory's budget; not stored in the file)")
+    """The forgetting and quantizing options: ``kvedit.Memory``'s budget keywords."""
+    budget = p.add_argument_group(
+        "forgetting and quantizing (kvedit.Memory's budget; not stored in the file)"
+    )
     held = budget.add_mutually_exclusive_group()
     held.add_argument(
         "--max-tokens",
@@ -143,6 +145,15 @@ def _budget_args(p) -> None:
         metavar="TEXT",
         help="a text never forgotten where the memory holds it (repeatable)",
     )
+    budget.add_argument(
+        "--quantize",
+        type=int,
+        default=None,
+        choices=(2, 4, 8),
+        metavar="BITS",
+        help="hold the messages before the last --recent in 2, 4 or 8 bits (fewer bytes for "
+        "the same entries; with or without a budget)",
+    )
 
 
 def run_chat(args) -> int:
@@ -166,38 +177,34 @@ def _options(args) -> str:
         ("--max-bytes", args.max_bytes),
         ("--forget", args.forget),
         ("--recent", args.recent),
+        ("--quantize", args.quantize),
     ]
     given += [("--protect", repr(text)) for text in args.protect or ()]
     return " ".join(f"{name} {value}" for name, value in given if value is not None)
 
 
 def _budget(args) -> dict:
-    """``Memory``'s budget keywords from the forgetting options; refused, before the model
-    loads, where an option needs a budget that is not given."""
-    if args.max_tokens is None and args.max_bytes is None:
-        given = [
-            name
-            for name, value in (
-                ("--forget", args.forget),
-                ("--recent", args.recent),
-                ("--protect", args.protect),
-            )
-            if value is not None
-        ]
-        if given:
-            raise UsageError(
-                f"{', '.join(given)} without a budget: give --max-tokens or --max-bytes "
-                "(nothing is forgotten without one)"
-            )
-        return {}
-    budget = {"max_tokens": args.max_tokens, "max_bytes": args.max_bytes}
-    if args.forget is not None:
-        budget["forget"] = args.forget
-    if args.recent is not None:
-        budget["recent"] = args.recent
-    if args.protect is not None:
-        budget["protect"] = list(args.protect)
-    return budget
+    """``Memory``'s budget keywords from the forgetting and quantizing options; refused,
+    before the model loads, where an option needs a budget that is not given."""
+    budgeted = args.max_tokens is not None or args.max_bytes is not None
+    needs = [("--forget", args.forget), ("--protect", args.protect)]
+    if args.quantize is None:  # --recent also says which messages --quantize keeps exact
+        needs.insert(1, ("--recent", args.recent))
+    given = [name for name, value in needs if value is not None]
+    if given and not budgeted:
+        raise UsageError(
+            f"{', '.join(given)} without a budget: give --max-tokens or --max-bytes "
+            "(nothing is forgotten without one)"
+        )
+    keywords = {
+        "max_tokens": args.max_tokens,
+        "max_bytes": args.max_bytes,
+        "forget": args.forget,
+        "recent": args.recent,
+        "protect": None if args.protect is None else list(args.protect),
+        "quantize": args.quantize,
+    }
+    return {k: v for k, v in keywords.items() if v is not None}  # Memory's defaults for the rest
 
 
 def _check_path(path: Path) -> None:
@@ -437,6 +444,11 @@ class _Chat:
             head += (
                 f", holds at most {budget.max_entries:,} entries a global layer on average "
                 f"(forgets by {budget.policy}, the last {budget.recent} messages kept)"
+            )
+        if self.memory.quantize is not None:
+            head += (
+                f", messages before the last {self.memory.recent} held in "
+                f"{self.memory.quantize} bits"
             )
         if self.memory.forgetting:
             head += f"; it forgot in {len(self.memory.forgetting)} rounds before"

@@ -337,6 +337,19 @@ def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
     )
 
 
+def test_quantize_holds_older_messages_in_fewer_bits(monkeypatch, capsys, tmp_path, tiny):
+    lines = "my locker code is 4821\nthe river is calm\nwhat now\n"
+    plain, packed = tmp_path / "plain.kv", tmp_path / "packed.kv"
+    assert _chat(monkeypatch, capsys, plain, lines)[0] == 0
+    status, out, err = _chat(monkeypatch, capsys, packed, lines, "--quantize", "4", "--recent", "2")
+    assert status == 0, err
+    assert out.splitlines()[0] == (
+        f"[new memory {packed}, prompt 'chat', messages before the last 2 held in 4 bits]"
+    )
+    a, b = Memory.load(plain, *tiny), Memory.load(packed, *tiny, quantize=4)
+    assert a.messages == b.messages and b.nbytes < 0.75 * a.nbytes
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -349,6 +362,8 @@ def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
         (["--max-bytes", "0.5"], "argument --max-bytes: must be at least one byte"),
         (["--max-tokens", "9", "--max-bytes", "9"], "not allowed with argument"),
         (["--max-tokens", "9", "--forget", "lru"], "argument --forget: invalid choice: 'lru'"),
+        (["--quantize", "3"], "argument --quantize: invalid choice: 3 (choose from 2, 4, 8)"),
+        (["--quantize", "4", "--forget", "window"], "--forget without a budget"),
     ],
 )
 def test_bad_forgetting_options_are_refused_before_the_model_loads(
