@@ -39,8 +39,9 @@ and the chat goes on. Lines may be piped in (one question a line).
 
 With --max-tokens or --max-bytes the memory forgets, without knowing the next question, when it
 would hold more (kvedit.Memory's budget: the system message, the last --recent messages and the
---protect texts are never forgotten); a turn that forgot says so after its cost. The budget is
-not stored in the file: give it again each run.
+--protect texts are never forgotten); a turn that forgot says so after its cost. --quantize
+holds the older messages in fewer bits, with or without a budget. Neither is stored in the
+file: give them again each run.
 """
 
 _COMMANDS = ("/explain", "/save", "/quit", "/help")
