@@ -261,7 +261,7 @@ def choose(
     eligible = best_covered(query, texts, candidates)
     ranked = stands_out(scores, candidates, None, eligible)
     chosen = stands_out(scores, candidates, threshold, eligible)[:top_k]
-    reason = "" if chosen else _why_none(scores, candidates, eligible, threshold, real, calib)
+    reason = "" if chosen else abstain_reason(scores, candidates, eligible, threshold, real, calib)
     if not chosen:
         strengths = [0.0] * len(state.layers)
     elif target is None:
@@ -286,7 +286,11 @@ def choose(
     )
 
 
-def _why_none(scores, candidates, eligible, threshold, real, calib) -> str:
+def abstain_reason(scores, candidates, eligible, threshold, real, calib) -> str:
+    """Why :func:`choose` chose nothing, in words: every passage restates the question, the
+    question has no distinctive word, or the best eligible passage's score is not above 0 or
+    its robust z is under ``threshold`` (``scores`` ``[passages]``; ``candidates`` and
+    ``eligible`` boolean masks; ``real`` and ``calib`` the two queries' shares)."""
     if not bool(candidates.any()):
         return "every passage only restates the question"
     if torch.equal(real, calib):
@@ -294,9 +298,15 @@ def _why_none(scores, candidates, eligible, threshold, real, calib) -> str:
     z = robust_z(scores, candidates)
     best = stands_out(scores, candidates, None, eligible)[0]
     among = "" if bool(eligible[candidates].all()) else " among the passages with most of its words"
+    score, z_best = float(scores[best]), float(z[best])
+    if score <= 0:  # stands_out asks for a positive score as well as the robust z
+        return (
+            f"no passage stands out{among} (best: #{best}, score {score:.3f}: not above 0; "
+            f"robust z {z_best:.2f})"
+        )
     return (
-        f"no passage stands out{among} (best: #{best}, score {float(scores[best]):.3f}, "
-        f"robust z {float(z[best]):.2f} < threshold {threshold})"
+        f"no passage stands out{among} (best: #{best}, score {score:.3f}, "
+        f"robust z {z_best:.2f} < threshold {threshold})"
     )
 
 

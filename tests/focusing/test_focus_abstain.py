@@ -11,7 +11,13 @@ import torch
 
 import kvedit
 from kvedit.errors import InvalidInputError
-from kvedit.focusing.choice import best_covered, echo_passages, passage_scores, stands_out
+from kvedit.focusing.choice import (
+    abstain_reason,
+    best_covered,
+    echo_passages,
+    passage_scores,
+    stands_out,
+)
 from kvedit.focusing.scoring import distinctive_words, word_coverage
 
 RECORDS = (
@@ -182,3 +188,13 @@ def test_steer_and_focus_text_agree_under_a_system_line(smollm2):
     assert by_steer.chosen == by_text.chosen == [2]
     assert out == by_text.generate(14)
     assert "7315" in out
+
+
+def test_the_abstain_reason_names_the_condition_that_failed():
+    every = torch.ones(4, dtype=torch.bool)
+    real, calib = torch.rand(2, 4), torch.rand(2, 4)
+    # the best score stands far out but is not positive: the score is the reason, not the z
+    low = abstain_reason(torch.tensor([-0.1, -0.9, -0.9, -0.9]), every, every, 2.5, real, calib)
+    assert "best: #0, score -0.100: not above 0; robust z " in low and "< threshold" not in low
+    flat = abstain_reason(torch.tensor([0.2, 0.19, 0.18, 0.2]), every, every, 2.5, real, calib)
+    assert "best: #0, score 0.200, robust z " in flat and "< threshold 2.5)" in flat
