@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ..cache.packed import BITS
 from ..errors import (
     CacheMismatchError,
     CorruptCacheError,
@@ -150,7 +151,7 @@ def _budget_args(p) -> None:
         "--quantize",
         type=int,
         default=None,
-        choices=(2, 4, 8),
+        choices=BITS,
         metavar="BITS",
         help="hold the messages before the last --recent in 2, 4 or 8 bits (fewer bytes for "
         "the same entries; with or without a budget)",
@@ -171,17 +172,17 @@ def run_chat(args) -> int:
     return _Chat(memory, path, args.max_new_tokens, args.focus).run()
 
 
-def _options(args) -> str:
-    """The forgetting options given (a size in bytes), for an error that names them."""
-    given = [
-        ("--max-tokens", args.max_tokens),
-        ("--max-bytes", args.max_bytes),
-        ("--forget", args.forget),
-        ("--recent", args.recent),
-        ("--quantize", args.quantize),
-    ]
-    given += [("--protect", repr(text)) for text in args.protect or ()]
-    return " ".join(f"{name} {value}" for name, value in given if value is not None)
+def _options(budget: dict) -> str:
+    """The options behind ``budget`` (``Memory``'s keywords, each named as its option; a size
+    in bytes), for an error that names them."""
+    given = []
+    for keyword, value in budget.items():
+        option = "--" + keyword.replace("_", "-")
+        if keyword == "protect":
+            given += [f"{option} {text!r}" for text in value]
+        else:
+            given.append(f"{option} {value}")
+    return " ".join(given)
 
 
 def _budget(args) -> dict:
@@ -228,7 +229,7 @@ def _open(path: Path, model, tok, args, budget: dict):
         try:
             Memory(model, tok, max_positions=args.max_positions, **budget)
         except (InvalidInputError, UnsupportedModelError) as e:
-            raise UsageError(f"{_options(args)}: {message(e)}") from None
+            raise UsageError(f"{_options(budget)}: {message(e)}") from None
     if not path.exists():
         return Memory(
             model,

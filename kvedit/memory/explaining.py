@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from ..focusing.choice import Focus
@@ -46,9 +47,7 @@ def explain_text(
         )
     if rounds:
         spent = sum(r.seconds for r in rounds)
-        by_policy: dict[str, int] = {}
-        for r in rounds:
-            by_policy[r.policy] = by_policy.get(r.policy, 0) + 1
+        by_policy = Counter(r.policy for r in rounds)  # in the order they first forgot
         policies = ", ".join(f"{n} by {name}" for name, n in by_policy.items())
         now = "no budget now" if budget is None else f"budget {budget.max_entries} entries"
         lines.append(
