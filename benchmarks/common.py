@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvedit.atomic import atomic_write
+from kvedit.errors import InvalidInputError
+from kvedit.evals.jsonl import read_json
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root: a child process started by :func:`module_command` runs there."""
@@ -126,12 +128,9 @@ def read_run(path: str | Path) -> dict:
     """The ``results.json`` of an eval run at ``path``; a missing, unreadable or non-JSON file
     ends the benchmark with one line naming it (``SystemExit``), not a traceback."""
     try:
-        payload = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path}: not a readable eval run's results.json ({e})") from None
-    if not isinstance(payload, dict):
-        raise SystemExit(f"{path}: not an eval run's results.json (a JSON object)")
-    return payload
+        return read_json(path, "results")
+    except InvalidInputError as e:
+        raise SystemExit(f"{e} (an eval run's results.json)") from None
 
 
 def write_json(path: str | Path | None, payload: object, indent: int | None = 2) -> bool:

@@ -23,10 +23,12 @@ from the run. Loads the model's tokenizer only; runs no model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from benchmarks.common import markdown_table, parser, read_run, write_file
+from kvedit.cli.arguments import positions
+from kvedit.errors import InvalidInputError
+from kvedit.evals import jsonl
 from kvedit.evals.litm import build_examples, resolve_prompt
 from kvedit.evals.methods.context import split_prompt
 from kvedit.focusing.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
@@ -44,11 +46,10 @@ def read_records(path: Path) -> dict:
     if path.name != "partial.jsonl":
         return read_run(path)
     settings = read_run(path.with_name("partial.settings.json"))
-    try:
-        lines = path.read_text().splitlines()
-        records = [json.loads(line) for line in lines if line.strip()]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path}: not a readable run's partial.jsonl ({e})") from None
+    try:  # the eval's own reader: a last line cut by the stop is dropped, as --resume drops it
+        records = jsonl.read_records(path, "partial")
+    except InvalidInputError as e:
+        raise SystemExit(str(e)) from None
     extra = {"prompt": settings["prompt"]}
     return {"model": settings["model"], "extra": extra, "examples": records}
 
@@ -104,13 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--task", default="records")
     p.add_argument("--data", default=None)
     p.add_argument("--n-docs", type=int, default=None)
-    p.add_argument("--positions", default=None, help="comma-separated gold positions")
+    p.add_argument(
+        "--positions", type=positions, default=None, help="comma-separated gold positions"
+    )
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args(argv)
-    positions = [int(x) for x in args.positions.split(",")] if args.positions else None
-    examples = build_examples(args.task, args.data, args.n_docs, positions, args.trials, args.seed)
+    examples = build_examples(
+        args.task, args.data, args.n_docs, args.positions, args.trials, args.seed
+    )
     rows = []
     for path in args.results:
         results = read_records(path)
