@@ -12,15 +12,12 @@ add is the message's own cost. After every message the held entries' bfloat16 by
 against the budget, and the bytes the memory really holds (``Memory.nbytes``: the model's dtype,
 packed where quantized) are recorded.
 
-``--rescore all,new`` runs each policy of ``SHARED_POLICIES`` (``reconstruct``) with each.
-
 Usage: ``python -m benchmarks.memory_budget --messages 200 --budget 0.25 --threads 1
 --out runs/memory_budget.json``
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -32,17 +29,15 @@ from benchmarks.common import add_model, command_line, markdown_table, parser, w
 from kvedit import Memory
 from kvedit.evals.memory import full_entries
 from kvedit.evals.tasks.memory_facts import facts_examples
-from kvedit.memory.forgetting import SHARED_POLICIES, entry_bytes_bf16, global_entries
+from kvedit.memory.forgetting import entry_bytes_bf16, global_entries
 from kvedit.memory.rendering import renderer_for
 from kvedit.models import load_model
 
 
-def run_policy(
-    model, tok, messages, max_bytes: int, policy: str, bits: int | None, rescore: str | None = None
-) -> dict:
-    """Add every message to a memory with ``max_bytes`` and ``policy`` (and ``quantize=bits``,
-    ``rescore``); per-message timings and bytes, and the summary."""
-    mem = Memory(model, tok, max_bytes=max_bytes, forget=policy, quantize=bits, rescore=rescore)
+def run_policy(model, tok, messages, max_bytes: int, policy: str, bits: int | None) -> dict:
+    """Add every message to a memory with ``max_bytes`` and ``policy`` (and ``quantize=bits``);
+    per-message timings and bytes, and the summary."""
+    mem = Memory(model, tok, max_bytes=max_bytes, forget=policy, quantize=bits)
     per_entry = entry_bytes_bf16(mem.state)
     rows = []
     for role, content in messages:
@@ -67,7 +62,6 @@ def run_policy(
     return {
         "policy": policy,
         "quantize": bits,
-        "rescore": mem.budget.rescore if policy in SHARED_POLICIES else None,
         "messages": n,
         "max_bytes": max_bytes,
         "max_entries": mem.budget.max_entries,
@@ -92,7 +86,6 @@ def table(results: Sequence[dict]) -> list[str]:
     head = [
         "policy",
         "quantize",
-        "rescore",
         "rounds",
         "peak bf16 MiB / budget",
         "over budget",
@@ -105,7 +98,6 @@ def table(results: Sequence[dict]) -> list[str]:
         [
             r["policy"],
             r["quantize"] or "-",
-            r.get("rescore") or "-",
             r["rounds"],
             f"{r['peak_bf16_bytes'] / 2**20:.2f} / {r['max_bytes'] / 2**20:.2f}",
             r["over_budget"],
@@ -128,9 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--policies", default="window,knorm,tova,snapkv,reconstruct", help="comma-separated"
     )
     p.add_argument("--quantize", default="0,4", help="bits, 0 for none (0,4)")
-    p.add_argument(
-        "--rescore", default="all", help="what reconstruct's rounds re-read: all, new (all)"
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (torch's default)")
     p.add_argument("--out", default="runs/memory_budget.json")
@@ -145,15 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_bytes = round(args.budget * entries) * per_entry
     results = []
     for policy in args.policies.split(","):
-        rescores = args.rescore.split(",") if policy in SHARED_POLICIES else [None]
-        for bits, rescore in itertools.product(
-            [int(b) for b in args.quantize.split(",")], rescores
-        ):
-            r = run_policy(model, tok, conv.messages, max_bytes, policy, bits or None, rescore)
+        for bits in (int(b) for b in args.quantize.split(",")):
+            r = run_policy(model, tok, conv.messages, max_bytes, policy, bits or None)
             results.append(r)
             print(
-                f"{policy} quantize={bits} rescore={rescore}: {r['rounds']} rounds, over budget "
-                f"{r['over_budget']}, forget/own {100 * r['forget_over_own']:.1f}%",
+                f"{policy} quantize={bits}: {r['rounds']} rounds, over budget {r['over_budget']}"
+                f", forget/own {100 * r['forget_over_own']:.1f}%",
                 flush=True,
             )
     lines = table(results)

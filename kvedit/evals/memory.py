@@ -26,8 +26,7 @@ Parameters: ``budget`` (in (0, 1]: the method runs at that budget only; without 
 or 8: ``Memory(quantize=)``, the messages before the last ``recent`` held in that many bits;
 for ``snapkv-first``, the compressed state quantized but for its last input,
 :func:`kvedit.compress.quantize`). A method with ``quantize`` runs at budget 1.0 too (nothing
-forgotten, the older messages quantized), so it is not ``reuse`` there. ``rescore`` (``all``,
-``new``; ``reconstruct`` only): ``Memory(rescore=)``, what a round re-reads.
+forgotten, the older messages quantized), so it is not ``reuse`` there.
 
 The budget is a fraction of the conversation's global-layer entries when the first question is
 asked (:func:`full_entries`, the rendering's tokens): the memory is made with
@@ -127,13 +126,7 @@ def _memory(model, tokenizer, method: MemoryMethod, max_tokens: int | None, rece
     if method.name == "reuse" or max_tokens is None:
         return Memory(model, tokenizer, recent=recent, quantize=bits)
     return Memory(
-        model,
-        tokenizer,
-        max_tokens=max_tokens,
-        forget=method.name,
-        recent=recent,
-        quantize=bits,
-        rescore=method.params.rescore,
+        model, tokenizer, max_tokens=max_tokens, forget=method.name, recent=recent, quantize=bits
     )
 
 

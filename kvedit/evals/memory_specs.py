@@ -12,7 +12,6 @@ from kvedit.evals.methods.params import check_count, check_fraction, from_text
 from kvedit.evals.tasks.memory_facts import facts_examples
 from kvedit.evals.tasks.memory_nq import nq_shared_examples
 from kvedit.evals.tasks.memory_schema import Conversation
-from kvedit.memory.forgetting import check_rescore
 from kvedit.memory.quantizing import check_bits
 
 __all__ = [
@@ -52,7 +51,6 @@ class MemoryParams:
     budget: float | None = None
     recent: int | None = None
     quantize: int | None = None
-    rescore: str | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -102,8 +100,6 @@ def parse_memory_spec(spec: str) -> MemoryMethod:
         key, value = part.split("=", 1)
         texts[key.strip()] = value.strip()
     params = from_text(MemoryParams, texts, name)
-    if params.rescore is not None:
-        check_rescore(params.rescore, name)
     if name == "reuse" and params.budget is not None and params.budget != 1:
         raise InvalidInputError(
             f"method {spec!r}: reuse forgets nothing, so its budget is 1; name a policy "

@@ -31,7 +31,7 @@ from ..states.state import KVState
 from .answering import commit, common_prefix, decode
 from .explaining import explain_text, focus_said
 from .files import memory_attachment, read_memory
-from .forgetting import DEFAULT_POLICY, Round, Scored, budget_from
+from .forgetting import DEFAULT_POLICY, Round, budget_from
 from .quantizing import check_bits, hold_older_quantized
 from .records import Turn
 from .rendering import ROLES, Message, Rendering, renderer_for
@@ -65,9 +65,7 @@ class Memory:
     :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
     last ``recent`` messages and the ``protect`` spans are never forgotten. Each round is a
     history step (the memory is no longer a plain capture) and a
-    :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``rescore`` (``"all"``,
-    ``"new"``): what a ``reconstruct`` round re-reads, all the memory holds or only what was
-    added since its last round (:data:`~kvedit.memory.forgetting.RESCORE`). ``quantize`` (2, 4 or 8)
+    :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
     holds the messages before the last ``recent`` in that many bits
     (:mod:`kvedit.memory.quantizing`), with or without a budget: fewer bytes per entry, the
     same entries (a budget still counts entries).
@@ -90,7 +88,6 @@ class Memory:
         recent: int = 2,
         protect: Spans | None = None,
         quantize: int | None = None,
-        rescore: str | None = None,
     ) -> None:
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
@@ -104,9 +101,7 @@ class Memory:
             (),
             (),
         )
-        self.budget = budget_from(
-            self._held.state, max_tokens, max_bytes, forget, recent, protect, rescore
-        )
+        self.budget = budget_from(self._held.state, max_tokens, max_bytes, forget, recent, protect)
         """The :class:`~kvedit.memory.forgetting.Budget` (None: nothing is ever forgotten)."""
         self.quantize = check_bits(quantize)
         """Bits the messages before the last ``recent`` are held in (None: all exact)."""
@@ -168,26 +163,23 @@ class Memory:
         rendering = self._render_after([*self._messages, message], message.role)
         n = len(self._state)
         self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
-        held, rounds, scored = self._room(len(rendering.ids) - n)
+        held, rounds = self._room(len(rendering.ids) - n)
         state = extend_ids(held, rendering.ids[n:], rendering.offsets[n:], rendering.text)
         turn = self._turn(message, n, len(rendering.ids), "computed", len(rendering.ids) - n)
-        self._keep(state, [message], rendering, [turn], rounds, scored)
+        self._keep(state, [message], rendering, [turn], rounds)
         return turn
 
-    def _room(self, n_new: int, recent_kept: int = 1) -> tuple[KVState, list[Round], Scored | None]:
+    def _room(self, n_new: int, recent_kept: int = 1) -> tuple[KVState, list[Round]]:
         """The state with room for ``n_new`` entries under the budget (forgetting if need
-        be; the memory itself is changed only when the message is kept), the round and its
-        scores. ``recent_kept``: how many of the ``recent`` messages are the ones being
-        added."""
+        be; the memory itself is changed only when the message is kept). ``recent_kept``: how
+        many of the ``recent`` messages are the ones being added."""
         if self.budget is None:
-            return self._state, [], None
+            return self._state, []
         last = self._turns[len(self._turns) - max(self.budget.recent - recent_kept, 0) :]
         ranges = [(t.start, t.end) for t in self._turns if t.role == "system"]
         ranges += [(t.start, t.end) for t in last] if self.budget.recent > recent_kept else []
-        state, done, scored = self.budget.make_room(
-            self._state, ranges, n_new, len(self._messages), self._held.scored
-        )
-        return state, [] if done is None else [done], scored
+        state, done = self.budget.make_room(self._state, ranges, n_new, len(self._messages))
+        return state, [] if done is None else [done]
 
     def _message(self, role: str, content: str) -> Message:
         if not isinstance(role, str) or role not in ROLES:
@@ -247,12 +239,10 @@ class Memory:
         rendering: Rendering,
         turns: list[Turn],
         rounds: Sequence[Round] = (),
-        scored: Scored | None = None,
     ) -> None:
         """Make the new state the memory's, after all work is done: one assignment, so an
         interrupt (Ctrl-C) leaves the memory as it was before or as it is after. With
-        ``quantize``, the messages before the last ``recent`` are held in its bits first.
-        ``scored``: the scores of the round among ``rounds`` (the last round's kept)."""
+        ``quantize``, the messages before the last ``recent`` are held in its bits first."""
         if self.quantize is not None:
             starts = [t.start for t in (*self._turns, *turns)]
             state = hold_older_quantized(state, self.quantize, starts, self.recent, bool(rounds))
@@ -264,7 +254,6 @@ class Memory:
             rendering,
             (*self._turns, *turns),
             (*self._rounds, *rounds),
-            scored if scored is not None else self._held.scored,
         )
 
     # the memory's fields, read from its one snapshot
@@ -324,8 +313,7 @@ class Memory:
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
         self._state.check_room(n_p - n, max_new_tokens, what="question")
         # room for the question, the answer and its end-of-turn markup
-        room = n_p - n + max_new_tokens + ANSWER_MARKUP
-        held, rounds, scored = self._room(room, recent_kept=2)
+        held, rounds = self._room(n_p - n + max_new_tokens + ANSWER_MARKUP, recent_kept=2)
         focused = guard is not None and self._focused(held, question, p, guard)
         prompt_from = self.last_focus.state if focused else held
         prompt = extend_ids(prompt_from, p.ids[n:], p.offsets[n:], p.text)
@@ -372,7 +360,7 @@ class Memory:
                 index=len(self._messages) + 1,
             ),
         ]
-        self._keep(done.state, [message, answer], full, turns, rounds, scored)
+        self._keep(done.state, [message, answer], full, turns, rounds)
         return answer.content.strip()
 
     def _stops(self, stop: Sequence[str] | None) -> tuple[str, ...]:
@@ -469,9 +457,6 @@ class _Held:
     rendering: Rendering
     turns: tuple[Turn, ...]
     rounds: tuple[Round, ...]
-    scored: Scored | None = None
-    """The last forgetting round's scores (:class:`~kvedit.memory.forgetting.Scored`; not
-    saved: a loaded memory's next round re-reads all it holds)."""
 
 
 def _bytes_per_token(state: KVState) -> float:

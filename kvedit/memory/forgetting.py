@@ -39,12 +39,6 @@ A compression scorer's per-head scores are averaged over the KV heads, but for t
 one head needs is kept), then the largest over the entries of the same word
 (:func:`kvedit.spans.word_index`: a code such as ``SZ-611.`` takes several tokens, and a code
 with a digit forgotten is a wrong code), so a word is kept or forgotten whole.
-
-``rescore`` (:data:`RESCORE`) says what a ``reconstruct`` round re-reads: ``"all"`` every
-token some global layer holds (the whole kept transcript, each round), ``"new"`` only the
-tokens added since the memory's last round, each entry's score then the larger of this
-round's and the one the last round gave it (:class:`Scored`): KVzip's chunked scoring, the
-chunks read as they arrive, so a round costs in proportion to what was added.
 """
 
 from __future__ import annotations
@@ -65,18 +59,14 @@ from ..states.state import KVState
 
 __all__ = [
     "DEFAULT_POLICY",
-    "DEFAULT_RESCORE",
     "LOW_WATER",
     "SHARED_POLICIES",
     "Budget",
     "POLICIES",
-    "RESCORE",
     "SINK_TOKENS",
     "Round",
-    "Scored",
     "budget_from",
     "check_policy",
-    "check_rescore",
     "entry_bytes_bf16",
     "forget",
     "global_entries",
@@ -99,12 +89,6 @@ DEFAULT_POLICY = "reconstruct"
 ``reuse``'s 0.556; ``window`` 0.185, ``snapkv-first`` 0.148, ``tova`` 0.037), though its rounds
 cost several times a message's own time (reports/memory/eval_memory.md, budget.md)."""
 
-RESCORE = ("all", "new")
-"""What a round of a policy of :data:`SHARED_POLICIES` re-reads (module docstring)."""
-
-DEFAULT_RESCORE = "all"
-"""``Memory(rescore=)``'s default."""
-
 SHARED_POLICIES = ("reconstruct",)
 """Policies whose round shares the target among the global layers and keeps words whole (module
 docstring): on the facts task's tuning seed, reconstruct kept the facts with the target shared
@@ -123,46 +107,6 @@ class Round:
     before: int
     after: int
     seconds: float
-
-
-@dataclass(frozen=True)
-class Scored:
-    """The scores a round of a :data:`SHARED_POLICIES` policy gave, for the next round to
-    re-read only what came after (``rescore="new"``).
-
-    Attributes:
-        upto: the length of the state it scored: every token it held before this was re-read.
-        scores: ``{layer: [upto]}`` float32, the score of the layer's entry of each token
-            (``-inf`` where the layer held none).
-    """
-
-    upto: int
-    scores: dict[int, torch.Tensor]
-
-    @classmethod
-    def of(cls, state: KVState, per_layer: dict[int, torch.Tensor]) -> Scored:
-        """The record of ``per_layer`` (``{layer: [n]}`` scores of its entries) on ``state``."""
-        dense = {}
-        for i, got in per_layer.items():
-            index = state.layers[i].token_index.cpu()
-            held = index >= 0
-            dense[i] = torch.full((len(state),), float("-inf"))
-            dense[i][index[held]] = got[held].float()
-        return cls(len(state), dense)
-
-    def earlier(self, state: KVState, layer: int) -> torch.Tensor:
-        """``[n]``: the score this record gave each entry of ``state``'s layer ``layer``
-        (``-inf`` for an entry of a token at ``upto`` or later, or of none)."""
-        index = state.layers[layer].token_index.cpu()
-        known = (index >= 0) & (index < self.upto)
-        out = torch.full((len(index),), float("-inf"))
-        out[known] = self.scores[layer][index[known]]
-        return out
-
-    def fits(self, state: KVState, layers: Sequence[int]) -> bool:
-        """Whether this record can stand for ``state``'s earlier tokens: it scored a prefix of
-        it, on every layer of ``layers``."""
-        return self.upto <= len(state) and all(i in self.scores for i in layers)
 
 
 def global_entries(state: KVState) -> int:
@@ -192,43 +136,18 @@ def check_policy(policy: str, state: KVState) -> None:
         )
 
 
-def check_rescore(rescore: str | None, policy: str) -> str:
-    """``rescore`` checked against ``policy`` (None: :data:`DEFAULT_RESCORE`)."""
-    if rescore is None:
-        return DEFAULT_RESCORE
-    if not isinstance(rescore, str) or rescore not in RESCORE:
-        raise InvalidInputError(f"rescore must be one of {list(RESCORE)}, not {rescore!r}")
-    if rescore == "new" and policy not in SHARED_POLICIES:
-        raise InvalidInputError(
-            f"rescore={rescore!r} is for {', '.join(SHARED_POLICIES)}: forget={policy!r} "
-            "scores every round from scratch"
-        )
-    return rescore
-
-
-def policy_scores(
-    policy: str, state: KVState, layers: Sequence[int], earlier: Scored | None = None
-) -> dict[int, torch.Tensor]:
-    """``{layer: [n] scores}`` of each layer's entries under ``policy`` (higher kept first).
-
-    ``earlier``: for a policy of :data:`SHARED_POLICIES`, the last round's scores: only the
-    tokens from its ``upto`` on are re-read, and an entry's score is the larger of the two
-    (``rescore="new"``, module docstring); other policies score from scratch."""
+def policy_scores(policy: str, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{layer: [n] scores}`` of each layer's entries under ``policy`` (higher kept first)."""
     if policy == "window":
         return {i: state.layers[i].token_index.float() for i in layers}
-    if policy not in SHARED_POLICIES:
-        scores = make_scorer(policy).score(state, list(layers))
-        return {i: scores[i].float().mean(dim=(0, 1)).cpu() for i in layers}
-    since = earlier.upto if earlier is not None else 0
-    scores = make_scorer(policy, since=since).score(state, list(layers))
-    words = word_index(state.text, state.offsets)
-    out = {}
-    for i in layers:  # KVzip: an entry some head needs is kept for all heads
-        got = scores[i].float().amax(dim=(0, 1)).cpu()
-        if earlier is not None:
-            got = torch.maximum(got, earlier.earlier(state, i))
-        out[i] = _word_max(got, words, state, i)
-    return out
+    scorer = make_scorer(policy)
+    scores = scorer.score(state, list(layers))
+    if policy in SHARED_POLICIES:  # KVzip: an entry some head needs is kept for all heads
+        words = word_index(state.text, state.offsets)
+        return {
+            i: _word_max(scores[i].float().amax(dim=(0, 1)).cpu(), words, state, i) for i in layers
+        }
+    return {i: scores[i].float().mean(dim=(0, 1)).cpu() for i in layers}
 
 
 def _word_max(
@@ -251,11 +170,10 @@ def forget(
     policy: str,
     *,
     at_message: int = 0,
-    earlier: Scored | None = None,
-    scores: Callable[..., dict[int, torch.Tensor]] = policy_scores,
-) -> tuple[KVState, Round, Scored | None]:
+    scores: Callable[[str, KVState, Sequence[int]], dict[int, torch.Tensor]] = policy_scores,
+) -> tuple[KVState, Round]:
     """``state`` with its global layers cut to ``target`` entries each (on average for the
-    policies of :data:`SHARED_POLICIES`), the round, and (for those policies) its scores.
+    policies of :data:`SHARED_POLICIES`).
 
     Args:
         state: the memory's state (not modified).
@@ -263,9 +181,6 @@ def forget(
             policies of :data:`SHARED_POLICIES`).
         protected: ``BoolTensor[len(state)]``, the tokens no round drops.
         policy: one of :data:`POLICIES`.
-        earlier: the last round's :class:`Scored`, for a re-read of only what came after it
-            (:func:`policy_scores`); ignored where it does not fit ``state``.
-        scores: ``(policy, state, layers, earlier) -> {layer: [n]}`` (:func:`policy_scores`).
 
     Raises:
         InvalidInputError: the protected entries alone exceed ``target``.
@@ -273,10 +188,7 @@ def forget(
     t0 = time.perf_counter()
     before = global_entries(state)
     chosen = state.counted_layers
-    if earlier is not None and not earlier.fits(state, chosen):
-        earlier = None
-    per_layer = scores(policy, state, chosen, earlier)
-    scored = Scored.of(state, per_layer) if policy in SHARED_POLICIES else None
+    per_layer = scores(policy, state, chosen)
     keeps = {}
     for i in chosen:
         index = state.layers[i].token_index.cpu()
@@ -307,8 +219,7 @@ def forget(
         )
     )
     out = recompute_last(out)
-    seconds = time.perf_counter() - t0
-    return out, Round(at_message, policy, before, global_entries(out), seconds), scored
+    return out, Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
 
 
 def _keep_best(
@@ -343,15 +254,12 @@ class Budget:
         recent: the last messages never forgotten (the message being added is one of them).
         protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
             takes them); a span not (yet) in the text protects nothing.
-        rescore: what a round of a policy of :data:`SHARED_POLICIES` re-reads (:data:`RESCORE`,
-            module docstring).
     """
 
     max_entries: int
     policy: str = DEFAULT_POLICY
     recent: int = 2
     protect: tuple = ()
-    rescore: str = DEFAULT_RESCORE
 
     def make_room(
         self,
@@ -359,13 +267,10 @@ class Budget:
         protected_ranges: Sequence[tuple[int, int]],
         n_new: int,
         at_message: int,
-        earlier: Scored | None = None,
-    ) -> tuple[KVState, Round | None, Scored | None]:
+    ) -> tuple[KVState, Round | None]:
         """``state`` with room for ``n_new`` more entries per global layer (on average over
         them, :func:`global_entries`): unchanged when they fit, else forgotten down to
-        :data:`LOW_WATER` of the budget less ``n_new``; with the round and its
-        :class:`Scored` (None without a round). ``earlier``: the last round's (used with
-        ``rescore="new"``).
+        :data:`LOW_WATER` of the budget less ``n_new``.
 
         ``protected_ranges``: token ranges ``[start, end)`` of ``state`` never forgotten (the
         system message, the recent messages). Raises :class:`~kvedit.errors.InvalidInputError`
@@ -384,10 +289,9 @@ class Budget:
                 "protect less"
             )
         if global_entries(state) + n_new <= self.max_entries:
-            return state, None, None
+            return state, None
         target = max(int(LOW_WATER * self.max_entries) - n_new, n_protected)
-        earlier = earlier if self.rescore == "new" else None
-        return forget(state, target, protected, self.policy, at_message=at_message, earlier=earlier)
+        return forget(state, target, protected, self.policy, at_message=at_message)
 
     def protected(
         self, state: KVState, protected_ranges: Sequence[tuple[int, int]]
@@ -411,12 +315,10 @@ def budget_from(
     forget: str,
     recent: int,
     protect,
-    rescore: str | None = None,
 ) -> Budget | None:
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state."""
     check_policy(forget, state)
-    rescore = check_rescore(rescore, forget)
     recent = checks.count("recent", recent)
     if max_tokens is not None and max_bytes is not None:
         raise InvalidInputError("give max_tokens or max_bytes, not both")
@@ -434,4 +336,4 @@ def budget_from(
         protect = ()
     elif isinstance(protect, (str, tuple)) or not isinstance(protect, Sequence):
         protect = (protect,)
-    return Budget(max_tokens, forget, recent, tuple(protect), rescore)
+    return Budget(max_tokens, forget, recent, tuple(protect))

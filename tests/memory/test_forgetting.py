@@ -137,19 +137,19 @@ def test_a_shared_target_keeps_the_best_entries_of_all_layers(llama):
     protected = torch.zeros(n, dtype=torch.bool)
     protected[10:14] = True
 
-    def scores(policy, st, chosen, earlier):  # layer 0 reads everything, the others little
+    def scores(policy, st, chosen):  # layer 0 reads everything, the others little
         return {i: torch.rand(n) + (1.0 if i == 0 else 0.0) for i in chosen}
 
     target = 30
     assert "reconstruct" in SHARED_POLICIES
-    out, rnd, _ = forget(state, target, protected, "reconstruct", scores=scores)
+    out, rnd = forget(state, target, protected, "reconstruct", scores=scores)
     sizes = [len(layer) for layer in out.layers]
     assert sum(sizes) == target * layers and global_entries(out) == target == rnd.after
     assert sizes[0] == min(n, target * layers - (layers - 1) * (SINK_TOKENS + 4 + 1))
     for i in range(layers):
         assert set(range(10, 14)) | set(range(SINK_TOKENS)) | {n - 1} <= held_tokens(out, i)
     # the same scores with a per-layer target: every layer keeps the same count
-    flat, _, _ = forget(state, target, protected, "tova", scores=scores)
+    flat, _ = forget(state, target, protected, "tova", scores=scores)
     assert [len(layer) for layer in flat.layers] == [target] * layers
 
 

@@ -19,10 +19,7 @@ maximum over segments). The reconstructed tokens are the text's tokens but its s
 (a BOS token, chat markers) whose entries some global layer still holds: a state that forgot
 part of its text (:class:`kvedit.Memory` under a budget) reconstructs what it holds. Where its
 layers hold different tokens (``forget="reconstruct"`` shares the budget among them), that is
-every token any layer holds, which can be most of the transcript. With ``since``, only the held
-text tokens from that index on are re-read (one more chunk of KVzip's chunked scoring: a caller
-that kept the scores of an earlier re-read of the others takes the largest of the two; every
-entry scores 0 where no such token is held).
+every token any layer holds, which can be most of the transcript.
 
 Every entry is scored by the attention it receives, text tokens or not (a separator, a re-read
 copy appended after the text: the reconstruction runs after them and sees them); nothing scores
@@ -63,17 +60,13 @@ class Reconstruct(Scorer):
             layer, ``k`` the working cache); the scores do not depend on it.
         prompt: The repeat instruction run after the state, before the text's tokens again;
             None: :data:`DEFAULT_PROMPT`; ``""``: none.
-        since: Only the held text tokens at this index or later are re-read (module
-            docstring); 0: all of them.
     """
 
     chunk: int = 256
     prompt: str | None = None
-    since: int = 0
 
     def __post_init__(self) -> None:
         checks.count("chunk", self.chunk, minimum=1)
-        checks.count("since", self.since)
         if self.prompt is not None:
             checks.text("prompt", self.prompt)
 
@@ -85,12 +78,9 @@ class Reconstruct(Scorer):
         prompt_ids = state.encode(prompt, "prompt") if prompt else []
         special = set(getattr(tok, "all_special_ids", []) or [])
         token_ids = state.token_ids.tolist()
-        held = [t for t in _held_tokens(state) if token_ids[t] not in special]
-        ids = [token_ids[t] for t in held if t >= self.since]
-        if not held:
+        ids = [token_ids[t] for t in _held_tokens(state) if token_ids[t] not in special]
+        if not ids:
             raise InvalidInputError("reconstruct: the state holds no text token to reconstruct")
-        if not ids:  # nothing re-read after ``since``: no entry gets attention from it
-            return {i: _zeros(state, i) for i in layers}
         # refused before any work when not even the prompt and one chunk fit after the state
         state.check_room(len(prompt_ids) + min(self.chunk, len(ids)), what="prompt and chunk")
         limit = checks.positions_limit(model, state.max_positions)
@@ -111,12 +101,6 @@ class Reconstruct(Scorer):
                 )
             out[i] = best[i].reshape(b, kv_heads, heads // kv_heads, n).amax(dim=2)
         return out
-
-
-def _zeros(state: KVState, layer: int) -> torch.Tensor:
-    """``[batch, kv_heads, n]`` zeros for layer ``layer``'s entries."""
-    b, kv_heads, n, _ = state.layers[layer].kv_shape
-    return torch.zeros(b, kv_heads, n, device=state.layers[layer].device)
 
 
 def _held_tokens(state: KVState) -> list[int]:
