@@ -41,8 +41,9 @@ and the chat goes on. Lines may be piped in (one question a line).
 With --max-tokens or --max-bytes the memory forgets, without knowing the next question, when it
 would hold more (kvedit.Memory's budget: the system message, the last --recent messages and the
 --protect texts are never forgotten); a turn that forgot says so after its cost. --quantize
-holds the older messages in fewer bits, with or without a budget. Neither is stored in the
-file: give them again each run.
+holds the older messages in fewer bits, with or without a budget. The file keeps both: a later
+run goes on under them, and an option given again replaces the file's (--forget, --recent and
+--protect with --max-tokens or --max-bytes).
 """
 
 _COMMANDS = ("/explain", "/save", "/quit", "/help")
@@ -104,7 +105,8 @@ def chat_parser(sub) -> None:
 def _budget_args(p) -> None:
     """The forgetting and quantizing options: ``kvedit.Memory``'s budget keywords."""
     budget = p.add_argument_group(
-        "forgetting and quantizing (kvedit.Memory's budget; not stored in the file)"
+        "forgetting and quantizing (kvedit.Memory's budget; kept in the file, replaced by an "
+        "option given again)"
     )
     held = budget.add_mutually_exclusive_group()
     held.add_argument(

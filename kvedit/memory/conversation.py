@@ -30,7 +30,7 @@ from ..states.files.write import save_state
 from ..states.state import KVState
 from .answering import commit, common_prefix, decode
 from .explaining import explain_text, focus_said
-from .files import memory_attachment, read_memory
+from .files import budget_keywords, memory_attachment, read_memory
 from .forgetting import DEFAULT_POLICY, Round, budget_from
 from .quantizing import check_bits, hold_older_quantized
 from .records import Turn
@@ -411,7 +411,10 @@ class Memory:
         header), atomically; returns the path. The whole file is written each time (46 KB per
         token on SmolLM2 in float32): save on demand (``kvedit chat`` saves on exit), not
         every turn."""
-        attachment = memory_attachment(self.prompt, self._messages, self._turns, self._rounds)
+        keywords = budget_keywords(self.budget, self.recent, self.quantize)
+        attachment = memory_attachment(
+            self.prompt, self._messages, self._turns, self._rounds, keywords
+        )
         return save_state(self._state, path, attachment=attachment)
 
     @classmethod
@@ -427,9 +430,10 @@ class Memory:
         """A memory saved with :meth:`save`, for ``model`` and ``tokenizer``.
 
         The messages are rendered again and must give the file's token ids exactly. The
-        file keeps what was forgotten (its state) and the rounds; the budget for what follows
-        is given again here (``max_tokens=``, ``max_bytes=``, ``forget=``, ``recent=``,
-        ``protect=``, as for :class:`Memory`).
+        file keeps what was forgotten (its state), the rounds, and the budget and quantizing it
+        was saved with, which hold from here on; a keyword given here (``max_tokens=``,
+        ``max_bytes=``, ``forget=``, ``recent=``, ``protect=``, ``quantize=``, as for
+        :class:`Memory`) replaces the file's (``max_tokens=None``: no budget).
 
         Raises:
             CacheMismatchError: the file was made by another model or tokenizer.
@@ -437,7 +441,10 @@ class Memory:
                 its tokens.
         """
         found = read_memory(path, model, tokenizer, max_positions)
-        memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **budget)
+        keywords = {**found.keywords, **budget}
+        if "max_bytes" in budget:  # a size given in bytes replaces the file's entries
+            keywords.pop("max_tokens", None)
+        memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **keywords)
         turns = [
             Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0})
             for t in found.turns

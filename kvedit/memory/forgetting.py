@@ -53,7 +53,7 @@ from .. import checks
 from ..compress.scorers import SCORERS, make_scorer
 from ..errors import InvalidInputError, SpanNotFoundError, UnsupportedModelError
 from ..provenance import Step
-from ..spans import word_index
+from ..spans import as_span_list, word_index
 from ..states.passes import recompute_last
 from ..states.state import KVState
 
@@ -332,8 +332,5 @@ def budget_from(
     if max_tokens is None:
         return None
     max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    if protect is None:
-        protect = ()
-    elif isinstance(protect, (str, tuple)) or not isinstance(protect, Sequence):
-        protect = (protect,)
-    return Budget(max_tokens, forget, recent, tuple(protect))
+    protect = () if protect is None else tuple(as_span_list(protect))
+    return Budget(max_tokens, forget, recent, protect)

@@ -301,15 +301,15 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
     assert len(memory.forgetting) == len(forgot) and len(memory) == 12
     held_now = set(memory.state.layers[0].token_index.tolist())
     assert set(memory.state.token_indices("4821").tolist()) <= held_now  # --protect
-    # the budget is not in the file: a run without one says what the file did before
+    # the budget is in the file: a run without the options goes on under it
     status, out, err = _chat(monkeypatch, capsys, path, "/explain\n")
     assert status == 0, err
-    assert out.splitlines()[0].endswith(
-        f"; it forgot in {len(forgot)} rounds before, and without --max-tokens or --max-bytes "
-        "nothing more is forgotten]"
-    )
     n = len(forgot)
-    assert f"forgetting (no budget now): {n} rounds ({n} by knorm), " in out
+    assert out.splitlines()[0].endswith(
+        "holds at most 150 entries a global layer on average (forgets by knorm, the last 2 "
+        f"messages kept); it forgot in {n} rounds before]"
+    )
+    assert f"forgetting (budget 150 entries): {n} rounds ({n} by knorm), " in out
     # another policy from here on: the start line and /explain tell the rounds apart
     more = "".join(f"and line {i}: the bridge is old\n" for i in range(3))
     status, out, err = _chat(

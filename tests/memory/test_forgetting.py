@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 import kvedit
-from kvedit.errors import InvalidInputError, NotACaptureError, UnsupportedModelError
+from kvedit.errors import (
+    CorruptCacheError,
+    InvalidInputError,
+    InvalidTypeError,
+    NotACaptureError,
+    UnsupportedModelError,
+)
 from kvedit.memory.forgetting import SINK_TOKENS, entry_bytes_bf16, global_entries
 
 CHAT = [
@@ -83,8 +89,18 @@ def _snapshot(mem):
         (lambda m, t: kvedit.Memory(m, t, max_tokens=10, max_bytes=10), InvalidInputError),
         (lambda m, t: kvedit.Memory(m, t, max_bytes=3), InvalidInputError),
         (lambda m, t: kvedit.Memory(m, t, max_tokens=10, recent=-1), InvalidInputError),
+        (lambda m, t: kvedit.Memory(m, t, max_tokens=10, protect=[3.5]), InvalidTypeError),
+        (lambda m, t: kvedit.Memory(m, t, max_tokens=10, protect=""), InvalidInputError),
     ],
-    ids=["unknown-policy", "zero-budget", "both-budgets", "bytes-below-one-entry", "recent"],
+    ids=[
+        "unknown-policy",
+        "zero-budget",
+        "both-budgets",
+        "bytes-below-one-entry",
+        "recent",
+        "protect-not-a-span",
+        "protect-empty",
+    ],
 )
 def test_bad_budgets_are_refused(llama, make, error):
     with pytest.raises(error):
@@ -121,6 +137,45 @@ def test_a_forgetting_memory_saves_loads_and_continues_alike(llama, tmp_path):
         loaded.add(role, content)
         assert loaded.state.digest == mem.state.digest
     assert mem.ask("Code?", max_new_tokens=4) == loaded.ask("Code?", max_new_tokens=4)
+
+
+def test_a_memory_file_keeps_its_budget_and_a_keyword_given_replaces_it(llama, tmp_path):
+    import re
+
+    from kvedit.memory.files import memory_attachment
+    from kvedit.states.files.write import save_state
+
+    model, tok = llama
+    protect = ["4821", re.compile(r"badge is \d+"), (0, 5)]
+    budget = dict(max_tokens=200, forget="knorm", recent=3, protect=protect, quantize=4)
+    mem = kvedit.Memory(model, tok, system="You are terse.", **budget)
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+    path = mem.save(tmp_path / "m.kv")
+    loaded = kvedit.Memory.load(path, model, tok)  # no keyword: the file's budget holds
+    assert loaded.budget == mem.budget and loaded.budget.protect == ("4821", protect[1], (0, 5))
+    assert (loaded.recent, loaded.quantize) == (3, 4)
+    rounds = len(loaded.forgetting)
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+        loaded.add(role, content)
+        assert loaded.state.digest == mem.state.digest and global_entries(loaded.state) <= 200
+    assert len(loaded.forgetting) > rounds  # it forgot under the file's budget
+    # a keyword given replaces the file's, the others stay; max_tokens=None: no budget
+    per_entry = entry_bytes_bf16(mem.state)
+    bigger = kvedit.Memory.load(path, model, tok, max_bytes=240 * per_entry)
+    assert (bigger.budget.max_entries, bigger.budget.policy) == (240, "knorm")
+    assert kvedit.Memory.load(path, model, tok, max_tokens=None).budget is None
+    # a file written without the keywords loads without a budget
+    plain = tmp_path / "plain.kv"
+    old = memory_attachment(mem.prompt, mem.messages, mem.turns, mem.forgetting)
+    save_state(mem.state, plain, attachment=old)
+    assert kvedit.Memory.load(plain, model, tok).budget is None
+    # one whose kept keywords are malformed is refused as a damaged memory
+    for bad in ({"max_tokens": "many"}, {"protect": [{"glob": "*"}]}, {"size": 3}):
+        save_state(mem.state, plain, attachment={**old, "budget": bad})
+        with pytest.raises(CorruptCacheError, match="header is malformed"):
+            kvedit.Memory.load(plain, model, tok)
 
 
 def test_a_shared_target_keeps_the_best_entries_of_all_layers(llama):
