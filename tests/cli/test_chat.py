@@ -452,8 +452,11 @@ def _wait(tmux, name: str, done, what: str, timeout: float = 180) -> str:
 @contextlib.contextmanager
 def _chat_pane(arguments: str, path: Path):
     """A tmux session running ``python -m kvedit ARGUMENTS --memory PATH`` (then printing
-    ``EXIT=status``); yields ``(tmux command, pane name)`` and kills the server after."""
-    tmux = ["tmux", "-L", f"kvedit-chat-{os.getpid()}", "-f", "/dev/null"]
+    ``EXIT=status``); yields ``(tmux command, pane name)`` and kills the server after. Each
+    pane has a server of its own: the last one's may still be shutting down, its "chat"
+    session alive (a shared socket made ``new-session`` fail now and then)."""
+    socket = f"kvedit-chat-{os.getpid()}-{path.parent.name}-{time.monotonic_ns()}"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
     name = "chat"
     command = (
         f"cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m kvedit {arguments} "
