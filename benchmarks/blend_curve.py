@@ -50,6 +50,7 @@ import torch
 
 import kvedit
 from benchmarks.common import RUNS, add_model, markdown_table, parser, timed, write_file
+from kvedit.cli.arguments import positions as position_list
 from kvedit.errors import InvalidInputError
 from kvedit.evals.litm import interleave_positions, resolve_prompt
 from kvedit.evals.methods.blend import BlendParams, document_parts
@@ -94,9 +95,7 @@ def load_examples(args) -> list[Example]:
     and last document)."""
     last = args.n_docs - 1
     positions = (
-        tuple(int(p) for p in args.positions.split(","))
-        if args.positions
-        else tuple(dict.fromkeys((0, last // 2, last)))
+        tuple(args.positions) if args.positions else tuple(dict.fromkeys((0, last // 2, last)))
     )
     trials = -(-args.limit // len(positions))
     examples = nq_examples(
@@ -405,7 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_model(p, device=True)
     p.add_argument("--limit", type=int, default=30, help="examples in all")
     p.add_argument("--n-docs", type=int, default=10)
-    p.add_argument("--positions", default=None, help="gold positions (default 0,4,9)")
+    p.add_argument(
+        "--positions", type=position_list, default=None, help="gold positions (default 0,4,9)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="an NQ file (default: the bundled one)")
     p.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rules")

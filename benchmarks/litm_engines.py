@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from benchmarks.common import RUNS, add_model, command_line, parser, write_json
+from kvedit.cli.arguments import positions as position_list
 from kvedit.evals.litm import evaluate
 
 METHODS = ["none", "oracle", "auto"]
@@ -32,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--task", default="nq", help="records or nq")
     ap.add_argument("--n-docs", type=int, default=10, help="documents per prompt")
-    ap.add_argument("--positions", default="0,4,9", help="gold positions")
+    ap.add_argument("--positions", type=position_list, default="0,4,9", help="gold positions")
     ap.add_argument("--trials", type=int, default=10, help="examples per position")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default=",".join(METHODS), help="methods both engines run")
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         methods=methods,
         task=args.task,
         n_docs=args.n_docs,
-        positions=[int(p) for p in args.positions.split(",")],
+        positions=args.positions,
         trials=args.trials,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
