@@ -24,6 +24,9 @@ __all__ = ["ATTACHMENT_KIND", "MemoryFile", "budget_keywords", "memory_attachmen
 ATTACHMENT_KIND = "kvedit.memory"
 """What a memory file's header attachment says it is."""
 
+KEYWORDS = {"max_tokens", "forget", "recent", "protect", "quantize"}
+"""The ``Memory`` keywords a memory file keeps (:func:`budget_keywords`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFile:
@@ -87,10 +90,6 @@ def _keywords(stored) -> dict:
     if "protect" in out:
         out["protect"] = [_span(item) for item in out["protect"]]
     return out
-
-
-KEYWORDS = {"max_tokens", "forget", "recent", "protect", "quantize"}
-"""The ``Memory`` keywords a memory file keeps (:func:`budget_keywords`)."""
 
 
 def memory_attachment(

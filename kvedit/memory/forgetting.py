@@ -329,8 +329,8 @@ def budget_from(
             raise InvalidInputError(
                 f"max_bytes={max_bytes} holds no entry: one takes {per_entry} bytes in bfloat16"
             )
+    protect = () if protect is None else tuple(as_span_list(protect))
     if max_tokens is None:
         return None
     max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    protect = () if protect is None else tuple(as_span_list(protect))
     return Budget(max_tokens, forget, recent, protect)
