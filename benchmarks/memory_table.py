@@ -24,12 +24,13 @@ memory`` draws one run's: accuracy by budget, a line per method)
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import command_line, parser, write_file
+from benchmarks.common import command_line, parser, read_run, write_file
+from kvedit.errors import InvalidInputError
+from kvedit.evals import jsonl
 from kvedit.evals.memory import format_memory_table, plot_memory, summarize_memory
 from kvedit.evals.tasks.memory_schema import BUCKETS
 
@@ -58,14 +59,14 @@ def run_records(folder: str | Path) -> list[dict]:
     folder = Path(folder)
     done = folder / "results.json"
     if done.exists():
-        return [budget_named(r) for r in json.loads(done.read_text())["examples"]]
-    lines = (folder / "partial.jsonl").read_text().splitlines()
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a last line cut by the stop
-            continue
+        return [budget_named(r) for r in read_run(done)["examples"]]
+    partial = folder / "partial.jsonl"
+    if not partial.exists():
+        raise SystemExit(f"{folder}: no results.json or partial.jsonl (not a kvedit eval run)")
+    try:  # the eval's own reader: a last line cut by the stop is dropped, as --resume drops it
+        records = jsonl.read_records(partial, "partial")
+    except InvalidInputError as e:
+        raise SystemExit(str(e)) from None
     pairs = {(r["method"], float(r["budget"])) for r in records}
     by_example: dict[str, set] = defaultdict(set)
     for r in records:

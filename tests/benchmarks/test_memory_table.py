@@ -32,6 +32,15 @@ def test_a_stopped_run_keeps_whole_conversations_only(tmp_path):
     assert [r["example"] for r in run_records(tmp_path)] == ["a", "a"]
 
 
+def test_a_folder_without_a_run_or_a_broken_record_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="no results.json or partial.jsonl"):
+        run_records(tmp_path)
+    good = json.dumps(_record("a", "reuse", 1.0, 0, "early", 1.0))
+    (tmp_path / "partial.jsonl").write_text("\n".join([good, "{not json", good]) + "\n")
+    with pytest.raises(SystemExit, match="line 2"):
+        run_records(tmp_path)
+
+
 def test_versus_reuse_counts_losses_per_bucket_with_the_rule():
     rows = []
     for q in range(10):
