@@ -29,6 +29,8 @@ Accuracy:
 * ``focus_scale``: focus at 20 to 300 passages, and on questions no passage answers.
 * ``focus_abstain``: attention shares of relevant and unrelated questions, per abstain threshold.
 * ``focus_no_harm``: #28's no-harm, hit-rate and ceiling table from eval runs (no model).
+* ``answer_prefix``: the tokens focus's edited answer shares with the unedited one where the
+  edit was kept (what drafting it from the unedited answer could skip).
 * ``guard_words``: the support guard's verdicts on eval runs' answers under the prompt's own
   words and under the word list they replaced (tokenizer only).
 * ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
