@@ -22,17 +22,8 @@ import statistics
 from collections.abc import Sequence
 
 from benchmarks.common import parser, read_run
+from kvedit.memory.answering import common_prefix
 from kvedit.models import load_model
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The number of leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prefixes(results: dict, tokenizer) -> list[tuple[int, int]]:
@@ -46,7 +37,7 @@ def prefixes(results: dict, tokenizer) -> list[tuple[int, int]]:
             raise SystemExit(f"{r['id']}: the run has no `none` answer for it (run none,auto)")
         unedited = tokenizer.encode(none[r["example"]]["prediction"], add_special_tokens=False)
         edited = tokenizer.encode(r["prediction"], add_special_tokens=False)
-        out.append((shared_prefix(unedited, edited), len(edited)))
+        out.append((common_prefix(unedited, edited), len(edited)))
     return out
 
 

@@ -3,13 +3,14 @@ focus kept the edit (the steps a draft could skip)."""
 
 from __future__ import annotations
 
-from benchmarks.answer_prefix import prefixes, shared_prefix, summary
+from benchmarks.answer_prefix import prefixes, summary
+from kvedit.memory.answering import common_prefix
 
 
 def test_the_shared_prefix_is_counted_only_where_an_edit_was_kept(llama):
     _, tok = llama
-    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and shared_prefix([], [1]) == 0
-    assert shared_prefix([1, 2, 3], [1, 9, 3]) == 1  # from the start only
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 9, 3]) == 1  # from the start only
 
     def record(example, method, prediction, **kw):
         return {"id": example, "example": example, "method": method, "prediction": prediction, **kw}
@@ -27,7 +28,7 @@ def test_the_shared_prefix_is_counted_only_where_an_edit_was_kept(llama):
     (got,) = prefixes(results, tok)
     edited = tok.encode("The code is 7730.", add_special_tokens=False)
     unedited = tok.encode("The code is 4821.", add_special_tokens=False)
-    assert got == (shared_prefix(unedited, edited), len(edited))
+    assert got == (common_prefix(unedited, edited), len(edited))
     assert 0 < got[0] < got[1]
     assert summary([got]).startswith("1 edits kept: shared prefix mean")
     assert summary([]) == "no question where auto kept an edit"
