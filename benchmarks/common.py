@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
-from kvedit.evals.jsonl import read_json
+from kvedit.evals.jsonl import read_json, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root: a child process started by :func:`module_command` runs there."""
@@ -131,6 +131,16 @@ def read_run(path: str | Path) -> dict:
         return read_json(path, "results")
     except InvalidInputError as e:
         raise SystemExit(f"{e} (an eval run's results.json)") from None
+
+
+def read_partial(path: str | Path) -> list[dict]:
+    """The records of a stopped eval run's ``partial.jsonl``, read as ``--resume`` reads them
+    (a last line cut by the stop is dropped); a broken record ends the benchmark with one line
+    naming the file and line (``SystemExit``)."""
+    try:
+        return read_records(path, "partial")
+    except InvalidInputError as e:
+        raise SystemExit(str(e)) from None
 
 
 def write_json(path: str | Path | None, payload: object, indent: int | None = 2) -> bool:

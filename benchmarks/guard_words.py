@@ -25,10 +25,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import markdown_table, parser, read_run, write_file
+from benchmarks.common import markdown_table, parser, read_partial, read_run, write_file
 from kvedit.cli.arguments import positions
-from kvedit.errors import InvalidInputError
-from kvedit.evals import jsonl
 from kvedit.evals.litm import build_examples, resolve_prompt
 from kvedit.evals.methods.context import split_prompt
 from kvedit.focusing.guard import SUPPORT_THRESHOLD, answer_support, evidence_and_others
@@ -46,10 +44,7 @@ def read_records(path: Path) -> dict:
     if path.name != "partial.jsonl":
         return read_run(path)
     settings = read_run(path.with_name("partial.settings.json"))
-    try:  # the eval's own reader: a last line cut by the stop is dropped, as --resume drops it
-        records = jsonl.read_records(path, "partial")
-    except InvalidInputError as e:
-        raise SystemExit(str(e)) from None
+    records = read_partial(path)
     extra = {"prompt": settings["prompt"]}
     return {"model": settings["model"], "extra": extra, "examples": records}
 

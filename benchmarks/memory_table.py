@@ -28,9 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import command_line, parser, read_run, write_file
-from kvedit.errors import InvalidInputError
-from kvedit.evals import jsonl
+from benchmarks.common import command_line, parser, read_partial, read_run, write_file
 from kvedit.evals.memory import format_memory_table, plot_memory, summarize_memory
 from kvedit.evals.tasks.memory_schema import BUCKETS
 
@@ -63,10 +61,7 @@ def run_records(folder: str | Path) -> list[dict]:
     partial = folder / "partial.jsonl"
     if not partial.exists():
         raise SystemExit(f"{folder}: no results.json or partial.jsonl (not a kvedit eval run)")
-    try:  # the eval's own reader: a last line cut by the stop is dropped, as --resume drops it
-        records = jsonl.read_records(partial, "partial")
-    except InvalidInputError as e:
-        raise SystemExit(str(e)) from None
+    records = read_partial(partial)
     pairs = {(r["method"], float(r["budget"])) for r in records}
     by_example: dict[str, set] = defaultdict(set)
     for r in records:
