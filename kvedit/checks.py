@@ -124,6 +124,15 @@ def describe(value) -> str:
     return f"{text} (a {type(value).__name__})"
 
 
+def flag(name: str, value) -> bool:
+    """``value`` as a bool (a numpy bool or a 0-d bool tensor too); an
+    :class:`InvalidTypeError` naming ``name`` for anything else (``1``, ``"yes"``)."""
+    value = _scalar(value)
+    if not _is_bool(value):
+        raise InvalidTypeError(f"{name} must be True or False, not {describe(value)}")
+    return bool(value)
+
+
 def real(name: str, value, *, cap: float | None = None) -> float:
     """``value`` as a finite float: a Python, numpy or 0-d torch int or float, not a bool.
 

@@ -76,6 +76,7 @@ from .scoring import (
     ABSTAIN_THRESHOLD,
     SCORE_SMOOTHING,
     SHARE_EPS,
+    abstain_reason,
     adaptive_strengths,
     best_covered,
     content_free_question,
@@ -86,6 +87,7 @@ from .scoring import (
     passage_shares,
     question_shares,
     robust_z,
+    sole_holder,
     stands_out,
 )
 
@@ -106,8 +108,9 @@ class Focus:
         passages: ``(start, end)`` character ranges of the passages in ``state.text``.
         scores: one relevance score per passage (higher: the question points at it more).
         chosen: indices into ``passages`` of the emphasized passages, best first; empty when
-            focus abstained (no passage stands out: :func:`stands_out`), and then nothing was
-            edited.
+            focus abstained (no passage stands out: :func:`stands_out`, and none alone holds all
+            of the question's shared distinctive words: :func:`sole_holder`), and then nothing
+            was edited.
         strengths: the bias (nats) each layer's chosen passages got (or would get); all 0
             when nothing is chosen.
         question: the continuation :meth:`generate` asks.
@@ -122,6 +125,9 @@ class Focus:
             when none holds any).
         query: the asking part of :attr:`question` (its words are left out of a guard's
             reading of the answer; ``None``: the whole question).
+        by_words: the passage was chosen because it alone holds all of the question's
+            distinctive words, each of which other passages hold too (:func:`sole_holder`),
+            with a positive score that does not stand out.
         continued: the scoring pass of :attr:`question` over the unedited state
             (:class:`~kvedit.focusing.primed.Continued`), while that state answers (``None``
             once an edit answers): the guard's unedited answer and :meth:`generate` start
@@ -141,6 +147,7 @@ class Focus:
     eligible: list[int] = field(default_factory=list)
     query: str | None = None
     continued: Continued | None = field(default=None, repr=False, compare=False)
+    by_words: bool = False
 
     @property
     def kept(self) -> bool:
@@ -159,6 +166,11 @@ class Focus:
             lines.append(f"{i:>3}  {text:<{width}}  {score:>7.3f}  {mark}")
         if not self.chosen:
             lines.append(f"no edit: {self.reason or 'no passage chosen'}")
+        elif self.by_words:
+            lines.append(
+                f"chosen #{self.chosen[0]}: the only passage holding all of the question's "
+                "distinctive words (its score does not stand out)"
+            )
         v = self.verdict
         if v is not None:
             lines.append(f"edit {'kept' if v.kept else 'dropped'}: {_verdict_said(v)}")
@@ -229,6 +241,7 @@ def choose(
     region: Range | None = None,
     smoothing: float = SCORE_SMOOTHING,
     threshold: float | None = ABSTAIN_THRESHOLD,
+    all_words: bool = True,
 ) -> Focus:
     """Score the passages, choose up to ``top_k`` that stand out and size each layer's bias,
     without editing (see :func:`focus` for the arguments).
@@ -243,8 +256,8 @@ def choose(
     smoothing = checks.real("smoothing", smoothing)
     if not 0.0 < smoothing <= 1.0:
         raise InvalidInputError(f"smoothing must be in (0, 1], not {smoothing!r}")
-    if threshold is not None:
-        threshold = checks.real("threshold", threshold)
+    threshold = None if threshold is None else checks.real("threshold", threshold)
+    all_words = checks.flag("all_words", all_words)
     question = checks.text("question", question, allow_empty=False)
     if query is None:
         query = default_query(state, question)
@@ -261,6 +274,11 @@ def choose(
     eligible = best_covered(query, texts, candidates)
     ranked = stands_out(scores, candidates, None, eligible)
     chosen = stands_out(scores, candidates, threshold, eligible)[:top_k]
+    by_words = False
+    if not chosen and all_words and threshold is not None:
+        sole = sole_holder(query, texts, candidates)
+        if sole is not None and float(scores[sole]) > 0:
+            chosen, by_words = [sole], True
     reason = "" if chosen else abstain_reason(scores, candidates, eligible, threshold, real, calib)
     if not chosen:
         strengths = [0.0] * len(state.layers)
@@ -283,30 +301,7 @@ def choose(
         eligible.nonzero().flatten().tolist(),
         query,
         continued,
-    )
-
-
-def abstain_reason(scores, candidates, eligible, threshold, real, calib) -> str:
-    """Why :func:`choose` chose nothing, in words: every passage restates the question, the
-    question has no distinctive word, or the best eligible passage's score is not above 0 or
-    its robust z is under ``threshold`` (``scores`` ``[passages]``; ``candidates`` and
-    ``eligible`` boolean masks; ``real`` and ``calib`` the two queries' shares)."""
-    if not bool(candidates.any()):
-        return "every passage only restates the question"
-    if torch.equal(real, calib):
-        return "the question has no distinctive word in the passages (every score 0)"
-    z = robust_z(scores, candidates)
-    best = stands_out(scores, candidates, None, eligible)[0]
-    among = "" if bool(eligible[candidates].all()) else " among the passages with most of its words"
-    score, z_best = float(scores[best]), float(z[best])
-    if score <= 0:  # stands_out asks for a positive score as well as the robust z
-        return (
-            f"no passage stands out{among} (best: #{best}, score {score:.3f}: not above 0; "
-            f"robust z {z_best:.2f})"
-        )
-    return (
-        f"no passage stands out{among} (best: #{best}, score {score:.3f}, "
-        f"robust z {z_best:.2f} < threshold {threshold})"
+        by_words,
     )
 
 
@@ -323,6 +318,7 @@ def focus(
     region: Range | None = None,
     smoothing: float = SCORE_SMOOTHING,
     threshold: float | None = ABSTAIN_THRESHOLD,
+    all_words: bool = True,
     guard: Guard | None = DEFAULT_GUARD,
     edit: Callable[[KVState, list[Range]], KVState] | None = None,
     unedited: Answer | None = None,
@@ -354,6 +350,11 @@ def focus(
             When none does, focus abstains: nothing is edited, :attr:`Focus.chosen` is empty,
             :attr:`Focus.state` is the input state and :meth:`Focus.explain` says why.
             ``None`` always emphasizes the ``top_k`` best.
+        all_words: when no passage stands out, choose the one passage that holds all of the
+            question's distinctive words, if there are at least two and each is held by other
+            passages too (:func:`sole_holder`: a conjunction, which attention cannot tell from
+            its parts), and its score is positive (:attr:`Focus.by_words`). ``False``: only
+            passages that stand out. Not with ``threshold=None``.
         guard: an answer guard (:mod:`kvedit.focusing.guard`): it reads the answers with and
             without the edit and may drop it (then :attr:`Focus.state` is the input state and
             :attr:`Focus.kept` is ``False``). The default, :data:`DEFAULT_GUARD`
@@ -411,6 +412,7 @@ def focus(
         region=region,
         smoothing=smoothing,
         threshold=threshold,
+        all_words=all_words,
     )
     if unedited is not None:
         if not isinstance(unedited, Answer):

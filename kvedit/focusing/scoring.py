@@ -1,8 +1,9 @@
 """Scoring passages for :mod:`kvedit.focusing.choice`: how much more attention the question gives a
 passage than a content-free copy of the question does (scale-free smoothing), which passages
 stand out (a robust z-score against the others; :data:`ABSTAIN_THRESHOLD`), which may be
-chosen (those holding the most of the question's distinctive words), echoes of the question,
-and the per-layer bias that lifts a passage's share to a target.
+chosen (those holding the most of the question's distinctive words; the one holding all of them,
+when each is shared: :func:`sole_holder`), echoes of the question, why nothing was chosen, and
+the per-layer bias that lifts a passage's share to a target.
 """
 
 from __future__ import annotations
@@ -105,6 +106,30 @@ def best_covered(question: str, texts: Sequence[str], candidates: torch.Tensor) 
     return candidates & (coverage >= top)
 
 
+def sole_holder(question: str, texts: Sequence[str], candidates: torch.Tensor) -> int | None:
+    """The one candidate (a boolean mask) that holds every one of the question's
+    :func:`distinctive_words`, when it has at least two and each is held by another candidate
+    too; ``None`` otherwise.
+
+    Such a question asks for a conjunction ("the rust maple door" among rust doors and maple
+    doors; "Ana Ruiz in 2011" among her other years and that year's other moves), and attention
+    cannot tell the passage holding all its words from those holding some: each word draws the
+    question's attention to every passage holding it, so the one with all of them rarely
+    stands out (:func:`stands_out`; reports/focus/heldout_wordings.md). The words settle it
+    instead. A word only one passage holds is not a conjunction: attention finds that passage.
+    """
+    mask = _mask("candidates", candidates, len(texts))
+    allowed = set(mask.nonzero().flatten().tolist())
+    held = [h & allowed for h in _distinctive_holders(question, texts).values()]
+    if len(held) < 2:
+        return None
+    every = set.intersection(*held)
+    if len(every) != 1:
+        return None
+    (sole,) = every
+    return sole if all(h - every for h in held) else None
+
+
 def content_question(name: str, question: str) -> str:
     """``question`` if it has a word character; an :class:`InvalidInputError` otherwise
     (whitespace or punctuation asks nothing)."""
@@ -188,6 +213,30 @@ def robust_z(scores: torch.Tensor, candidates: torch.Tensor | None = None) -> to
             spread = max(1.4826 * float((s - med).abs().median()), MIN_SPREAD)
         z[i] = (scores[i] - med) / spread
     return z
+
+
+def abstain_reason(scores, candidates, eligible, threshold, real, calib) -> str:
+    """Why :func:`choose` chose nothing, in words: every passage restates the question, the
+    question has no distinctive word, or the best eligible passage's score is not above 0 or
+    its robust z is under ``threshold`` (``scores`` ``[passages]``; ``candidates`` and
+    ``eligible`` boolean masks; ``real`` and ``calib`` the two queries' shares)."""
+    if not bool(candidates.any()):
+        return "every passage only restates the question"
+    if torch.equal(real, calib):
+        return "the question has no distinctive word in the passages (every score 0)"
+    z = robust_z(scores, candidates)
+    best = stands_out(scores, candidates, None, eligible)[0]
+    among = "" if bool(eligible[candidates].all()) else " among the passages with most of its words"
+    score, z_best = float(scores[best]), float(z[best])
+    if score <= 0:  # stands_out asks for a positive score as well as the robust z
+        return (
+            f"no passage stands out{among} (best: #{best}, score {score:.3f}: not above 0; "
+            f"robust z {z_best:.2f})"
+        )
+    return (
+        f"no passage stands out{among} (best: #{best}, score {score:.3f}, "
+        f"robust z {z_best:.2f} < threshold {threshold})"
+    )
 
 
 def adaptive_strengths(shares: torch.Tensor, target: float, max_strength: float) -> torch.Tensor:

@@ -59,6 +59,9 @@ class AutoParams(EditParams):
             (:data:`kvedit.focusing.choice.ABSTAIN_THRESHOLD`); when none does, ``auto`` edits nothing
             and answers as ``none``. ``None`` always edits the ``top_k`` best (the former
             behaviour). Recorded like ``smoothing``.
+        all_words: When no document stands out, choose the one that alone holds all of the
+            question's distinctive words, each shared by other documents, if its score is
+            positive (:func:`kvedit.focusing.scoring.sole_holder`). Recorded like ``smoothing``.
     """
 
     strength: float = 5.0
@@ -70,9 +73,12 @@ class AutoParams(EditParams):
     shared: float = COMMON_SHARE
     smoothing: float = SCORE_SMOOTHING
     threshold: float | None = ABSTAIN_THRESHOLD
+    all_words: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.all_words, bool):
+            raise InvalidInputError(f"all_words must be True or False, not {self.all_words!r}")
         if self.threshold is not None:
             object.__setattr__(self, "threshold", check_real("threshold", self.threshold))
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, minimum=1))

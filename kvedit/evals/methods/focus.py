@@ -50,7 +50,7 @@ def guard_of(params, ctx: ExampleContext) -> Guard | None:
 def focus_args(ctx: ExampleContext, params) -> dict[str, Any]:
     """The keywords of :func:`kvedit.focus` / :func:`kvedit.choose` for ``params`` (an
     ``AutoParams``: ``top_k``, ``layers``, ``target``, ``strength``, ``smoothing``,
-    ``threshold``) on
+    ``threshold``, ``all_words``) on
     ``ctx``'s documents; the question is the example's."""
     n_layers = len(ctx.state.layers)
     return dict(
@@ -61,6 +61,7 @@ def focus_args(ctx: ExampleContext, params) -> dict[str, Any]:
         max_strength=params.strength,
         smoothing=params.smoothing,
         threshold=getattr(params, "threshold", ABSTAIN_THRESHOLD),
+        all_words=getattr(params, "all_words", True),
     )
 
 
