@@ -1,16 +1,10 @@
 """Does focus scale to hundreds of passages, and does it stay out of unrelated questions?
 
 Synthetic records, one per line after the records task's instruction, with 20, 50, 100 and 300
-passages, in one of three wordings (``--wording``):
-
-- ``secret`` (the default, the wording focus was tuned on): "<First Last>'s secret number is
-  <4 digits>." (every name once);
-- ``doors`` (held out): "The access code for the <colour> <material> door is <4 digits>.",
-  each door a distinct pair from a grid of colours (at most 30) by materials (at most 10), so
-  each of the question's telling words is shared by several lines and only the gold holds both;
-- ``moves`` (held out): "In <year> <First Last> moved to <city>.", each person on several
-  lines (4, each a different year and city) and each year on many (about 10), every
-  (person, year) pair once.
+passages, in one of the wordings of :mod:`benchmarks.focus_wordings` (``--wording``): ``secret``
+(the default, the wording focus was tuned on), ``doors`` and ``moves`` (held out: the
+question's telling words each on several lines, only the gold holding all), ``lessons`` and
+``visits`` (tuning wordings of those two shapes).
 
 Each context is captured once (the evaluation suite's prompt: ``context + "\\n\\nQuestion: " +
 question`` in the chat template, cut at the question) and asked about its first, middle and
@@ -21,12 +15,15 @@ each size's contexts so that every size asks each of them).
 
 Per cell: the top-1 hit rate of focus's scores (the best-scored passage is the gold record),
 how often focus edits, and the accuracy (the answer's first number is the gold number; for
-``moves``, the first city of the wording's list it names is the gold city) of ``none`` (no
+``moves`` and ``visits``, the first city or country of the wording's list it names is the
+gold one: :func:`benchmarks.focus_wordings.answer_of`) of ``none`` (no
 edit), ``auto`` (:func:`kvedit.focus` with its defaults: it may abstain) and ``oracle`` (focus's
 own adaptive edit, target 0.2 and at most 5 nats, on the gold record). Unrelated questions: how
 often focus edits, and how often its answer differs from ``none``'s. Each row also keeps the
 gold's score and robust z and the best other passage's (``gold_z``, ``rival``...), to tell an
-abstention the threshold caused from one the scores caused.
+abstention the threshold caused from one the scores caused, and ``by_words``: focus chose the
+passage because it alone holds all of the question's words
+(:func:`kvedit.focusing.scoring.sole_holder`), not because its score stands out.
 
 Usage::
 
@@ -44,6 +41,12 @@ question as :data:`kvedit.DEFAULT_GUARD` would, from the two answers the row hol
 row's ``none``, which is ``--max-new-tokens`` long where the guard reads 32 tokens) keeps
 it, edited otherwise. It writes ``results-guarded.json`` and ``results-guarded.md``.
 
+``--recheck DIR`` answers again, with today's focus, only the rows of ``DIR/rows.jsonl`` (made
+by a focus before the rule for a passage holding all of the question's words) where that rule
+may change the answer: focus abstained and :func:`kvedit.focusing.scoring.sole_holder` names a
+passage. The rule only turns an abstention into an edit, so every other row stands; all rows
+go to ``--out``.
+
 ``--abstentions`` runs no model either: from ``--out``'s ``rows.jsonl`` it writes
 ``abstentions.md``, each cell's abstentions on relevant questions and whether the scores (another
 passage scored above the gold) or the abstain rule (the gold scored highest, its robust z below
@@ -53,9 +56,6 @@ the threshold) caused each.
 from __future__ import annotations
 
 import json
-import math
-import random
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,126 +65,17 @@ import torch
 import kvedit
 from benchmarks.common import RUNS, add_model, command_line, parser, write_file, write_json
 from benchmarks.focus_abstain import UNRELATED
-from benchmarks.make_custom_records import FIRST, LAST
+from benchmarks.focus_wordings import (
+    INSTRUCTION,
+    WORDINGS,
+    answer_of,
+    context_of,
+)
 from kvedit.errors import InvalidInputError
 from kvedit.focusing.choice import QUESTION_MARK, adaptive_strengths
 from kvedit.focusing.guard import answer_support, evidence_and_others
 from kvedit.focusing.readout import attention_share
-from kvedit.focusing.scoring import robust_z
-
-INSTRUCTION = "Read the records and answer the question."
-WORDINGS = ("secret", "doors", "moves")
-"""The record wordings: ``secret`` was tuned on, ``doors`` and ``moves`` are held out."""
-COLOURS = [
-    "red", "blue", "green", "yellow", "orange", "purple", "pink", "brown", "black", "white",
-    "grey", "teal", "navy", "maroon", "olive", "lime", "cyan", "magenta", "beige", "ivory",
-    "amber", "crimson", "indigo", "violet", "rust", "coral", "tan", "scarlet", "jade", "plum",
-]  # fmt: skip
-MATERIALS = ["oak", "maple", "pine", "steel", "iron", "glass", "brass", "walnut", "cedar", "copper"]
-CITIES = [
-    "Porto", "Lyon", "Oslo", "Vienna", "Prague", "Dublin", "Lisbon", "Madrid", "Berlin", "Munich",
-    "Zurich", "Geneva", "Milan", "Turin", "Naples", "Athens", "Krakow", "Warsaw", "Budapest",
-    "Helsinki", "Stockholm", "Copenhagen", "Hamburg", "Seville", "Valencia", "Bilbao", "Bordeaux",
-    "Marseille", "Nantes", "Antwerp", "Rotterdam", "Utrecht", "Bergen", "Tallinn", "Riga",
-    "Vilnius", "Sofia", "Zagreb", "Ljubljana", "Bratislava",
-]  # fmt: skip
-YEARS = list(range(1980, 2025))
-MOVES_PER_PERSON = 4
-"""``moves``: the lines (years, cities) of one person."""
-LINES_PER_YEAR = 10
-"""``moves``: about how many lines share a year (at least ``MOVES_PER_PERSON`` years)."""
-
-
-def secret_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
-    """``n`` records "<name>'s secret number is <number>.", their questions and answers."""
-    rng = random.Random(f"focus-scale-{n}-{seed}")
-    names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], n)
-    numbers = [str(x) for x in rng.sample(range(1000, 10000), n)]
-    records = [f"{a}'s secret number is {b}." for a, b in zip(names, numbers, strict=True)]
-    return records, [f"What is {a}'s secret number?" for a in names], numbers
-
-
-def door_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
-    """``n`` records "The access code for the <colour> <material> door is <code>.", their
-    questions and answers: the doors are a ``colours x materials`` grid (materials
-    ``min(10, ceil(sqrt(n)))``, colours ``ceil(n / materials)``) less a diagonal of
-    ``colours * materials - n`` cells, so every colour and every material is on at least
-    ``materials - 1`` and ``colours - 1`` lines, and each door is named once."""
-    if not 1 <= n <= len(COLOURS) * len(MATERIALS):
-        raise InvalidInputError(f"doors: 1 to {len(COLOURS) * len(MATERIALS)} records, not {n}")
-    rng = random.Random(f"focus-scale-doors-{n}-{seed}")
-    m = min(len(MATERIALS), math.ceil(math.sqrt(n)))
-    c = math.ceil(n / m)
-    colours, materials = rng.sample(COLOURS, c), rng.sample(MATERIALS, m)
-    drop = {(i, i) for i in range(c * m - n)}  # c * m - n < m and <= c: one cell per row/column
-    doors = [f"{a} {b}" for i, a in enumerate(colours) for j, b in enumerate(materials)]
-    doors = [d for k, d in enumerate(doors) if (k // m, k % m) not in drop]
-    rng.shuffle(doors)
-    codes = [str(x) for x in rng.sample(range(1000, 10000), n)]
-    records = [
-        f"The access code for the {d} door is {x}." for d, x in zip(doors, codes, strict=True)
-    ]
-    return records, [f"What is the access code for the {d} door?" for d in doors], codes
-
-
-def move_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
-    """``n`` records "In <year> <name> moved to <city>.", their questions and answers: ``n``
-    lines dealt as evenly as they go to ``ceil(n / MOVES_PER_PERSON)`` people (so each person
-    is on :data:`MOVES_PER_PERSON` lines, or one fewer), each line with its own year and city
-    among the person's; years ``max(MOVES_PER_PERSON, n // LINES_PER_YEAR)``, dealt in turn so
-    each is on about as many lines; every (person, year) pair once."""
-    k = MOVES_PER_PERSON
-    years = max(k, n // LINES_PER_YEAR)
-    if n < 1 or years > len(YEARS):
-        raise InvalidInputError(
-            f"moves: 1 to {(len(YEARS) + 1) * LINES_PER_YEAR - 1} records, not {n}"
-        )
-    rng = random.Random(f"focus-scale-moves-{n}-{seed}")
-    people = math.ceil(n / k)
-    names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], people)
-    labels = rng.sample(YEARS, years)
-    lines, t = [], 0
-    for i, name in enumerate(names):
-        cities = rng.sample(CITIES, k)
-        for j in range(n // people + (i < n % people)):  # at most k <= years: distinct years
-            lines.append((labels[t % years], name, cities[j]))
-            t += 1
-    rng.shuffle(lines)
-    records = [f"In {y} {name} moved to {city}." for y, name, city in lines]
-    questions = [f"Where did {name} move in {y}?" for y, name, _ in lines]
-    return records, questions, [city for _, _, city in lines]
-
-
-def context_of(
-    n: int, seed: int, wording: str = "secret"
-) -> tuple[str, list[str], list[str], list[str]]:
-    """A context of ``n`` records of ``wording`` (:data:`WORDINGS`): its text, the records, the
-    question that asks each record and each record's answer."""
-    makers = {"secret": secret_records, "doors": door_records, "moves": move_records}
-    if wording not in makers:
-        raise InvalidInputError(f"wording must be one of {', '.join(WORDINGS)}, not {wording!r}")
-    records, questions, answers = makers[wording](n, seed)
-    return INSTRUCTION + "\n\n" + "\n".join(records), records, questions, answers
-
-
-def first_number(text: str) -> str | None:
-    m = re.search(r"\d+", text)
-    return m.group(0) if m else None
-
-
-CITY = re.compile(r"\b(" + "|".join(CITIES) + r")\b")
-
-
-def first_city(text: str) -> str | None:
-    """The first of :data:`CITIES` that ``text`` names (``None`` if none)."""
-    m = CITY.search(text)
-    return m.group(0) if m else None
-
-
-def answer_of(wording: str, text: str) -> str | None:
-    """What an answer says, read the way ``wording``'s gold is checked: its first number, or
-    for ``moves`` the first city of :data:`CITIES` it names."""
-    return first_city(text) if wording == "moves" else first_number(text)
+from kvedit.focusing.scoring import robust_z, sole_holder
 
 
 def score_fields(found, gold: int | None) -> dict:
@@ -213,7 +104,10 @@ def run_context(
     unrelated: list[str],
     max_new: int,
     wording: str = "secret",
+    only: set[str] | None = None,
 ) -> list[dict]:
+    """The rows of one context: its first, middle and last record's questions, then
+    ``unrelated``; with ``only``, just the questions it holds."""
     context, records, questions, answers = context_of(n, seed, wording)
     t0 = time.time()
     prefix, _ = kvedit.chat_prefix(tok, context + QUESTION_MARK + " x", QUESTION_MARK)
@@ -224,6 +118,8 @@ def run_context(
     asks = [(p, pos) for p, pos in (("first", 0), ("middle", n // 2), ("last", n - 1))]
     for label, pos in [*asks, *[(q, None) for q in unrelated]]:
         question = questions[pos] if pos is not None else label
+        if only is not None and question not in only:
+            continue
         _, cont = kvedit.chat_prefix(tok, context + QUESTION_MARK + " " + question, QUESTION_MARK)
         found = kvedit.focus(state, cont, query=question, region=region)
         plain = state.generate(cont, max_new)
@@ -235,6 +131,7 @@ def run_context(
             "question": question,
             "position": label if pos is not None else "unrelated",
             "edited": bool(found.chosen),
+            "by_words": found.by_words,
             "best": found.best,
             "chosen": found.chosen,
             "reason": found.reason,
@@ -289,6 +186,37 @@ def guarded_rows(rows: list[dict]) -> list[dict]:
                     r["auto_ok"] = r["none_ok"]
         out.append(r)
     return out
+
+
+def sole_questions(rows: list[dict]) -> set[tuple[int, int, str]]:
+    """``(n, seed, question)`` of each row whose question focus did not edit and for which
+    :func:`kvedit.focusing.scoring.sole_holder` names a passage (the instruction or a record):
+    the only rows today's focus may answer otherwise than a focus without that rule."""
+    out = set()
+    for r in rows:
+        if r["edited"]:
+            continue
+        _, records, _, _ = context_of(r["n"], r["seed"], r.get("wording", "secret"))
+        passages = [INSTRUCTION, *records]  # focus's passages: the instruction, each record
+        if sole_holder(r["question"], passages, torch.ones(len(passages), dtype=torch.bool)):
+            out.add((r["n"], r["seed"], r["question"]))
+    return out
+
+
+def rechecked(model, tok, rows: list[dict], max_new: int) -> tuple[list[dict], int]:
+    """``rows`` (made by a focus before :func:`kvedit.focusing.scoring.sole_holder`'s rule)
+    with each row :func:`sole_questions` names answered again by today's focus; and how many
+    were. Every other row stands: the rule only turns an abstention into an edit."""
+    again = sole_questions(rows)
+    unrelated = {(r["n"], r["seed"], r["question"]) for r in rows if r["position"] == "unrelated"}
+    fresh = {}
+    for n, seed in sorted({(n, seed) for n, seed, _ in again}):
+        only = {q for m, s, q in again if (m, s) == (n, seed)}
+        asked = sorted(q for q in only if (n, seed, q) in unrelated)
+        wording = rows[0].get("wording", "secret")
+        for r in run_context(model, tok, n, seed, asked, max_new, wording, only):
+            fresh[(n, seed, r["question"])] = r
+    return [fresh.get((r["n"], r["seed"], r["question"]), r) for r in rows], len(again)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -418,6 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep --out's rows.jsonl, add the rest")
     p.add_argument("--replay-guard", action="store_true", help="see the module docstring")
     p.add_argument(
+        "--recheck",
+        default=None,
+        metavar="DIR",
+        help="answer again, with today's focus, the rows of DIR/rows.jsonl where the rule for a "
+        "passage holding all of the question's words may change the answer; write all rows to "
+        "--out (see the module docstring)",
+    )
+    p.add_argument(
         "--abstentions",
         action="store_true",
         help="no model: write abstentions.md from --out's rows.jsonl (see abstentions())",
@@ -431,6 +367,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [json.loads(x) for x in path.read_text().splitlines()]
         text = f"Command: `{command}`\n\n" + abstentions(rows)
         write_file(out / "abstentions.md", text)
+        print(text)
+        return 0
+    if args.recheck is not None:
+        rows = [json.loads(x) for x in (Path(args.recheck) / "rows.jsonl").read_text().splitlines()]
+        if any(r.get("wording", "secret") != args.wording for r in rows):
+            raise InvalidInputError(
+                f"{args.recheck} holds rows of another wording than {args.wording!r}"
+            )
+        model, tok = kvedit.load_model(args.model, device="cpu")
+        rows, again = rechecked(model, tok, rows, args.max_new_tokens)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary = summarize(rows)
+        write_json(
+            out / "results.json", {"command": command, "answered_again": again, **summary}, indent=1
+        )
+        text = markdown(summary, command, args.wording)
+        text += f"\n{again} questions answered again (the rest from {args.recheck}).\n"
+        write_file(out / "results.md", text)
         print(text)
         return 0
     if args.replay_guard:

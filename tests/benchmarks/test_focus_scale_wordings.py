@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks import focus_scale as scale
+from benchmarks import focus_scale
+from benchmarks import focus_wordings as scale
 from benchmarks.focus_abstain import UNRELATED
 from kvedit.errors import InvalidInputError
 
@@ -86,9 +87,9 @@ def test_every_size_is_checked_against_the_answer_the_wording_expects():
 
 
 def test_unrelated_per_size_asks_each_question_once_per_size():
-    asked = [q for i in range(20) for q in scale.spread_unrelated(48, 20, i)]
+    asked = [q for i in range(20) for q in focus_scale.spread_unrelated(48, 20, i)]
     assert sorted(asked) == sorted(UNRELATED)
-    assert {len(scale.spread_unrelated(48, 20, i)) for i in range(20)} == {2, 3}
+    assert {len(focus_scale.spread_unrelated(48, 20, i)) for i in range(20)} == {2, 3}
 
 
 def test_sizes_beyond_a_wording_are_refused():
@@ -102,7 +103,7 @@ def test_a_held_out_wording_runs_end_to_end_on_a_tiny_model(tmp_path):
     out = tmp_path / "run"
     argv = ["--model", "tiny-llama", "--wording", "moves", "--sizes", "8", "--n", "1"]
     argv += ["--unrelated-per-size", "1", "--max-new-tokens", "2", "--out", str(out)]
-    assert scale.main(argv) == 0
+    assert focus_scale.main(argv) == 0
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     assert [r["position"] for r in rows] == ["first", "middle", "last", "unrelated"]
     assert all(r["wording"] == "moves" and "rival_z" in r for r in rows)
@@ -111,7 +112,7 @@ def test_a_held_out_wording_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert all("gold_z" in r for r in rows[:3])
     assert "the moves wording" in (out / "results.md").read_text()
     with pytest.raises(InvalidInputError, match="another wording"):
-        scale.main([*argv[:3], "doors", *argv[4:], "--resume"])
+        focus_scale.main([*argv[:3], "doors", *argv[4:], "--resume"])
 
 
 def _row(position, edited, gold_score, rival_score, none_ok=False, auto_ok=False):
@@ -131,7 +132,7 @@ def test_abstentions_blame_the_scores_or_the_rule():
         _row("last", True, 0.02, 0.04, none_ok=True),  # edited and lost
         {"n": 20, "seed": 100, "position": "unrelated", "edited": False},
     ]
-    table = scale.abstentions(rows)
+    table = focus_scale.abstentions(rows)
     assert "| 20/first | 4 | 0.50 | 3 | 2 / 1 | 1 / 0 |" in table
     assert "| 20/last | 1 | 0.00 | 0 | 0 / 0 | 0 / 1 |" in table
     assert "| 20/first | 100 | 0.050 (1.00) | #3: 0.080 (2.00) | scores | no | yes |" in table
