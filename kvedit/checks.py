@@ -127,8 +127,8 @@ def describe(value) -> str:
 def flag(name: str, value) -> bool:
     """``value`` as a bool (a numpy bool or a 0-d bool tensor too); an
     :class:`InvalidTypeError` naming ``name`` for anything else (``1``, ``"yes"``)."""
-    value = _scalar(value)
-    if not _is_bool(value):
+    value = _scalar(value)  # a 0-d tensor or array becomes a Python value
+    if isinstance(value, torch.Tensor) or not _is_bool(value):
         raise InvalidTypeError(f"{name} must be True or False, not {describe(value)}")
     return bool(value)
 

@@ -152,6 +152,19 @@ def test_count_accepts_ints():
     assert checks.count("n", 64, maximum=checks.MAX_DUPLICATE_COPIES) == 64
 
 
+@pytest.mark.parametrize("value", [1, 0, "yes", None, 1.0, torch.tensor([True, False])], ids=repr)
+def test_flag_refuses_what_is_not_a_bool(value):
+    with pytest.raises(InvalidTypeError, match="all_words must be True or False"):
+        checks.flag("all_words", value)
+
+
+def test_flag_accepts_bools():
+    assert checks.flag("f", True) is True and checks.flag("f", False) is False
+    assert (
+        checks.flag("f", np.bool_(True)) is True and checks.flag("f", torch.tensor(False)) is False
+    )
+
+
 @pytest.mark.parametrize("value", [None, ["a", "b"], ("a",), b"a", 3])
 def test_text_refuses_non_strings(value):
     with pytest.raises(InvalidTypeError, match="text"):

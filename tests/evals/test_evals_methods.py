@@ -74,6 +74,7 @@ AUTO_DEFAULTS = {
     "shared": 0.5,
     "smoothing": 0.5,
     "threshold": 2.5,
+    "all_words": True,
 }
 
 # What results.json records under extra.params, and --reuse compares, for specs users type: the
@@ -86,6 +87,7 @@ RECORDED = {
     "auto": AUTO_DEFAULTS,
     "reread": {**AUTO_DEFAULTS, "edit": "reread"},
     "auto:target=0.3": {**AUTO_DEFAULTS, "target": 0.3},
+    "auto:all_words=False": {**AUTO_DEFAULTS, "all_words": False},
     "auto:target=None:strength=3": {**AUTO_DEFAULTS, "strength": 3, "target": None},
     "auto:layers=(0.25,0.75):top_k=2": {**AUTO_DEFAULTS, "top_k": 2, "layers": [0.25, 0.75]},
     "oracle:edit=scale_keys:factor=1.5": {**EDIT_DEFAULTS, "edit": "scale_keys"},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvedit
-from kvedit.errors import InvalidInputError
+from kvedit.errors import InvalidInputError, InvalidTypeError
 from kvedit.focusing.choice import (
     abstain_reason,
     best_covered,
@@ -18,7 +18,7 @@ from kvedit.focusing.choice import (
     passage_scores,
     stands_out,
 )
-from kvedit.focusing.scoring import distinctive_words, word_coverage
+from kvedit.focusing.scoring import distinctive_words, sole_holder, word_coverage
 
 RECORDS = (
     "Read the records and answer the question.\n\n"
@@ -198,3 +198,60 @@ def test_the_abstain_reason_names_the_condition_that_failed():
     assert "best: #0, score -0.100: not above 0; robust z " in low and "< threshold" not in low
     flat = abstain_reason(torch.tensor([0.2, 0.19, 0.18, 0.2]), every, every, 2.5, real, calib)
     assert "best: #0, score 0.200, robust z " in flat and "< threshold 2.5)" in flat
+
+
+DOORS = [
+    "Read the records and answer the question.",
+    "The code for the red oak door is 1111.",
+    "The code for the red pine door is 2222.",
+    "The code for the blue oak door is 3333.",
+    "The code for the blue pine door is 4444.",
+    "The code for the green elm door is 5555.",
+]
+
+
+def test_the_sole_holder_is_the_one_passage_with_every_shared_word():
+    every = torch.ones(len(DOORS), dtype=torch.bool)
+    assert sole_holder("What is the code for the blue oak door?", DOORS, every) == 3
+    # a word only one passage holds is no conjunction: attention finds that passage itself
+    assert sole_holder("What is the code for the green elm door?", DOORS, every) is None
+    # one distinctive word, or two passages with all of them, or none: no sole holder
+    assert sole_holder("Which door is red?", DOORS, every) is None
+    twice = [*DOORS, "The code for the blue oak door was 3334."]
+    assert sole_holder("What is the code for the blue oak door?", twice, every.new_ones(7)) is None
+    assert sole_holder("What is the code for the red elm door?", DOORS, every) is None
+    # a passage that is not a candidate (an echo) holds nothing for the rule
+    out = every.clone()
+    out[3] = False
+    assert sole_holder("What is the code for the blue oak door?", DOORS, out) is None
+    with pytest.raises(InvalidInputError, match="candidates must be a mask of the 6 passages"):
+        sole_holder("What is the code for the blue oak door?", DOORS, every[:5])
+
+
+def test_no_passage_stands_out_but_the_sole_holder_is_chosen_when_its_score_is_positive(llama):
+    model, tok = llama
+    context = "\n".join(DOORS)
+    prefix, _ = kvedit.chat_prefix(tok, context + "\n\nQuestion: x", "\n\nQuestion:")
+    state = kvedit.capture(model, tok, prefix)
+    picked = {}
+    for door in ("red oak", "red pine", "blue oak", "blue pine"):
+        question = f"What is the code for the {door} door?"
+        _, cont = kvedit.chat_prefix(tok, context + "\n\nQuestion: " + question, "\n\nQuestion:")
+        # threshold 1e9: no score stands out, so only the rule can choose
+        found = kvedit.focus(state, cont, query=question, threshold=1e9, guard=None)
+        texts = [state.text[a:b] for a, b in found.passages]
+        sole = texts.index(next(d for d in DOORS if f" {door} " in d))
+        picked[door] = found.scores[sole] > 0
+        if picked[door]:
+            assert found.chosen == [sole] and found.by_words and found.state is not state
+            assert f"chosen #{sole}: the only passage holding all" in found.explain()
+        else:
+            assert found.chosen == [] and not found.by_words and found.state is state
+        off = kvedit.focus(state, cont, query=question, threshold=1e9, all_words=False)
+        assert off.chosen == [] and not off.by_words and off.scores == found.scores
+        # without a threshold the top_k best are chosen as before, never "by words"
+        every = kvedit.focus(state, cont, query=question, threshold=None, guard=None)
+        assert not every.by_words and len(every.chosen) == 1
+    assert any(picked.values()) and not all(picked.values())  # both sides of the rule seen
+    with pytest.raises(InvalidTypeError, match="all_words must be True or False, not"):
+        kvedit.focus(state, cont, query=question, all_words="yes")
