@@ -9,9 +9,10 @@ checks the shortcut by answering ``--verify`` more examples again (the first edi
 the first abstained ones the rule leaves out) and comparing their answers with the run's.
 
 The examples are built from the arguments the run was made with (``--task``, ``--data``,
-``--n-docs``, ``--trials``, ``--seed``, ``--limit``; the model, prompt format and answer length
-are read from the run) and must be the run's: every record's example digest is checked. The
-run's ``auto`` must have had today's parameters but for ``all_words``.
+``--n-docs``, ``--positions``, ``--trials``, ``--seed``, ``--limit``; the model, prompt format
+and answer length are read from the run) and must be the run's: every record's example digest
+is checked. The run's ``auto`` (``--spec``, default ``auto``) must have had the parameters that
+spec has today but for ``all_words``.
 
 Usage::
 
@@ -40,16 +41,15 @@ from kvedit.evals.report import write_results
 from kvedit.focusing.scoring import sole_holder
 from kvedit.models import load_model
 
-METHODS = ("none", "auto")
-"""The methods a rechecked run holds."""
 
-
-def sole_documents(model, tokenizer, examples, records: dict, max_new: int, prompt: str) -> dict:
-    """``id -> document index`` for each example whose ``auto`` record abstained (chose
+def sole_documents(
+    model, tokenizer, examples, records: dict, spec: str, max_new: int, prompt: str
+) -> dict:
+    """``id -> document index`` for each example whose ``spec`` record abstained (chose
     nothing) and whose question has a :func:`sole_holder` among its documents."""
     out = {}
     for ex in examples:
-        rec = records.get((ex.id, "auto"))
+        rec = records.get((ex.id, spec))
         if rec is None or rec.get("chosen") != [] or not ex.documents:
             continue
         ctx = ExampleContext(model, tokenizer, ex, max_new, prompt)
@@ -60,13 +60,11 @@ def sole_documents(model, tokenizer, examples, records: dict, max_new: int, prom
     return out
 
 
-def verify_ids(examples, records: dict, skip: set[str], k: int) -> list[str]:
+def verify_ids(examples, records: dict, spec: str, skip: set[str], k: int) -> list[str]:
     """The first ``k`` edited and the first ``k`` abstained examples outside ``skip``."""
-    edited = [e.id for e in examples if records[(e.id, "auto")].get("chosen") and e.id not in skip]
-    abstained = [
-        e.id for e in examples if records[(e.id, "auto")].get("chosen") == [] and e.id not in skip
-    ]
-    return edited[:k] + abstained[:k]
+    chosen = {e.id: records[(e.id, spec)].get("chosen") for e in examples if e.id not in skip}
+    edited = [i for i, c in chosen.items() if c]
+    return edited[:k] + [i for i, c in chosen.items() if c == []][:k]
 
 
 def answer_of(record: dict) -> tuple:
@@ -75,14 +73,14 @@ def answer_of(record: dict) -> tuple:
     return tuple(record.get(k) for k in ("prediction", "correct", "chosen", "kept", "support"))
 
 
-def check_run(res: dict, examples) -> dict:
-    """``(id, method) -> record`` of the run, after checking it holds ``none`` and ``auto`` for
-    exactly ``examples`` (by digest) with today's ``auto`` parameters but ``all_words``."""
+def check_run(res: dict, examples, spec: str) -> dict:
+    """``(id, method) -> record`` of the run, after checking it holds ``none`` and ``spec`` for
+    exactly ``examples`` (by digest) with ``spec``'s parameters today but ``all_words``."""
     records = {(r["id"], r["method"]): r for r in res["examples"]}
     digests = {e.id: e.digest() for e in examples}
-    if {(i, m) for i in digests for m in METHODS} != set(records):
+    if {(i, m) for i in digests for m in ("none", spec)} != set(records):
         raise InvalidInputError(
-            "the run's records are not none and auto on the examples these arguments build "
+            f"the run's records are not none and {spec} on the examples these arguments build "
             f"({len(records)} records, {len(digests)} examples)"
         )
     wrong = [i for (i, _), r in records.items() if r.get("example") != digests[i]]
@@ -91,11 +89,11 @@ def check_run(res: dict, examples) -> dict:
             f"{len(wrong)} records asked other prompts than these arguments build (first: "
             f"{wrong[0]}): give the run's own --task/--data/--n-docs/--trials/--seed"
         )
-    theirs = dict(res["extra"]["params"]["auto"])
-    ours = {k: v for k, v in parse_spec("auto").param_dict().items() if k != "all_words"}
+    theirs = dict(res["extra"]["params"][spec])
+    ours = {k: v for k, v in parse_spec(spec).param_dict().items() if k != "all_words"}
     theirs.pop("all_words", None)
     if {k: list(v) if isinstance(v, tuple) else v for k, v in ours.items()} != theirs:
-        raise InvalidInputError(f"the run's auto had other parameters: {theirs}")
+        raise InvalidInputError(f"the run's {spec} had other parameters than today's: {theirs}")
     return records
 
 
@@ -105,27 +103,29 @@ def recheck(args) -> dict:
     examples = build_examples(
         args.task, args.data, args.n_docs, args.positions, args.trials, args.seed, args.limit
     )
-    records = check_run(res, examples)
+    spec = args.spec
+    records = check_run(res, examples, spec)
     model, tok = load_model(res["model"])
     prompt, max_new = extra["prompt"], extra["max_new_tokens"]
-    sole = sole_documents(model, tok, examples, records, max_new, prompt)
+    sole = sole_documents(model, tok, examples, records, spec, max_new, prompt)
     if args.dry_run:
         return {"answered_again": sorted(sole), "dry_run": True}
-    verify = verify_ids(examples, records, set(sole), args.verify)
+    verify = verify_ids(examples, records, spec, set(sole), args.verify)
     again = set(sole) | set(verify)
-    done = {key: r for key, r in records.items() if not (key[1] == "auto" and key[0] in again)}
-    new = run(model, tok, examples, list(METHODS), max_new, False, None, done, prompt)
-    by_id = {r["id"]: r for r in new if r["method"] == "auto"}
+    done = {key: r for key, r in records.items() if not (key[1] == spec and key[0] in again)}
+    new = run(model, tok, examples, ["none", spec], max_new, False, None, done, prompt)
+    by_id = {r["id"]: r for r in new if r["method"] == spec}
+    old = {i: records[(i, spec)] for i in again}
     changed = [i for i in sorted(sole) if by_id[i].get("chosen") != []]
-    answers = [i for i in changed if by_id[i]["prediction"] != records[(i, "auto")]["prediction"]]
-    mismatched = [i for i in verify if answer_of(by_id[i]) != answer_of(records[(i, "auto")])]
+    answers = [i for i in changed if by_id[i]["prediction"] != old[i]["prediction"]]
+    mismatched = [i for i in verify if answer_of(by_id[i]) != answer_of(old[i])]
     summary = {
         "from": str(args.run),
         "answered_again": sorted(sole),
         "chosen_now": {i: by_id[i].get("chosen") for i in changed},
         "answer_changed": answers,
         "right_now": [i for i in answers if by_id[i]["correct"]],
-        "right_before": [i for i in answers if records[(i, "auto")]["correct"]],
+        "right_before": [i for i in answers if old[i]["correct"]],
         "verified": len(verify),
         "verify_mismatched": mismatched,
     }
@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--spec", default="auto", help="the run's auto method spec (default: auto)")
     p.add_argument("--verify", type=int, default=3, help="edited and abstained examples redone")
     p.add_argument(
         "--out", default=None, help="the rechecked run's folder (needed but with --dry-run)"
