@@ -169,8 +169,9 @@ def move_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
 def visit_records(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
     """``n`` records "In <month> <name> visited <country>.", their questions and answers: each
     person on :data:`MOVES_PER_PERSON` lines (or one fewer), each with its own month and
-    country; ``max(MOVES_PER_PERSON, min(12, n // 5))`` months, so each is on about 5 lines
-    (25 at 300); every (person, month) pair once."""
+    country, the months drawn for each person from ``max(MOVES_PER_PERSON, min(12, n // 5))``
+    (so a month is on about 5 lines, 25 at 300, and now and then on one only); every
+    (person, month) pair once."""
     k = MOVES_PER_PERSON
     if not 1 <= n <= 300:
         raise InvalidInputError(f"visits: 1 to 300 records, not {n}")

@@ -78,12 +78,40 @@ def test_each_person_and_year_pair_is_unique_the_year_shared_by_more_lines(n):
             assert len({r.split(" moved to ")[1] for r in same_person}) == len(same_person)
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_the_tuning_wordings_have_the_held_out_ones_shapes(n):
+    for seed in range(1, 4):
+        _, records, questions, answers = scale.context_of(n, seed, "lessons")
+        pairs = [
+            q.removeprefix("How much does the ").removesuffix(" charge?").split(" teacher in ")
+            for q in questions
+        ]
+        assert len({tuple(p) for p in pairs}) == n
+        instrument, town = Counter(p[0] for p in pairs), Counter(p[1] for p in pairs)
+        for (a, t), record, price in zip(pairs, records, answers, strict=True):
+            assert record == f"The {a} teacher in {t} charges {price} dollars an hour."
+            assert instrument[a] >= 2 and town[t] >= 2  # each word shared, only the gold both
+        _, records, questions, answers = scale.context_of(n, seed, "visits")
+        pairs = [
+            q.removeprefix("Which country did ").removesuffix("?").split(" visit in ")
+            for q in questions
+        ]
+        assert len({tuple(p) for p in pairs}) == n
+        name, month = Counter(p[0] for p in pairs), Counter(p[1] for p in pairs)
+        for (who, when), record, country in zip(pairs, records, answers, strict=True):
+            assert record == f"In {when} {who} visited {country}."
+            assert 3 <= name[who] <= scale.MOVES_PER_PERSON
+        assert sum(month.values()) / len(month) >= 4  # each month on about 5 lines (or more)
+
+
 def test_every_size_is_checked_against_the_answer_the_wording_expects():
     assert scale.answer_of("secret", "The number is 4821, not 12.") == "4821"
     assert scale.answer_of("doors", "Code: 1712") == "1712"
     assert scale.answer_of("moves", "She moved to Porto, then Lyon.") == "Porto"
     assert scale.answer_of("moves", "Portos and Lyonnais") is None
     assert scale.answer_of("moves", "In 2011 she moved to Oslo") == "Oslo"
+    assert scale.answer_of("visits", "He visited Chile in May, then Peru.") == "Chile"
+    assert scale.answer_of("lessons", "It costs 120 dollars.") == "120"
 
 
 def test_unrelated_per_size_asks_each_question_once_per_size():
@@ -111,8 +139,38 @@ def test_a_held_out_wording_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert rows[0]["question"] == questions[0] and rows[0]["answer"] == answers[0]
     assert all("gold_z" in r for r in rows[:3])
     assert "the moves wording" in (out / "results.md").read_text()
+    assert all(r["by_words"] == (r["edited"] and r["gold_z"] < 2.5) for r in rows[:3])
     with pytest.raises(InvalidInputError, match="another wording"):
         focus_scale.main([*argv[:3], "doors", *argv[4:], "--resume"])
+
+
+def test_a_recheck_answers_again_only_what_the_rule_may_change(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model", "tiny-llama", "--wording", "lessons", "--sizes", "8,9", "--n", "1"]
+    argv += ["--unrelated-per-size", "1", "--max-new-tokens", "2"]
+    assert focus_scale.main([*argv, "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    # as a focus without the rule made them: its edits were abstentions, answered unedited
+    before = [
+        {**r, "edited": False, "by_words": False, "chosen": [], "auto": r["none"]}
+        if r["by_words"]
+        else r
+        for r in rows
+    ]
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+    asked = focus_scale.sole_questions(before)
+    assert any(r["by_words"] for r in rows) and any(not r["edited"] for r in before)
+    # at 8 and 9 lessons each instrument and town is on 2-3 lines: every relevant question
+    # focus did not edit asks for a conjunction, and is answered again
+    relevant = {(r["n"], r["seed"], r["question"]) for r in rows if r["position"] != "unrelated"}
+    assert {
+        (r["n"], r["seed"], r["question"]) for r in before if not r["edited"]
+    } & relevant <= asked
+    again = tmp_path / "again"
+    focus_scale.main([*argv, "--recheck", str(tmp_path / "before"), "--out", str(again)])
+    assert [json.loads(x) for x in (again / "rows.jsonl").read_text().splitlines()] == rows
+    assert f"{len(asked)} questions answered again" in (again / "results.md").read_text()
 
 
 def _row(position, edited, gold_score, rival_score, none_ok=False, auto_ok=False):
