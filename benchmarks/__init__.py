@@ -26,7 +26,10 @@ Speed and memory:
 Accuracy:
 
 * ``blend_curve``: accuracy and speed-up of ``kvedit.blend``'s rules across recompute fractions.
-* ``focus_scale``: focus at 20 to 300 passages, and on questions no passage answers.
+* ``focus_scale``: focus at 20 to 300 passages, and on questions no passage answers (the
+  wordings of its records: ``focus_wordings``).
+* ``focus_recheck``: an eval run's ``auto`` answered again by today's focus only where the rule
+  for a passage holding all of a question's words may change an abstention.
 * ``focus_abstain``: attention shares of relevant and unrelated questions, per abstain threshold.
 * ``focus_no_harm``: #28's no-harm, hit-rate and ceiling table from eval runs (no model).
 * ``answer_prefix``: the tokens focus's edited answer shares with the unedited one where the
