@@ -71,9 +71,9 @@ def focus_said(
     if found is None:
         return None
     if found.chosen and found.kept:
-        return "emphasized " + ", ".join(
-            _message_at(found.passages[i], contents, messages) for i in found.chosen
-        )
+        said = ", ".join(_message_at(found.passages[i], contents, messages) for i in found.chosen)
+        why = " (the only one holding all of the question's words)" if found.by_words else ""
+        return f"emphasized {said}{why}"
     if found.chosen:
         return f"edit dropped by the guard ({found.verdict})"
     return f"abstained ({found.reason})"

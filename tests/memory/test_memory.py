@@ -4,6 +4,7 @@ answers committed from their decoded K/V, focus as a view, saved and loaded."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -329,3 +330,18 @@ def test_rendering_after_a_prefix_equals_rendering_it_all(arch, prompt, request)
             assert step.ids == full.ids and step.text == full.text
             assert torch.equal(step.offsets, full.offsets) and step.contents == full.contents
         held = renderer.render(messages[:i], after=held)
+
+
+def test_focus_said_names_the_messages_and_why_they_were_chosen():
+    from kvedit.focusing.choice import Focus
+    from kvedit.memory.explaining import focus_said
+    from kvedit.memory.rendering import Message
+
+    messages = [Message("user", "The red oak door is 1111."), Message("user", "Hi")]
+    found = Focus(None, [(0, 25), (30, 32)], [0.1, 0.0], [0], [1.0], "q?")
+    said = focus_said(found, [(0, 25), (30, 32)], messages)
+    assert said == "emphasized message 0 (user: 'The red oak door is 1111.')"
+    by_words = focus_said(dataclasses.replace(found, by_words=True), [(0, 25), None], messages)
+    assert by_words == said + " (the only one holding all of the question's words)"
+    none = dataclasses.replace(found, chosen=[], reason="no passage stands out")
+    assert focus_said(none, [(0, 25), None], messages) == "abstained (no passage stands out)"
