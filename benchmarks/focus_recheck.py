@@ -40,6 +40,7 @@ from kvedit.evals.methods.registry import parse_spec
 from kvedit.evals.report import write_results
 from kvedit.focusing.scoring import sole_holder
 from kvedit.models import load_model
+from kvedit.version import __version__, source_digest
 
 
 def sole_documents(
@@ -89,7 +90,10 @@ def check_run(res: dict, examples, spec: str) -> dict:
             f"{len(wrong)} records asked other prompts than these arguments build (first: "
             f"{wrong[0]}): give the run's own --task/--data/--n-docs/--trials/--seed"
         )
-    theirs = dict(res["extra"]["params"][spec])
+    recorded = res["extra"].get("params", {}).get(spec)
+    if not isinstance(recorded, dict):
+        raise InvalidInputError(f"the run recorded no parameters for {spec}")
+    theirs = dict(recorded)
     ours = {k: v for k, v in parse_spec(spec).param_dict().items() if k != "all_words"}
     theirs.pop("all_words", None)
     if {k: list(v) if isinstance(v, tuple) else v for k, v in ours.items()} != theirs:
@@ -121,6 +125,7 @@ def recheck(args) -> dict:
     mismatched = [i for i in verify if answer_of(by_id[i]) != answer_of(old[i])]
     summary = {
         "from": str(args.run),
+        "kvedit": {"version": __version__, "source": source_digest()},  # the answers redone
         "answered_again": sorted(sole),
         "chosen_now": {i: by_id[i].get("chosen") for i in changed},
         "answer_changed": answers,

@@ -89,7 +89,12 @@ def test_a_run_of_other_examples_or_parameters_is_refused_in_one_line(tmp_path):
     (run / "results.json").write_text(json.dumps(res))
     with pytest.raises(SystemExit, match="the run's auto had other parameters than today's"):
         focus_recheck.main([str(run), "--data", data, "--dry-run"])
-    res["extra"]["params"]["auto"]["threshold"] = 2.5
+    params = res["extra"].pop("params")
+    (run / "results.json").write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match="the run recorded no parameters for auto"):
+        focus_recheck.main([str(run), "--data", data, "--dry-run"])
+    params["auto"]["threshold"] = 2.5
+    res["extra"]["params"] = params
     (run / "results.json").write_text(json.dumps(res))
     assert focus_recheck.main([str(run), "--data", data, "--dry-run"]) == 0
 
