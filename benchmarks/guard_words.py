@@ -15,6 +15,10 @@ Usage::
     python -m benchmarks.guard_words runs/nq10-seed0/results.json --task nq --seed 0 --trials 100
     python -m benchmarks.guard_words runs/lockers-seed7/results.json --data reports/litm/lockers-seed7.jsonl.gz
 
+``--prefix-tokens 8,16`` also replays the guard on the first 8 (16) tokens of the unedited answer
+only, under the prompt's own words, and counts the questions whose verdict that changes: how
+far an unedited decode could be cut short before the guard decides.
+
 A stopped run's ``partial.jsonl`` stands for its ``results.json`` (the records made so far).
 The example options are the run's own (``kvedit eval litm``'s ``--task``, ``--data``,
 ``--n-docs``, ``--positions``, ``--trials``, ``--seed``); ``--model`` and ``--prompt`` are read
@@ -23,6 +27,8 @@ from the run. Loads the model's tokenizer only; runs no model.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import markdown_table, parser, read_partial, read_run, write_file
@@ -49,8 +55,11 @@ def read_records(path: Path) -> dict:
     return {"model": settings["model"], "extra": extra, "examples": records}
 
 
-def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
-    """Both rules' support and verdict for every question ``auto`` edited in ``results``."""
+def replay(results: dict, examples, tokenizer, prompt: str, prefixes: Sequence[int] = ()) -> dict:
+    """Both rules' support and verdict for every question ``auto`` edited in ``results``; with
+    ``prefixes``, the prompt's-own-words verdict on the first ``k`` tokens of the unedited
+    answer for each ``k`` (``kept_at``) and how many verdicts that changes
+    (``prefix_differs``)."""
     by_digest = {ex.digest(): ex for ex in examples}
     none = {r["example"]: r for r in results["examples"] if r["method"] == "none"}
     rows = []
@@ -61,13 +70,20 @@ def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
         prefix, continuation, spans = split_prompt(tokenizer, ex, prompt)
         evidence, others = evidence_and_others([prefix[a:b] for a, b in spans], rec["chosen"])
         query = asking_text(continuation, tokenizer)  # the query focus defaults to
-        framed = answer_support(
-            unedited,
-            evidence,
-            f"{query}\n{continuation}",
-            others,
-            outside=outside_passages(prefix, spans),
+        outside = outside_passages(prefix, spans)
+
+        framed_support = functools.partial(  # the guard's reading, the prompt's own words
+            answer_support,
+            evidence=evidence,
+            question=f"{query}\n{continuation}",
+            others=others,
+            outside=outside,
         )
+        framed = framed_support(unedited)
+        ids = tokenizer(unedited, add_special_tokens=False)["input_ids"]
+        kept_at = {
+            k: framed_support(tokenizer.decode(ids[:k])) < SUPPORT_THRESHOLD for k in prefixes
+        }
         listed = answer_support(unedited, evidence, " ".join((query, *LISTED)), others)
         rows.append(
             {
@@ -77,6 +93,7 @@ def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
                 "recorded": rec["support"],
                 "kept": framed < SUPPORT_THRESHOLD,
                 "kept_listed": listed < SUPPORT_THRESHOLD,
+                "kept_at": kept_at,
             }
         )
     differ = [r for r in rows if r["kept"] != r["kept_listed"]]
@@ -86,6 +103,7 @@ def replay(results: dict, examples, tokenizer, prompt: str) -> dict:
         "verdict_differs": len(differ),
         "replay_matches_run": sum(abs(r["support"] - r["recorded"]) < 1e-3 for r in rows),
         "differ": differ,
+        "prefix_differs": {k: sum(r["kept_at"][k] != r["kept"] for r in rows) for k in prefixes},
     }
 
 
@@ -105,6 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefix-tokens",
+        type=positions,
+        default=[],
+        help="comma-separated token counts: the verdict on that much of the unedited answer",
+    )
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args(argv)
     examples = build_examples(
@@ -115,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         results = read_records(path)
         _, tokenizer = load_model(results["model"])
         prompt = resolve_prompt(results["extra"]["prompt"], results["model"])
-        got = replay(results, examples, tokenizer, prompt)
+        got = replay(results, examples, tokenizer, prompt, args.prefix_tokens)
         rows.append(
             [
                 path.parent.name,
@@ -124,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                 got["support_differs"],
                 got["verdict_differs"],
                 ", ".join(r["id"] for r in got["differ"]) or "-",
+                *(got["prefix_differs"][k] for k in args.prefix_tokens),
             ]
         )
     head = [
@@ -133,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         "support differs",
         "verdict differs",
         "where",
+        *(f"verdict differs on the first {k} tokens" for k in args.prefix_tokens),
     ]
     table = "\n".join(markdown_table(head, rows)) + "\n"
     print(table, end="")

@@ -56,3 +56,24 @@ def test_a_stopped_runs_partial_records_stand_for_its_results(tmp_path):
     partial.write_text("{broken\n")
     with pytest.raises(SystemExit, match="partial.jsonl"):
         read_records(partial)
+
+
+def test_the_verdict_on_the_unedited_answers_first_tokens_is_counted(llama):
+    _, tok = llama
+    (ex,) = build_examples("records", n_docs=5, positions=[2], trials=1, seed=0)
+    code = ex.documents[2].split()[-1].rstrip(".")
+    base = {"id": ex.id, "example": ex.digest(), "gold_index": 2}
+    # the code first (in the chosen record), then four words no passage holds: on its first
+    # tokens the answer comes from the record (the unedited answer would stand); whole, it
+    # does not (support 1/5: the edit answers)
+    unedited = f"{code} Zanzibar Quuxley Florp Blorp"
+    run = {
+        "examples": [
+            {**base, "method": "none", "prediction": unedited},
+            {**base, "method": "auto", "chosen": [2], "support": 0.2},
+        ]
+    }
+    n = len(tok(code, add_special_tokens=False)["input_ids"])
+    got = replay(run, [ex], tok, "plain", [n, 100])
+    assert got["edited"] == 1 and got["verdict_differs"] == 0
+    assert got["prefix_differs"] == {n: 1, 100: 0}
