@@ -209,11 +209,11 @@ def rechecked(model, tok, rows: list[dict], max_new: int) -> tuple[list[dict], i
     were. Every other row stands: the rule only turns an abstention into an edit."""
     again = sole_questions(rows)
     unrelated = {(r["n"], r["seed"], r["question"]) for r in rows if r["position"] == "unrelated"}
+    wording = rows[0].get("wording", "secret") if rows else "secret"
     fresh = {}
     for n, seed in sorted({(n, seed) for n, seed, _ in again}):
         only = {q for m, s, q in again if (m, s) == (n, seed)}
         asked = sorted(q for q in only if (n, seed, q) in unrelated)
-        wording = rows[0].get("wording", "secret")
         for r in run_context(model, tok, n, seed, asked, max_new, wording, only):
             fresh[(n, seed, r["question"])] = r
     return [fresh.get((r["n"], r["seed"], r["question"]), r) for r in rows], len(again)

@@ -60,13 +60,17 @@ def test_only_the_gold_door_holds_both_words_and_each_is_shared(n):
             assert set(colour.values()) == {10} and set(material.values()) == {30}
 
 
+def _asked(questions: list[str], head: str, between: str, tail: str) -> list[list[str]]:
+    """The two things each question names: what lies between ``head`` and ``between``, and
+    between ``between`` and ``tail``."""
+    return [q.removeprefix(head).removesuffix(tail).split(between) for q in questions]
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_each_person_and_year_pair_is_unique_the_year_shared_by_more_lines(n):
     for seed in range(100, 105):
         _, records, questions, answers = scale.context_of(n, seed, "moves")
-        pairs = [
-            q.removeprefix("Where did ").removesuffix("?").split(" move in ") for q in questions
-        ]
+        pairs = _asked(questions, "Where did ", " move in ", "?")
         assert len({tuple(p) for p in pairs}) == n  # every question has one answer
         name = Counter(p[0] for p in pairs)
         year = Counter(p[1] for p in pairs)
@@ -82,20 +86,14 @@ def test_each_person_and_year_pair_is_unique_the_year_shared_by_more_lines(n):
 def test_the_tuning_wordings_have_the_held_out_ones_shapes(n):
     for seed in range(1, 4):
         _, records, questions, answers = scale.context_of(n, seed, "lessons")
-        pairs = [
-            q.removeprefix("How much does the ").removesuffix(" charge?").split(" teacher in ")
-            for q in questions
-        ]
+        pairs = _asked(questions, "How much does the ", " teacher in ", " charge?")
         assert len({tuple(p) for p in pairs}) == n
         instrument, town = Counter(p[0] for p in pairs), Counter(p[1] for p in pairs)
         for (a, t), record, price in zip(pairs, records, answers, strict=True):
             assert record == f"The {a} teacher in {t} charges {price} dollars an hour."
             assert instrument[a] >= 2 and town[t] >= 2  # each word shared, only the gold both
         _, records, questions, answers = scale.context_of(n, seed, "visits")
-        pairs = [
-            q.removeprefix("Which country did ").removesuffix("?").split(" visit in ")
-            for q in questions
-        ]
+        pairs = _asked(questions, "Which country did ", " visit in ", "?")
         assert len({tuple(p) for p in pairs}) == n
         name, month = Counter(p[0] for p in pairs), Counter(p[1] for p in pairs)
         for (who, when), record, country in zip(pairs, records, answers, strict=True):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvedit import checks
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import EditParams
@@ -77,8 +78,7 @@ class AutoParams(EditParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.all_words, bool):
-            raise InvalidInputError(f"all_words must be True or False, not {self.all_words!r}")
+        object.__setattr__(self, "all_words", checks.flag("all_words", self.all_words))
         if self.threshold is not None:
             object.__setattr__(self, "threshold", check_real("threshold", self.threshold))
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, minimum=1))
