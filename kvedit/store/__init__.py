@@ -5,7 +5,8 @@ One concern per module:
 - :mod:`~kvedit.store.keys`: content keys, chained hashes of token ids in chunks.
 - :mod:`~kvedit.store.records`: an entry's record (:class:`EntryMeta`), which states may be
   stored, whose model made an entry.
-- :mod:`~kvedit.store.lock`: the write lock (``filelock``) serialising writers.
+- :mod:`~kvedit.store.lock`: the write lock (``filelock``) serialising writers, and
+  :class:`~kvedit.store.lock.WriterLock`, one writer's claim on a file that names its holder.
 - :mod:`~kvedit.store.disk`: the disk tier: file layout, index, eviction, crash recovery.
 - :mod:`~kvedit.store.ram`: the in-memory tier in front of it.
 - :mod:`~kvedit.store.matching`: longest stored prefix of a prompt (:class:`PrefixMatch`).
