@@ -4,22 +4,31 @@ A file is written under a temporary name in its own directory, flushed to disk (
 renamed onto its final name (``os.replace``, atomic on POSIX), and the directory is flushed
 too, so that a reader sees the old file or the complete new one, never a part, and the rename
 survives a power cut. On any failure, the temporary file is removed before the error is raised.
+A path that is a symbolic link is written through: the file it leads to is replaced (the
+temporary file made in that file's directory), and the link stays a link (:func:`final_path`).
 
-Temporary names all look like ``.NAME.kvedit-tmp-<16 hex digits>`` (:func:`is_temp_name`), so
-what a killed writer leaves behind is recognisable and safe to delete:
-:class:`~kvedit.KVStore` removes such leftovers when it opens. When the data is produced by a
-callback that writes a file itself (``atomic_write(path, lambda tmp: save_file(..., tmp))``),
-the temporary name is a *directory* holding the callback's file, so whatever the callback's own
-library leaves next to its output (safetensors writes ``.tmpXXXXXX`` beside the file and renames
-it) stays inside kvedit's temporary directory and goes away with it.
+Temporary names all look like ``.NAME.kvedit-tmp-<pid>@<host>-<16 hex digits>``
+(:func:`is_temp_name`): the writer's process id, and a tag of the machine (and process-id
+namespace) it ran on, so that what a killed writer left behind is recognisable and safe to
+delete: :func:`sweep_stale` removes at once those of a process no longer running on this
+machine, never a running one's; :class:`~kvedit.KVStore` removes such leftovers when it opens
+and when it scans. When the data is produced by a callback that writes a file itself
+(``atomic_write(path, lambda tmp: save_file(..., tmp))``), the temporary name is a *directory*
+holding the callback's file, so whatever the callback's own library leaves next to its output
+(safetensors writes ``.tmpXXXXXX`` beside the file and renames it) stays inside kvedit's
+temporary directory and goes away with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
+import re
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,7 +36,8 @@ from pathlib import Path
 from .errors import InvalidInputError, InvalidTypeError, StorageError
 
 STALE_TEMP_SECONDS = 3600.0
-"""A temporary file older than this is a leftover whoever wrote it (no write takes an hour)."""
+"""A temporary file older than this is a leftover whoever wrote it (no write takes an hour),
+unless it names a writer still running on this machine."""
 
 TEMP_MARKER = ".kvedit-tmp-"
 """What every temporary name kvedit writes contains (after a leading dot and the final name)."""
@@ -40,42 +50,113 @@ __all__ = [
     "atomic_directory",
     "atomic_write",
     "check_path",
+    "final_path",
+    "host_tag",
     "is_temp_name",
+    "left_by_dead_writer",
     "remove_temp",
     "sweep_leftovers",
+    "sweep_stale",
     "temp_name",
 ]
 
+# the tail of a temporary name after TEMP_MARKER: pid, the host tag (kvedit 0.2.x wrote none)
+_TAIL = re.compile(r"(\d+)(?:@([0-9a-f]{8}))?-[0-9a-f]{16}")
+# a process that started this long after a leftover was last written did not write it
+_START_SLACK_SECONDS = 2.0
+
 
 def temp_name(path: str | os.PathLike) -> Path:
-    """A fresh temporary path next to ``path``: ``.NAME.kvedit-tmp-<pid>-<16 hex digits>``
-    (the writer's process id lets :func:`sweep_leftovers` tell a dead writer's leftover)."""
+    """A fresh temporary path next to ``path``: ``.NAME.kvedit-tmp-<pid>@<host>-<16 hex>``
+    (the writer's process id and :func:`host_tag` let :func:`sweep_stale` tell a dead writer's
+    leftover)."""
     path = Path(path)
-    return path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(8)}")
+    tail = f"{os.getpid()}@{host_tag()}-{secrets.token_hex(8)}"
+    return path.with_name(f".{path.name}{TEMP_MARKER}{tail}")
 
 
-def _writer_alive(name: str) -> bool | None:
-    """Whether the process that made temporary name ``name`` is alive on this machine (None:
-    the name records no process id)."""
-    tail = name.rpartition(TEMP_MARKER)[2]
-    pid, sep, _ = tail.partition("-")
-    if not sep or not pid.isdigit():
-        return None
+@functools.lru_cache(maxsize=1)
+def host_tag() -> str:
+    """8 hex digits naming this machine and its process-id namespace (a container has its
+    own): a process id means something only where the tag is the same."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), where ``/proc`` says (Linux)."""
     try:
-        os.kill(int(pid), 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _running(pid: int, since: float | None) -> bool:
+    """Whether process ``pid`` runs on this machine and, with ``since``, may have been the
+    writer of a file last written then (a process that started after it is another one, the
+    id reused)."""
+    try:
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # exists, owned by another user
-        return True
-    return True
+        pass
+    started = None if since is None else _started(pid)
+    return started is None or started <= since + _START_SLACK_SECONDS
 
 
-def sweep_leftovers(path: str | os.PathLike, stale_seconds: float = STALE_TEMP_SECONDS) -> int:
-    """Remove what killed writers of ``path`` left next to it (``.NAME.kvedit-tmp-*``): those
-    whose writer is no longer alive and that are over a minute old (a writer on another machine
-    sharing the folder has a process id that means nothing here), and any older than
-    ``stale_seconds``. Returns how many were removed; never raises."""
+def _dead_writer(name: str, mtime: float, legacy_age: float | None) -> bool:
+    """Whether the temporary ``name`` (last written at ``mtime``) is a leftover of a writer no
+    longer running: one of this machine's (:func:`host_tag`); with ``legacy_age``, also one
+    without a tag (kvedit 0.2.x) over a minute old, its process id taken as this machine's."""
+    match = _TAIL.fullmatch(name.rpartition(TEMP_MARKER)[2])
+    if match is None:
+        return False
+    pid, tag = int(match.group(1)), match.group(2)
+    if tag is None:
+        return legacy_age is not None and legacy_age > 60 and not _running(pid, None)
+    return tag == host_tag() and not _running(pid, mtime)
+
+
+def left_by_dead_writer(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a temporary file or directory (:func:`temp_name`) that a process of
+    this machine, no longer running, was writing: safe to delete whatever else is going on."""
     path = Path(path)
+    if not is_temp_name(path.name):
+        return False
+    try:
+        mtime = path.lstat().st_mtime
+    except OSError:
+        return False
+    return _dead_writer(path.name, mtime, None)
+
+
+def sweep_stale(path: str | os.PathLike, stale_seconds: float = STALE_TEMP_SECONDS) -> int:
+    """Remove what killed writers of ``path`` left next to it (``.NAME.kvedit-tmp-*``; for a
+    symbolic link, next to the file it leads to, where the writes went).
+
+    Removed: at once, a leftover of a process of this machine that no longer runs (or whose
+    process id now belongs to a process started after it was written); never one of a
+    running writer of this machine. A leftover of another machine sharing the folder (its
+    process id means nothing here) or of a kvedit that wrote no machine tag goes once it is
+    older than ``stale_seconds`` (an untagged one also when over a minute old and its process
+    id runs nothing here). Returns how many were removed; never raises.
+    """
+    try:
+        path = final_path(Path(path))
+    except (InvalidInputError, OSError, RuntimeError):
+        return 0
     prefix = f".{path.name}{TEMP_MARKER}"
     removed = 0
     now = time.time()
@@ -86,13 +167,20 @@ def sweep_leftovers(path: str | os.PathLike, stale_seconds: float = STALE_TEMP_S
     for name in names:
         leftover = path.with_name(name)
         try:
-            age = now - leftover.lstat().st_mtime
+            mtime = leftover.lstat().st_mtime
         except OSError:
             continue
-        if age > stale_seconds or (age > 60 and _writer_alive(name) is False):
+        age = now - mtime
+        match = _TAIL.fullmatch(name.rpartition(TEMP_MARKER)[2])
+        mine = match is not None and match.group(2) == host_tag()
+        if _dead_writer(name, mtime, age) or (age > stale_seconds and not mine):
             remove_temp(leftover)
             removed += 1
     return removed
+
+
+sweep_leftovers = sweep_stale
+"""The former name of :func:`sweep_stale`."""
 
 
 def is_temp_name(name: str) -> bool:
@@ -120,6 +208,21 @@ def check_path(path: object, what: str = "path") -> Path:
     if text.endswith(("/", os.sep)) or out.name in ("", ".", "..") or out.is_dir():
         raise InvalidInputError(f"{what} {text!r} is a directory, not a file name")
     return out
+
+
+def final_path(path: Path) -> Path:
+    """The file a write to ``path`` replaces: ``path`` itself, or for a symbolic link the file
+    it leads to (through every link; it may not exist yet), so the link is kept.
+
+    Raises:
+        InvalidInputError: ``path`` is a link that loops.
+    """
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    if target.is_symlink():  # realpath stops where a loop begins
+        raise InvalidInputError(f"cannot write {path}: it is a symbolic link that loops")
+    return target
 
 
 def _storage_error(path: Path, error: OSError) -> StorageError:
@@ -189,33 +292,36 @@ def atomic_write(path: str | os.PathLike, data: Data | Iterable[bytes] | Writer)
     """Write ``data`` to ``path`` atomically and durably; returns ``path`` as a Path.
 
     Args:
-        path: the file to write (its directory is created if missing).
+        path: the file to write (its directory is created if missing); a symbolic link is
+            written through (:func:`final_path`): the file it leads to is replaced.
         data: ``bytes`` (or a buffer), ``str`` (written as UTF-8), an iterable of ``bytes``
             chunks, or a callable ``write(tmp_path)`` that writes the whole file at
             ``tmp_path`` itself (it runs inside a temporary directory of kvedit's).
 
     Raises:
-        InvalidInputError: ``path`` is empty or a directory (:func:`check_path`).
+        InvalidInputError: ``path`` is empty or a directory (:func:`check_path`), or a link
+            that loops.
         StorageError: the file could not be written (an ``OSError`` too: disk full, permission
             denied...), also when a ``write`` callback raised the ``OSError``; other errors of
             a callback propagate unchanged. Either way no temporary file is left and an
             existing file at ``path`` is untouched.
     """
     path = check_path(path)
-    parent = _parent(path)
-    tmp = temp_name(path)
+    target = final_path(path)
+    parent = _parent(target)
+    tmp = temp_name(target)
     try:
         if callable(data):
             tmp.mkdir()
-            inner = tmp / path.name
+            inner = tmp / target.name
             data(str(inner))
             if not inner.is_file():
                 raise StorageError(f"cannot write {path}: the writer produced no file")
             _fsync_file(inner)
-            os.replace(inner, path)
+            os.replace(inner, target)
         else:
             _write_bytes(tmp, data)
-            os.replace(tmp, path)
+            os.replace(tmp, target)
     except OSError as e:
         remove_temp(tmp)
         if isinstance(e, StorageError):
@@ -238,7 +344,8 @@ def atomic_directory(path: str | os.PathLike, fill: Callable[[Path], object]) ->
     """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise InvalidInputError(f"not a directory path: {path!r}")
-    path = Path(path)
+    given = Path(path)
+    path = final_path(given)
     parent = _parent(path)
     tmp = temp_name(path)
     try:
@@ -260,4 +367,4 @@ def atomic_directory(path: str | os.PathLike, fill: Callable[[Path], object]) ->
         raise
     remove_temp(tmp)
     _fsync_dir(parent)
-    return path
+    return given

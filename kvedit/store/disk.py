@@ -15,13 +15,14 @@ writer that died. Readers take no lock: a rename is atomic and an open file surv
 Opening a store recovers from a writer killed mid-write: temporary files are removed (kvedit's
 own, and the ``.*.tmp`` and ``.tmpXXXXXX`` files of kvedit 0.1 and safetensors), a ``.kv``
 without ``.json`` gets its record rebuilt from the file (or is removed if it does not verify),
-a ``.json`` without ``.kv`` is removed; every write sweeps temporary files again. Until then,
-whatever the entries directory holds (records and leftovers included) counts against
-``max_bytes`` and shows in :meth:`~kvedit.KVStore.stats`. A store whose directory was deleted
-recreates it on the next write. The index is rebuilt from the ``.json`` records whenever the
-directory changes. A corrupt entry fails its checksum
-(:class:`~kvedit.errors.CorruptCacheError`) when read, and is dropped, never served. Nothing is
-ever pickled. A state file records its history (format 3); :class:`~kvedit.KVStore` serves an
+a ``.json`` without ``.kv`` is removed; every write sweeps temporary files again, and every
+scan (a lookup, :meth:`~kvedit.KVStore.stats`) removes those of this machine's dead writers
+(:func:`kvedit.atomic.left_by_dead_writer`). Until then, whatever the entries directory holds
+(records and leftovers included) counts against ``max_bytes`` and shows in
+:meth:`~kvedit.KVStore.stats`. A store whose directory was deleted recreates it on the next
+write. The index is rebuilt from the ``.json`` records whenever the directory changes. A
+corrupt entry fails its checksum (:class:`~kvedit.errors.CorruptCacheError`) when read, and is
+dropped, never served. Nothing is ever pickled. A state file records its history (format 3); :class:`~kvedit.KVStore` serves an
 entry only when that history is a plain capture.
 """
 
@@ -31,7 +32,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from collections import Counter
@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..atomic import atomic_write, is_temp_name
+from ..atomic import atomic_write, is_temp_name, left_by_dead_writer, remove_temp
 from ..errors import CorruptCacheError, InvalidInputError, StoreUnavailableError
 from ..states.files.read import read_state_file, state_from_parts
 from ..states.files.write import save_state
@@ -333,6 +333,9 @@ class DiskTier:
             sizes: dict[str, int] = {}
             total = stray_files = stray_bytes = 0
             for name, size in _listing(self.entries):
+                if left_by_dead_writer(self.entries / name):  # no lock needed: its writer is gone
+                    remove_temp(self.entries / name)
+                    continue
                 total += size
                 stem, _, suffix = name.rpartition(".")
                 if suffix in ("kv", "json") and is_key(stem):
@@ -395,12 +398,7 @@ class DiskTier:
             for name in names:
                 if not is_leftover(name):
                     continue
-                path = folder / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        path.unlink()
+                remove_temp(folder / name)
                 removed = True
         if removed:
             self.invalidate()

@@ -6,6 +6,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from helpers import reference_generate, same, snapshot
 
 import kvedit
 from kvedit import ops
-from kvedit.atomic import is_temp_name
+from kvedit.atomic import TEMP_MARKER, host_tag, is_temp_name
 from kvedit.errors import CacheMismatchError, InvalidInputError, NotACaptureError
 from kvedit.store import KVStore, StoreLockTimeout, chain_root, chunk_hashes, content_key
 from kvedit.testing import tiny_model
@@ -533,3 +535,32 @@ def test_store_config_is_fixed_at_creation(tmp_path):
         KVStore(tmp_path, chunk_tokens=128)
     with pytest.raises(ValueError, match="max_bytes"):
         KVStore(tmp_path / "x", max_bytes=-1)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_scan_removes_what_a_dead_writer_left_while_the_lock_is_held(tmp_path, llama):
+    """A writer killed mid-save leaves its temporary directory: any scan removes it (no lock
+    needed: its writer is gone), while another writer holds the lock; a running writer's stays."""
+    import fcntl
+
+    model, tok = llama
+    store = KVStore(tmp_path)
+    key = store.put(kvedit.capture(model, tok, RECORDS))
+    entries = tmp_path / "entries"
+    kept = store.stats()["bytes"]
+    dead = entries / f".{key}.kv{TEMP_MARKER}{_dead_pid()}@{host_tag()}-{'a' * 16}"
+    running = entries / f".{key}.kv{TEMP_MARKER}{os.getpid()}@{host_tag()}-{'b' * 16}"
+    for leftover in (dead, running):
+        leftover.mkdir()
+        (leftover / f"{key}.kv").write_bytes(b"x" * 5000)
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a writer at work: the store's own sweep cannot run
+        stats = store.stats()
+        assert not dead.exists() and running.exists()
+        assert (stats["stray_files"], stats["bytes"]) == (1, kept + 5000)
+        assert store.get(key, model, tok) is not None
