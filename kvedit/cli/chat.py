@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from pathlib import Path
 
 from ..cache.packed import BITS
-from ..errors import (
-    CacheMismatchError,
-    CorruptCacheError,
-    InvalidInputError,
-    KVEditError,
-    TemplateError,
-    UnsupportedModelError,
-)
+from ..errors import KVEditError, TemplateError
 from ..memory.forgetting import DEFAULT_POLICY, POLICIES, global_entries
 from .arguments import byte_size, max_positions_arg, nonempty, positive
+from .chat_file import check_memory_path, lock_memory, open_memory, save_copy, target
 from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, exit_status, message
 
 _NAME = "kvedit chat"
@@ -29,7 +22,8 @@ Each line read is a question: the answer is printed, then (dimmed on a terminal)
 cost: tokens computed for the question, the answer's tokens kept from decoding, the memory's
 size. An empty line is skipped. Lines starting with / are commands:
   /explain  each message: tokens, computed / kept / loaded, bytes (kvedit.Memory.explain)
-  /save     write the memory file now
+  /save     write the memory file now; /save PATH writes a copy to PATH (the chat goes on
+            with its own file); a save that fails is one error line, the chat going on
   /quit     save and end (as Ctrl-D does)
   /help     this list
 A question that starts with / is written with two (//...). Ctrl-D or /quit ends the chat with
@@ -37,6 +31,11 @@ the memory saved (exit status 0); Ctrl-C, at the prompt or during an answer, end
 way (exit status 130), and an interrupted answer is not kept: the memory is as it was before
 that question. A line the model cannot take (too long for its positions) gets one error line
 and the chat goes on. Lines may be piped in (one question a line).
+
+One chat per memory file: while a chat runs it holds FILE.lock beside the file, and a second
+chat on the same file is refused (exit status 2) with the process that holds it; a lock file
+left by a chat that was killed does not block. A --memory that is a symbolic link is the file
+it leads to: that file is read, locked and replaced, and the link stays a link.
 
 With --max-tokens or --max-bytes the memory forgets, without knowing the next question, when it
 would hold more (kvedit.Memory's budget: the system message, the last --recent messages and the
@@ -161,30 +160,23 @@ def _budget_args(p) -> None:
 
 
 def run_chat(args) -> int:
-    """Open (or start) the memory, read questions until end of input, save it; the status."""
+    """Open (or start) the memory, read questions until end of input, save it; the status.
+    The memory file is held (:func:`~kvedit.cli.chat_file.lock_memory`) from before the model
+    loads until the chat ends: a second chat on it is refused."""
     from ..models import load_model
 
     if args.system is not None and not args.system.strip():
         raise UsageError("--system is empty: give the system message, or leave --system out")
     path = Path(args.memory)
-    _check_path(path)
+    check_memory_path(path)
     budget = _budget(args)
-    model, tok = load_model(args.model)
-    memory = _open(path, model, tok, args, budget)
-    return _Chat(memory, path, args.max_new_tokens, args.focus).run()
-
-
-def _options(budget: dict) -> str:
-    """The options behind ``budget`` (``Memory``'s keywords, each named as its option; a size
-    in bytes), for an error that names them."""
-    given = []
-    for keyword, value in budget.items():
-        option = "--" + keyword.replace("_", "-")
-        if keyword == "protect":
-            given += [f"{option} {text!r}" for text in value]
-        else:
-            given.append(f"{option} {value}")
-    return " ".join(given)
+    lock = lock_memory(path)
+    try:
+        model, tok = load_model(args.model)
+        memory = open_memory(path, model, tok, args, budget)
+        return _Chat(memory, path, args.max_new_tokens, args.focus).run()
+    finally:
+        lock.release()
 
 
 def _budget(args) -> dict:
@@ -209,59 +201,6 @@ def _budget(args) -> dict:
         "quantize": args.quantize,
     }
     return {k: v for k, v in keywords.items() if v is not None}  # Memory's defaults for the rest
-
-
-def _check_path(path: Path) -> None:
-    """Refuse, before the model loads, a --memory that could never be written."""
-    if path.is_dir():
-        raise UsageError(f"--memory {path}: is a directory, not a file")
-    folder = path.parent
-    if not folder.is_dir():
-        raise UsageError(f"--memory {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"--memory {path}: the folder {folder} is not writable")
-
-
-def _open(path: Path, model, tok, args, budget: dict):
-    """The memory in ``path`` (checked against --system and --prompt), or a new one; with
-    ``budget`` (``Memory``'s keywords) from here on."""
-    from ..memory.conversation import Memory
-
-    if budget:  # a budget the model cannot serve is a bad option, refused before the file
-        try:
-            Memory(model, tok, max_positions=args.max_positions, **budget)
-        except (InvalidInputError, UnsupportedModelError) as e:
-            raise UsageError(f"{_options(budget)}: {message(e)}") from None
-    if not path.exists():
-        return Memory(
-            model,
-            tok,
-            system=args.system,
-            prompt=args.prompt,
-            max_positions=args.max_positions,
-            **budget,
-        )
-    try:
-        memory = Memory.load(path, model, tok, max_positions=args.max_positions, **budget)
-    except (CacheMismatchError, CorruptCacheError) as e:
-        raise UsageError(f"--memory {e}; the file is left as it is") from None
-    except OSError as e:
-        raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
-    if args.prompt is not None and args.prompt != memory.prompt:
-        raise UsageError(
-            f"--prompt {args.prompt}: the memory {path} uses the {memory.prompt!r} format; "
-            "leave --prompt out, or give another --memory file"
-        )
-    if args.system is not None:
-        messages = memory.messages
-        held = messages[0].content if messages and messages[0].role == "system" else None
-        if held != args.system:
-            has = "no system message" if held is None else f"the system message {held!r}"
-            raise UsageError(
-                f"--system {args.system!r}: the memory {path} has {has}, and its messages are "
-                "never rewritten; leave --system out, or give another --memory file"
-            )
-    return memory
 
 
 class _Chat:
@@ -339,7 +278,7 @@ class _Chat:
         if word == "/explain":
             print(self.memory.explain(), flush=True)
         elif word == "/save":
-            self._save()
+            self._save(text[len(word) :].strip())
         elif word == "/help":
             print(_CHAT_EPILOG, end="", flush=True)
         elif word != "/quit":
@@ -411,8 +350,26 @@ class _Chat:
     def _mark(self) -> tuple[int, int]:
         return len(self.memory), len(self.memory.state)
 
-    def _save(self) -> None:
-        self.memory.save(self.path)
+    def _save(self, where: str = "") -> None:
+        """``/save`` (the chat's own file) or ``/save PATH`` (a copy there); a save that fails
+        is one error line, and the chat goes on with its messages."""
+        copy = Path(where).expanduser() if where else None
+        try:
+            if copy is not None and target(copy, None) == target(self.path):
+                copy = None  # another name of the chat's own file
+            if copy is None:
+                self.memory.save(self.path)
+            else:
+                save_copy(self.memory, copy)
+        except (KVEditError, OSError) as e:
+            self._error(
+                f"/save {copy or self.path}: {message(e)}; nothing was saved, and the chat goes "
+                "on with its messages"
+            )
+            return
+        if copy is not None:
+            self._dim(f"[saved a copy {copy}: {self._counts()}; the chat goes on with {self.path}]")
+            return
         self.saved_at, self.existed = self._mark(), True
         self._dim(f"[saved {self._summary()}]")
 

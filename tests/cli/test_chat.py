@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from kvedit import capture
+from kvedit.atomic import TEMP_MARKER, host_tag
 from kvedit.cli import main as cli_main
 from kvedit.memory import conversation
 from kvedit.memory.conversation import Memory
 from kvedit.memory.forgetting import entry_bytes_bf16
 from kvedit.models import load_model
 from kvedit.states.files.write import save_state
+from kvedit.store.lock import WriterLock
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = ["chat", "--model", "tiny-llama", "--max-new-tokens", "6"]
@@ -510,3 +512,132 @@ def test_in_a_terminal_ctrl_c_during_an_answer_keeps_the_memory_as_before(tmp_pa
         assert lines[-2] == f"memory {path} not written: no messages: 0 messages, 0 tok", text
         assert lines[-1] == "EXIT=130"
         assert "Traceback" not in text and not path.exists()
+
+
+# ------------------------------------------------------------------- the memory file (#56)
+
+
+def _start_chat(path: Path) -> subprocess.Popen:
+    """A ``kvedit chat`` on ``path`` in another process, once it has started (its start line
+    read)."""
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "kvedit", *CHAT, "--memory", str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert chat.stdout.readline().startswith(b"[")  # the start line: it holds the file
+    return chat
+
+
+def test_a_second_chat_on_one_memory_is_refused_and_a_killed_ones_lock_does_not_block(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    Memory(*tiny, system="Terse.").save(path)
+    before = path.read_bytes()
+    first = _start_chat(path)
+    try:
+        with monkeypatch.context() as m:  # refused before its model loads
+            m.setattr("kvedit.models.load_model", lambda *a: pytest.fail("model loaded"))
+            status, out, err = _chat(monkeypatch, capsys, path, "hello\n")
+        assert (status, out) == (2, "")
+        (line,) = err.splitlines()
+        assert line.startswith(
+            f"kvedit chat: error: --memory {path}: another kvedit chat is using it "
+            f"(kvedit chat {first.pid}, since "
+        )
+        assert line.endswith("); end that chat first, or give another file")
+        assert path.read_bytes() == before
+    finally:
+        first.kill()  # kill -9: its lock file stays, naming it
+        first.communicate(timeout=60)
+    assert f'"pid": {first.pid}' in (tmp_path / "chat.kv.lock").read_text()
+    status, out, err = _chat(monkeypatch, capsys, path, "hello\n")
+    assert status == 0, err
+    assert len(Memory.load(path, *tiny)) == 3
+    assert not (tmp_path / "chat.kv.lock").exists()  # released at the end: no file left
+
+
+class _Lines:
+    """A piped stdin whose line ``k`` runs ``actions[k]`` first (the file system changing while
+    the chat runs)."""
+
+    def __init__(self, lines: list[str], actions: dict) -> None:
+        self.lines, self.actions, self.buffer, self.k = lines, actions, self, 0
+
+    def isatty(self) -> bool:
+        return False
+
+    def readline(self) -> bytes:
+        self.actions.get(self.k, lambda: None)()
+        self.k += 1
+        return self.lines[self.k - 1].encode() if self.k <= len(self.lines) else b""
+
+
+def test_save_path_writes_a_copy_and_a_failed_save_is_one_error_line(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path, copy, held = tmp_path / "chat.kv", tmp_path / "copy.kv", tmp_path / "held.kv"
+    lines = ["one\n", f"/save {copy}\n", "/save\n", f"/save {tmp_path}\n", f"/save {held}\n"]
+    lines += ["two\n"]
+    actions = {2: path.mkdir, 5: path.rmdir}  # the chat's own file a folder for a while
+    monkeypatch.setattr(sys, "stdin", _Lines(lines, actions))
+    capsys.readouterr()
+    with WriterLock(tmp_path / "held.kv.lock", "kvedit chat"):  # another chat's file
+        status = cli_main([*CHAT, "--memory", str(path)])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert f"[saved a copy {copy}: 2 messages, " in out
+    assert [m.content for m in Memory.load(copy, *tiny).messages][0] == "one"
+    errors = err.splitlines()
+    assert len(errors) == 3 and all(e.startswith("kvedit chat: error: /save ") for e in errors)
+    assert all(
+        e.endswith("; nothing was saved, and the chat goes on with its messages") for e in errors
+    )
+    assert errors[0].startswith(f"kvedit chat: error: /save {path}: ") and "directory" in errors[0]
+    assert (
+        errors[1].startswith(f"kvedit chat: error: /save {tmp_path}: ") and "directory" in errors[1]
+    )
+    assert errors[2].startswith(
+        f"kvedit chat: error: /save {held}: another kvedit chat is using it (kvedit chat "
+        f"{os.getpid()}, since "
+    )
+    assert not held.exists()
+    memory = Memory.load(path, *tiny)  # saved at the end, every turn kept
+    assert [m.content for m in memory.messages][::2] == ["one", "two"]
+
+
+def test_a_memory_that_is_a_link_is_written_through_and_locked_as_its_file(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    (tmp_path / "files").mkdir()
+    file, link = tmp_path / "files" / "memory.kv", tmp_path / "chat.kv"
+    link.symlink_to(file)  # dangling: the chat's first save makes the file
+    status, out, err = _chat(monkeypatch, capsys, link, "hello\n")
+    assert status == 0, err
+    assert link.is_symlink() and len(Memory.load(file, *tiny)) == 2
+    with WriterLock(tmp_path / "files" / "memory.kv.lock", "kvedit chat"):  # a chat on the file
+        status, _, err = _chat(monkeypatch, capsys, link, "again\n")
+    assert status == 2 and "another kvedit chat is using it" in err
+    status, out, err = _chat(monkeypatch, capsys, link, "again\n")
+    assert status == 0, err
+    assert out.splitlines()[0].startswith(f"[memory {link}: 2 messages")
+    assert link.is_symlink() and len(Memory.load(file, *tiny)) == 4
+    assert [n for n in os.listdir(tmp_path) if n != "files" and n != "chat.kv"] == []
+
+
+def test_opening_a_memory_sweeps_what_a_killed_save_left(monkeypatch, capsys, tmp_path, tiny):
+    path = tmp_path / "chat.kv"
+    Memory(*tiny, system="Terse.").save(path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".chat.kv{TEMP_MARKER}{dead.pid}@{host_tag()}-{'0' * 16}"
+    left.mkdir()
+    (left / "chat.kv").write_bytes(b"half a file" * 1000)
+    status, out, err = _chat(monkeypatch, capsys, path, "")  # nothing asked: nothing saved
+    assert status == 0, err
+    assert out.splitlines()[-1].startswith(f"memory {path} unchanged")
+    assert not left.exists()

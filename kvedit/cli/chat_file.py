@@ -1,0 +1,144 @@
+"""The memory file of ``kvedit chat``: checked before the model loads, held by one chat at a
+time, opened (or started), and saved elsewhere on ``/save PATH``.
+
+One chat per file: a chat holds ``FILE.lock`` beside its memory file (a
+:class:`~kvedit.store.lock.WriterLock`: an ``flock`` the kernel releases when the chat dies,
+the file naming its process) from before the model loads until it ends, so that a second chat
+on the same file is refused at once, told which process holds it, instead of both saving over
+each other. A ``--memory`` that is a symbolic link is the file it leads to: the lock, the checks
+and the saves are that file's (the link stays a link, :func:`kvedit.atomic.final_path`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..atomic import final_path, sweep_stale
+from ..errors import (
+    CacheMismatchError,
+    CorruptCacheError,
+    InvalidInputError,
+    UnsupportedModelError,
+)
+from ..store.lock import WriterLock
+from .status import UsageError, message
+
+LOCK_SUFFIX = ".lock"
+"""What a memory file's lock file adds to its name (``chat.kv.lock``)."""
+
+__all__ = ["LOCK_SUFFIX", "check_memory_path", "lock_memory", "open_memory", "save_copy", "target"]
+
+
+def _named(option: str | None, path: Path) -> str:
+    return f"{option} {path}: " if option else ""
+
+
+def target(path: Path, option: str | None = "--memory") -> Path:
+    """The file a chat on ``path`` reads and writes: ``path``, or where a link at ``path``
+    leads, absolute (two names of one file are one target). ``option`` names ``path`` in
+    errors (None: not named)."""
+    try:
+        return Path(os.path.abspath(final_path(Path(os.path.abspath(path)))))
+    except InvalidInputError as e:
+        raise UsageError(f"{_named(option, path)}{message(e)}") from None
+
+
+def check_memory_path(path: Path) -> None:
+    """Refuse, before the model loads, a --memory that could never be written."""
+    file = target(path)
+    if file.is_dir():
+        raise UsageError(f"--memory {path}: is a directory, not a file")
+    folder = file.parent
+    if not folder.is_dir():
+        raise UsageError(f"--memory {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--memory {path}: the folder {folder} is not writable")
+
+
+def lock_memory(path: Path, option: str | None = "--memory") -> WriterLock:
+    """The lock of the memory file ``path``, taken; refused when another chat holds it.
+    ``option`` names ``path`` in errors (None: not named).
+
+    Raises:
+        UsageError: another process holds it (naming it), or the lock cannot be taken.
+    """
+    file = target(path, option)
+    lock = WriterLock(file.with_name(file.name + LOCK_SUFFIX), "kvedit chat")
+    try:
+        holder = lock.acquire()
+    except OSError as e:  # kvedit's StorageError too: a folder or file system without locks
+        raise UsageError(f"{_named(option, path)}{message(e)}") from None
+    if holder is not None:
+        raise UsageError(
+            f"{_named(option, path)}another kvedit chat is using it ({holder}; lock file "
+            f"{lock.path}); end that chat first, or give another file"
+        )
+    return lock
+
+
+def save_copy(memory, path: Path) -> None:
+    """``/save PATH``: write ``memory`` to ``path`` (not the chat's own file), holding that
+    file's lock meanwhile so that a chat on it is not written over."""
+    lock = lock_memory(path, None)
+    try:
+        memory.save(path)
+    finally:
+        lock.release()
+
+
+def _options(budget: dict) -> str:
+    """The options behind ``budget`` (``Memory``'s keywords, each named as its option; a size
+    in bytes), for an error that names them."""
+    given = []
+    for keyword, value in budget.items():
+        option = "--" + keyword.replace("_", "-")
+        if keyword == "protect":
+            given += [f"{option} {text!r}" for text in value]
+        else:
+            given.append(f"{option} {value}")
+    return " ".join(given)
+
+
+def open_memory(path: Path, model, tok, args, budget: dict):
+    """The memory in ``path`` (checked against --system and --prompt), or a new one; with
+    ``budget`` (``Memory``'s keywords) from here on. What killed saves of ``path`` left beside
+    it is removed first (:func:`kvedit.atomic.sweep_stale`)."""
+    from ..memory.conversation import Memory
+
+    sweep_stale(path)
+    if budget:  # a budget the model cannot serve is a bad option, refused before the file
+        try:
+            Memory(model, tok, max_positions=args.max_positions, **budget)
+        except (InvalidInputError, UnsupportedModelError) as e:
+            raise UsageError(f"{_options(budget)}: {message(e)}") from None
+    if not path.exists():
+        return Memory(
+            model,
+            tok,
+            system=args.system,
+            prompt=args.prompt,
+            max_positions=args.max_positions,
+            **budget,
+        )
+    try:
+        memory = Memory.load(path, model, tok, max_positions=args.max_positions, **budget)
+    except (CacheMismatchError, CorruptCacheError) as e:
+        raise UsageError(f"--memory {e}; the file is left as it is") from None
+    except OSError as e:
+        raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
+    if args.prompt is not None and args.prompt != memory.prompt:
+        raise UsageError(
+            f"--prompt {args.prompt}: the memory {path} uses the {memory.prompt!r} format; "
+            "leave --prompt out, or give another --memory file"
+        )
+    if args.system is not None:
+        messages = memory.messages
+        held = messages[0].content if messages and messages[0].role == "system" else None
+        if held != args.system:
+            has = "no system message" if held is None else f"the system message {held!r}"
+            raise UsageError(
+                f"--system {args.system!r}: the memory {path} has {has}, and its messages are "
+                "never rewritten; leave --system out, or give another --memory file"
+            )
+    return memory
