@@ -141,6 +141,8 @@ def _check_litm(args) -> None:
     from ..evals.litm import build_examples
     from ..evals.report import check_out
 
+    if not args.out.strip():  # Path("") is the working directory
+        raise UsageError("--out is empty: name the folder the results go to")
     check_out(
         args.out,
         LITM_RESULTS,

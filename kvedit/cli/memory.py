@@ -1,16 +1,23 @@
 """``kvedit eval memory``: the memory suite (:mod:`kvedit.evals.memory`) from the command line.
 
 Every argument is checked before the model loads (method specs, budgets, the task's sizes,
-``--out``); an ``--out`` holding results is refused unless ``--resume`` or ``--overwrite``; one
-run per ``--out`` at a time; a refusal writes nothing and exits 2.
+``--out``); each budget is checked against what the memories never forget once the tokenizer
+is loaded, before anything is written. An ``--out`` holding results is refused unless
+``--resume`` or ``--overwrite``; an empty ``--out`` is refused. One run per ``--out`` at a
+time: a run holds ``out/.lock`` (a :class:`~kvedit.store.lock.WriterLock` naming its process)
+while it runs, and another run on that folder is refused naming that process. A refusal writes
+nothing and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from pathlib import Path
 
 from .arguments import positive
 from .litm import overwrite_arg
+from .status import UsageError
 
 _EPILOG = """\
 methods (--methods, comma-separated specs name[:key=value...]):
@@ -80,6 +87,10 @@ def check_memory(args) -> None:
     from ..evals.methods.registry import split_specs
     from ..evals.report import check_out
 
+    if not args.out.strip():
+        raise UsageError("--out is empty: name the folder the results go to (default runs/memory)")
+    lock = _out_lock(args.out)
+    _refuse_if_held(args.out, lock, lock.holder())
     check_out(args.out, MEMORY_RESULTS, overwrite=args.overwrite, resume=args.resume)
     specs = split_specs(args.methods)
     if not specs:
@@ -90,10 +101,37 @@ def check_memory(args) -> None:
     build_conversations(args.task, args.n_examples, args.seed, args.size, args.questions)
 
 
+def _out_lock(out: str):
+    from ..evals.report import LOCK_NAME
+    from ..store.lock import WriterLock
+
+    return WriterLock(Path(out) / LOCK_NAME, "kvedit eval memory")
+
+
+def _refuse_if_held(out: str, lock, holder) -> None:
+    """Refuse the run when ``holder`` (of ``lock``, --out's) is not None."""
+    if holder is not None:
+        raise UsageError(
+            f"--out {out}: another kvedit eval run is writing there ({holder}; lock file "
+            f"{lock.path}); wait for it to end, or choose another --out"
+        )
+
+
 def _run_memory(args) -> int:
+    """Check, then run holding ``--out``'s lock; a run that wrote nothing (refused after the
+    model loaded) leaves no folder it made."""
     from ..evals.memory import main
-    from ..evals.report import hold_out
 
     check_memory(args)
-    with hold_out(args.out):  # one run per --out at a time
+    out = Path(args.out)
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _out_lock(args.out)
+    try:
+        _refuse_if_held(args.out, lock, lock.acquire())  # one run per --out at a time
         return main(args)
+    finally:
+        lock.release()
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty

@@ -1,7 +1,9 @@
 """JSON-lines files of examples: :func:`load_jsonl` reads them strictly, :func:`write_jsonl`
 writes them atomically. Names ending in ``.gz`` are gzipped. The files of a run's results are
 read strictly too: :func:`read_json` (``results.json``, ``partial.settings.json``) and
-:func:`read_records` (``partial.jsonl``), each error naming the file and the line.
+:func:`read_records` (``partial.jsonl``; :func:`read_numbered_records` with each record's
+line), each error naming the file and the line. :class:`PartialRecords` writes a run's
+``partial.jsonl`` as it goes, from its first records on.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from kvedit.errors import InvalidExampleError, InvalidInputError
 from kvedit.evals.schema import Example
 
 __all__ = [
+    "PartialRecords",
     "check_record",
     "load_jsonl",
     "matching_records",
     "read_json",
+    "read_numbered_records",
     "read_records",
     "read_text",
     "reused_records",
@@ -158,7 +162,14 @@ def check_record(record: object, where: str) -> dict:
 
 
 def read_records(path: str | os.PathLike[str], option: str) -> list[dict]:
-    """The result records of a JSON-lines file such as ``partial.jsonl``, one per line.
+    """The result records of a JSON-lines file such as ``partial.jsonl``, one per line
+    (:func:`read_numbered_records` without the line numbers)."""
+    return [record for _, record in read_numbered_records(path, option)]
+
+
+def read_numbered_records(path: str | os.PathLike[str], option: str) -> list[tuple[int, dict]]:
+    """``(line number, record)`` of each result record of a JSON-lines file such as
+    ``partial.jsonl``, one per line.
 
     A run killed while writing leaves its last line cut: a last line that does not end in a
     newline and does not parse is dropped with a warning on stderr (its pair is recomputed).
@@ -187,7 +198,7 @@ def read_records(path: str | os.PathLike[str], option: str) -> list[dict]:
                 )
                 continue
             raise InvalidInputError(f"{name}:{number}: bad JSON: {error}") from None
-        records.append(check_record(record, f"{name}:{number}"))
+        records.append((number, check_record(record, f"{name}:{number}")))
     return records
 
 
@@ -307,3 +318,33 @@ def reused_records(
         and (trusted is None or spec in trusted)
     }
     return {(r["id"], r["method"]): r for r in examples if r["method"] in same}
+
+
+class PartialRecords:
+    """A run's ``out/partial.jsonl`` (its records so far, one a line) and
+    ``out/partial.settings.json`` (``settings``, which ``--resume`` compares), written with the
+    first new records: a run refused or stopped before any leaves nothing. The records kept
+    from an interrupted run (``done``) are written first; later records are appended."""
+
+    def __init__(self, out: Path, settings: dict, done: Sequence[dict] = ()) -> None:
+        self.path = out / "partial.jsonl"
+        self.settings_path = out / "partial.settings.json"
+        self.settings = settings
+        self.done = list(done)
+        self.started = False
+
+    def add(self, records: Sequence[dict]) -> None:
+        """Append ``records``; the first time, write the settings and the file anew."""
+        lines = "".join(json.dumps(r) + "\n" for r in records)
+        if self.started:
+            with open(self.path, "a") as f:
+                f.write(lines)
+            return
+        atomic_write(self.settings_path, json.dumps(self.settings, sort_keys=True).encode())
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.done) + lines)
+        self.started = True
+
+    def remove(self) -> None:
+        """Remove both files (the run's results are written)."""
+        self.path.unlink(missing_ok=True)
+        self.settings_path.unlink(missing_ok=True)

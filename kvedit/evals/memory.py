@@ -60,8 +60,9 @@ from pathlib import Path
 
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
-from kvedit.evals.jsonl import read_json, read_records
+from kvedit.evals.jsonl import PartialRecords, read_json, read_numbered_records
 from kvedit.evals.memory_report import (
+    check_memory_record,
     format_memory_table,
     plot_memory,
     reread_summary,
@@ -74,7 +75,9 @@ from kvedit.evals.memory_specs import (
     TASKS,
     MemoryMethod,
     MemoryParams,
+    budget_entries,
     build_conversations,
+    check_budgets_fit,
     full_entries,
     parse_budgets,
     parse_memory_spec,
@@ -199,7 +202,7 @@ def run_conversation(
 
     recent = method.params.recent if method.params.recent is not None else DEFAULT_RECENT[task]
     full = full_entries(_renderer(tokenizer), conversation)
-    max_tokens = None if budget >= 1 else max(1, round(budget * full))
+    max_tokens = budget_entries(budget, full)
     memory = _memory(model, tokenizer, method, max_tokens, recent)
     t0 = time.perf_counter()
     for role, content in conversation.messages:
@@ -262,7 +265,12 @@ def run_conversation(
 
 def resumed_records(out: Path, settings: dict, conversations: Sequence[Conversation]) -> list[dict]:
     """The records ``--resume`` keeps from ``out/partial.jsonl``: those of the same settings
-    (``partial.settings.json``) and of a conversation with the same digest."""
+    (``partial.settings.json``) and of a conversation with the same digest.
+
+    Raises:
+        InvalidInputError: naming the file (and the line): settings missing or of another run,
+            a line that is not a whole memory record (:func:`check_memory_record`).
+    """
     partial = out / "partial.jsonl"
     if not partial.exists():
         return []
@@ -273,6 +281,12 @@ def resumed_records(out: Path, settings: dict, conversations: Sequence[Conversat
             "be checked; delete it or run without --resume"
         )
     theirs = read_json(settings_path, "--resume")
+    missing = [k for k in settings if k not in theirs]
+    if missing:
+        raise InvalidInputError(
+            f"--resume {settings_path}: it lacks {', '.join(missing)}, so it is not the settings "
+            "of a kvedit eval memory run; pass --overwrite to start again"
+        )
     differ = [
         f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v
     ]
@@ -280,11 +294,11 @@ def resumed_records(out: Path, settings: dict, conversations: Sequence[Conversat
         raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
     digests = {c.id: c.digest() for c in conversations}
     sizes = {c.id: len(c.probes) for c in conversations}
-    kept = [
-        r
-        for r in read_records(partial, "--resume")
-        if digests.get(r.get("example")) == r.get("digest")
+    records = [
+        check_memory_record(r, f"--resume {partial}:{line}")
+        for line, r in read_numbered_records(partial, "--resume")
     ]
+    kept = [r for r in records if digests.get(r["example"]) == r["digest"]]
     groups: dict[tuple, list[dict]] = {}
     for r in kept:  # a conversation's records are kept whole or not at all
         groups.setdefault((r["example"], r["method"], float(r["budget"])), []).append(r)
@@ -333,6 +347,15 @@ def _records(
     return new
 
 
+def _parse_methods(methods: Sequence[str]) -> list[MemoryMethod]:
+    parsed = [parse_memory_spec(s) for s in methods]
+    if not parsed:
+        raise InvalidInputError("--methods names no method")
+    if len({m.spec for m in parsed}) != len(parsed):
+        raise InvalidInputError("--methods names a method twice")
+    return parsed
+
+
 def evaluate(
     model_name: str,
     task: str,
@@ -353,16 +376,15 @@ def evaluate(
 
     Records are appended to ``out/partial.jsonl`` as each conversation is done (its settings in
     ``partial.settings.json``); ``resume`` keeps those of an interrupted run with the same
-    settings and computes the rest. Arguments are checked before the model loads.
+    settings and computes the rest. Arguments are checked before the model loads, and each
+    method's budget against what its memories never forget (:func:`check_budgets_fit`) once
+    the tokenizer is there: a refusal writes nothing (the partial files are written with the
+    first records).
     """
     from kvedit.models import load_model
     from kvedit.version import __version__, source_digest
 
-    parsed = [parse_memory_spec(s) for s in methods]
-    if not parsed:
-        raise InvalidInputError("--methods names no method")
-    if len({m.spec for m in parsed}) != len(parsed):
-        raise InvalidInputError("--methods names a method twice")
+    parsed = _parse_methods(methods)
     budgets = parse_budgets(",".join(str(b) for b in budgets))
     conversations = build_conversations(task, n_examples, seed, size, questions)
     settings = {
@@ -378,11 +400,10 @@ def evaluate(
     out = Path(out)
     done = resumed_records(out, settings, conversations) if resume else []
     model, tokenizer = load_model(model_name)
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / "partial.jsonl"
-    settings_path = out / "partial.settings.json"
-    atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
-    atomic_write(partial, "".join(json.dumps(r) + "\n" for r in done))
+    check_budgets_fit(
+        _renderer(tokenizer), conversations, _pairs(parsed, budgets), task, max_new_tokens
+    )
+    partial = PartialRecords(out, settings, done)  # written with the first records
     have = {(r["example"], r["method"], float(r["budget"])) for r in done}
     records = list(done)
     reread: list[dict] = []
@@ -396,8 +417,7 @@ def evaluate(
             new = _records(
                 model, tokenizer, conv, method, budget, shared, task, max_new_tokens, timed
             )
-            with open(partial, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in new)
+            partial.add(new)
             records += new
             if progress is not None:
                 acc = sum(r["correct"] for r in new) / len(new)
@@ -428,8 +448,7 @@ def evaluate(
     else:
         (out / "curve.png").unlink(missing_ok=True)
         print(f"note: {out / 'curve.png'} not drawn: {PLOT_HINT}", file=sys.stderr)
-    partial.unlink()
-    settings_path.unlink(missing_ok=True)
+    partial.remove()
     return summary
 
 

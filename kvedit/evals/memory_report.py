@@ -13,7 +13,54 @@ from kvedit.evals.metrics import bootstrap_ci
 from kvedit.evals.report import accuracy_axes, save_accuracy_plot
 from kvedit.evals.tasks.memory_schema import BUCKETS
 
-__all__ = ["format_memory_table", "plot_memory", "reread_summary", "summarize_memory"]
+__all__ = [
+    "check_memory_record",
+    "format_memory_table",
+    "plot_memory",
+    "reread_summary",
+    "summarize_memory",
+]
+
+_NUMBERS = ("correct", "seconds", "rounds", "forget_seconds")
+"""The numbers every record holds for the summary (``budget`` and ``max_entries`` apart)."""
+
+
+def check_memory_record(record: dict, where: str) -> dict:
+    """``record`` if it holds what :func:`summarize_memory` and ``--resume`` read: ``example``,
+    ``digest`` (text), ``budget`` (in (0, 1]), ``bucket`` (one of :data:`BUCKETS`), the
+    numbers ``correct``, ``seconds``, ``rounds`` and ``forget_seconds``, ``max_entries`` (a
+    count or None); ``id`` and ``method`` are checked by
+    :func:`kvedit.evals.jsonl.check_record`.
+
+    Raises:
+        InvalidInputError: naming ``where`` (the file and line), the key and what it holds.
+    """
+
+    def bad(key: str, wanted: str) -> InvalidInputError:
+        held = f"{record[key]!r}" if key in record else "nothing"
+        return InvalidInputError(f"{where}: a memory record's {key!r} must be {wanted}, not {held}")
+
+    def number(value: object) -> bool:
+        return (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
+
+    for key in ("example", "digest"):
+        if not isinstance(record.get(key), str):
+            raise bad(key, "text")
+    if not number(record.get("budget")) or not 0 < record["budget"] <= 1:
+        raise bad("budget", "a number in (0, 1]")
+    if record.get("bucket") not in BUCKETS:
+        raise bad("bucket", f"one of {', '.join(BUCKETS)}")
+    for key in _NUMBERS:
+        if not (
+            number(record.get(key)) or (key == "correct" and isinstance(record.get(key), bool))
+        ):
+            raise bad(key, "a number")
+    entries = record.get("max_entries")
+    if entries is not None and (not isinstance(entries, int) or isinstance(entries, bool)):
+        raise bad("max_entries", "a whole number or null")
+    return record
 
 
 def summarize_memory(records: Sequence[dict]) -> dict[str, dict[str, dict[str, Any]]]:

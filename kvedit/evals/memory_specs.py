@@ -1,5 +1,7 @@
 """The methods, budgets and tasks of the memory suite (:mod:`kvedit.evals.memory`): specs in
-the ``name:key=value`` grammar parsed and checked before any model loads."""
+the ``name:key=value`` grammar parsed and checked before any model loads, and a budget checked
+against what each conversation's memory must never forget once the tokenizer renders it
+(:func:`check_budgets_fit`), before anything is written or computed."""
 
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ __all__ = [
     "TASKS",
     "MemoryMethod",
     "MemoryParams",
+    "budget_entries",
     "build_conversations",
+    "check_budgets_fit",
+    "entries_needed",
     "full_entries",
     "parse_budgets",
     "parse_memory_spec",
@@ -163,3 +168,92 @@ def full_entries(memory_renderer, conversation: Conversation) -> int:
 
     messages = [Message(role, content) for role, content in conversation.messages]
     return len(memory_renderer.render(messages).ids)
+
+
+def budget_entries(budget: float, full: int) -> int | None:
+    """The memory's ``max_tokens`` at ``budget`` of ``full`` entries (None at 1.0: no budget)."""
+    return None if budget >= 1 else max(1, round(budget * full))
+
+
+def _held(ends: Sequence[int], system: Sequence[bool], n: int, last: int) -> int:
+    """The tokens a memory holding the first ``n`` messages (message ``j`` is tokens
+    ``ends[j]:ends[j + 1]``) never forgets: the first sink tokens, the system messages, the
+    last ``last`` messages and the last token."""
+    from kvedit.memory.forgetting import SINK_TOKENS
+
+    end = ends[n]
+    spans = [(0, min(SINK_TOKENS, end)), (max(end - 1, 0), end), (ends[max(n - last, 0)], end)]
+    spans += [(ends[j], ends[j + 1]) for j in range(n) if system[j]]
+    count, reach = 0, 0
+    for start, stop in sorted(spans):
+        count += max(stop - max(start, reach), 0)
+        reach = max(reach, stop)
+    return count
+
+
+def entries_needed(
+    renderer, conversation: Conversation, recent: int, max_new_tokens: int
+) -> tuple[int, int]:
+    """``(needed, full)``: the entries a :class:`kvedit.Memory` with ``recent`` must be allowed
+    to hold for ``conversation`` (``max_tokens`` below it is refused by the memory, after the
+    model loads), and :func:`full_entries`. As ``Memory`` makes room: for each message added,
+    what it never forgets (the first sink tokens, the system message, the last ``recent`` - 1
+    messages, the last token) and the message's tokens; for each question asked over the whole
+    conversation (the first only, when the conversation keeps the answers), what it never
+    forgets (the last ``recent`` - 2 messages) and the question's tokens with
+    ``max_new_tokens`` and :data:`~kvedit.memory.conversation.ANSWER_MARKUP`."""
+    from kvedit.memory.conversation import ANSWER_MARKUP
+    from kvedit.memory.rendering import Message
+
+    messages = [Message(role, content) for role, content in conversation.messages]
+    ends, rendering = [0], None
+    for k in range(len(messages)):
+        rendering = renderer.render(messages[: k + 1], after=rendering)
+        ends.append(len(rendering.ids))
+    system = [m.role == "system" for m in messages]
+    needed = max(
+        _held(ends, system, k, max(recent - 1, 0)) + ends[k + 1] - ends[k]
+        for k in range(len(messages))
+    )
+    probes = conversation.probes if not conversation.remember else conversation.probes[:1]
+    held = _held(ends, system, len(messages), max(recent - 2, 0))
+    for probe in probes:
+        question = [*messages, Message("user", probe.question)]
+        asked = renderer.render(question, generation_prompt=True, after=rendering)
+        needed = max(needed, held + len(asked.ids) - ends[-1] + max_new_tokens + ANSWER_MARKUP)
+    return needed, ends[-1]
+
+
+def check_budgets_fit(
+    renderer,
+    conversations: Sequence[Conversation],
+    pairs: Sequence[tuple[MemoryMethod, float]],
+    task: str,
+    max_new_tokens: int,
+) -> None:
+    """Refuse a method at a budget whose memory could not hold, for one of ``conversations``,
+    what it never forgets (:func:`entries_needed`); ``renderer`` renders as the memories will.
+
+    Raises:
+        InvalidInputError: naming the method, the budget, the conversation, the entries the
+            budget gives and those needed, and the smallest budget that would do.
+    """
+    needs: dict[tuple[str, int], tuple[int, int]] = {}
+    for method, budget in pairs:
+        if method.name in ("reuse", "snapkv-first") or budget >= 1:
+            continue  # nothing forgotten (snapkv-first compresses once, with no floor)
+        recent = method.params.recent if method.params.recent is not None else DEFAULT_RECENT[task]
+        for conv in conversations:
+            key = (conv.id, recent)
+            if key not in needs:
+                needs[key] = entries_needed(renderer, conv, recent, max_new_tokens)
+            needed, full = needs[key]
+            held = budget_entries(budget, full)
+            if held < needed:
+                raise InvalidInputError(
+                    f"{method.spec} at budget {budget:g}: its memory would hold {held:,} of "
+                    f"{conv.id}'s {full:,} entries, fewer than the {needed:,} it never forgets "
+                    f"(the first tokens, the system message, the last {recent} messages, with "
+                    f"a message or a question and its {max_new_tokens}-token answer); give a "
+                    f"budget of at least {math.ceil(1000 * needed / full) / 1000:g}"
+                )

@@ -5,6 +5,7 @@ nothing: an earlier run's files are left as they were (#40)."""
 from __future__ import annotations
 
 import json
+import os
 
 import filelock
 import pytest
@@ -248,3 +249,14 @@ def test_eval_project_refuses_an_out_holding_results(tmp_path, capsys):
     assert cli_main([*PROJECT, "--out", str(out)]) == 2
     assert f"--out {out}: holds an earlier run's results.json" in capsys.readouterr().err
     assert _snapshot(out) == {"results.json": b"{}"}
+
+
+@pytest.mark.parametrize("command", [["eval", "litm", "--methods", "none"], ["demo"]])
+def test_an_empty_out_is_refused(command, tmp_path, monkeypatch, no_model, capsys):
+    monkeypatch.chdir(tmp_path)  # an empty --out would write (the demo: replace) here
+    assert cli_main([*command, "--model", "tiny-llama", "--out", ""]) == 2
+    name = " ".join(["kvedit", *command[:2]]) if command[0] == "eval" else "kvedit demo"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{name}: error: --out is empty: name the folder the results go to"
+    )
+    assert os.listdir(tmp_path) == []

@@ -4,17 +4,20 @@ results folder and its refusals (#42)."""
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
+import filelock
 import pytest
 
 from kvedit.cli import main as cli_main
 from kvedit.errors import InvalidInputError
-from kvedit.evals import memory
+from kvedit.evals import memory, memory_specs
 from kvedit.evals.metrics import normalize_answer
 from kvedit.evals.tasks.memory_facts import facts_examples
 from kvedit.evals.tasks.memory_nq import nq_shared_examples
 from kvedit.evals.tasks.memory_schema import BUCKETS
+from kvedit.store.lock import WriterLock
 
 # ------------------------------------------------------------------------------ generators
 
@@ -294,3 +297,152 @@ def test_resume_keeps_whole_conversations_and_drops_a_cut_line(finished, tmp_pat
     assert memory.resumed_records(out, settings, conversations) == kept[:6]
     with pytest.raises(InvalidInputError, match="another run"):
         memory.resumed_records(out, {**settings, "seed": 1}, conversations)
+
+
+# ------------------------------------------------------------------------------ hardening (#56)
+
+
+@pytest.mark.parametrize("recent", [1, 2, 3])
+def test_entries_needed_is_what_the_memory_refuses_below(llama, conversation, recent):
+    """The budget check before a run mirrors ``Memory``: at ``needed`` entries every message
+    and question fits, one fewer is refused by the memory itself."""
+    from kvedit.memory.conversation import Memory
+
+    model, tok = llama
+    needed, full = memory_specs.entries_needed(memory._renderer(tok), conversation, recent, 2)
+    assert full == memory.full_entries(memory._renderer(tok), conversation) and needed < full
+    for max_tokens, refused in ((needed, False), (needed - 1, True)):
+        mem = Memory(model, tok, max_tokens=max_tokens, forget="window", recent=recent)
+        try:
+            for role, content in conversation.messages:
+                mem.add(role, content)
+            for probe in conversation.probes:
+                mem.ask(probe.question, 2, remember=False)
+        except InvalidInputError as e:
+            assert refused, e
+            assert "protected part" in str(e)
+        else:
+            assert not refused, f"max_tokens={max_tokens} was not refused"
+
+
+def test_a_budget_below_what_the_memory_never_forgets_is_refused_and_writes_nothing(
+    finished, capsys
+):
+    before = _snapshot(finished)
+    args = [*RUN, "--methods", "reuse,window", "--budgets", "1.0,0.001", "--out", str(finished)]
+    capsys.readouterr()
+    assert cli_main([*args, "--overwrite"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvedit eval memory: error: window at budget 0.001: its memory would ")
+    assert "fewer than the " in line and "give a budget of at least 0." in line
+    assert _snapshot(finished) == before  # no partial files: the next run is not refused
+
+
+def test_an_empty_out_is_refused(tmp_path, monkeypatch, no_model, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main([*RUN, "--methods", "reuse", "--out", ""]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kvedit eval memory: error: --out is empty: name the folder the results go to "
+        "(default runs/memory)"
+    ]
+    assert os.listdir(tmp_path) == []
+
+
+def _partial(out, data, **changes) -> None:
+    """``out`` holding an interrupted run's files (the reuse records of ``data``)."""
+    from kvedit.version import source_digest
+
+    out.mkdir(exist_ok=True)
+    settings = {
+        "model": "tiny-llama",
+        "task": "facts",
+        "seed": 0,
+        "n_examples": 2,
+        "size": 40,
+        "questions": None,
+        "max_new_tokens": 2,
+        "source": source_digest(),
+    }
+    (out / "partial.settings.json").write_text(json.dumps(settings))
+    kept = [{**r, **changes} for r in data["examples"] if r["method"] == "reuse"]
+    (out / "partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+@pytest.mark.parametrize("holder", ["kvedit", "filelock"])
+def test_a_second_run_on_a_running_out_is_told_another_run_holds_it(
+    finished, tmp_path, no_model, capsys, holder
+):
+    out = tmp_path / "running"
+    _partial(out, json.loads((finished / "results.json").read_text()))  # a run at work
+    lock = (
+        WriterLock(out / ".lock", "kvedit eval memory")
+        if holder == "kvedit"
+        else filelock.FileLock(out / ".lock", thread_local=False)  # kvedit eval litm's
+    )
+    with lock:
+        before = _snapshot(out)
+        capsys.readouterr()
+        assert cli_main([*RUN, "--methods", "reuse", "--out", str(out)]) == 2
+        assert _snapshot(out) == before
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvedit eval memory: error: --out {out}: another kvedit eval run is ")
+    held = f"kvedit eval memory {os.getpid()}, since " if holder == "kvedit" else "another process"
+    assert f"writing there ({held}" in line and "--resume" not in line
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"budget": "x"}, "a memory record's 'budget' must be a number in (0, 1], not 'x'"),
+        ({"budget": None}, "a memory record's 'budget' must be a number in (0, 1], not None"),
+        (
+            {"bucket": "soon"},
+            "a memory record's 'bucket' must be one of early, middle, late, not 'soon'",
+        ),
+        ({"correct": "yes"}, "a memory record's 'correct' must be a number, not 'yes'"),
+        ({"example": 3}, "a memory record's 'example' must be text, not 3"),
+    ],
+)
+def test_resume_refuses_a_record_it_cannot_read_naming_the_line(
+    finished, tmp_path, no_model, capsys, change, says
+):
+    out = tmp_path / "bad"
+    _partial(out, json.loads((finished / "results.json").read_text()), **change)
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli_main([*RUN, "--methods", "reuse", "--out", str(out), "--resume"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"kvedit eval memory: error: --resume {out / 'partial.jsonl'}:1: {says}"
+    assert _snapshot(out) == before
+
+
+def test_resume_refuses_settings_that_lack_keys(finished, tmp_path, no_model, capsys):
+    out = tmp_path / "bad"
+    _partial(out, json.loads((finished / "results.json").read_text()))
+    (out / "partial.settings.json").write_text('{"model": "tiny-llama"}')
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli_main([*RUN, "--methods", "reuse", "--out", str(out), "--resume"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"kvedit eval memory: error: --resume {out / 'partial.settings.json'}: it lacks task, seed"
+    )
+    assert _snapshot(out) == before
+
+
+def test_a_refusal_after_the_model_loads_writes_nothing(finished, monkeypatch, capsys):
+    """The partial files are written with the first records: a run refused before them (here
+    by its first conversation) leaves the folder as it was, and the next run is not refused."""
+
+    def refuse(*args, **kwargs):
+        raise InvalidInputError("the first conversation cannot be run")
+
+    monkeypatch.setattr(memory, "_records", refuse)
+    before = _snapshot(finished)
+    args = [*RUN, "--methods", "reuse", "--out", str(finished), "--overwrite"]
+    capsys.readouterr()
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kvedit eval memory: error: the first conversation cannot be run"
+    ]
+    assert _snapshot(finished) == before
