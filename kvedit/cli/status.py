@@ -55,6 +55,8 @@ def message(error: BaseException) -> str:
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
     text = str(error).strip()
+    if isinstance(error, KVEditError) and isinstance(error, OSError) and error.strerror:
+        text = str(error.strerror).strip()  # kvedit's message, without "[Errno 13] "
     if isinstance(error, KVEditError) and text:
         return " ".join(text.splitlines()) if len(text) < 2000 else text
     if isinstance(error, OSError) and error.filename is not None:

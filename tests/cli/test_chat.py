@@ -6,6 +6,7 @@ Ctrl-D with the memory saved (#41)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 from kvedit import capture
 from kvedit.atomic import TEMP_MARKER, host_tag
 from kvedit.cli import main as cli_main
+from kvedit.errors import StorageError
 from kvedit.memory import conversation
 from kvedit.memory.conversation import Memory
 from kvedit.memory.forgetting import entry_bytes_bf16
@@ -641,3 +643,25 @@ def test_opening_a_memory_sweeps_what_a_killed_save_left(monkeypatch, capsys, tm
     assert status == 0, err
     assert out.splitlines()[-1].startswith(f"memory {path} unchanged")
     assert not left.exists()
+
+
+def test_a_save_that_fails_on_a_full_disk_is_one_plain_error_line(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    real_save, saves = Memory.save, []
+
+    def save(self, p):  # the disk is full at the first save only
+        saves.append(p)
+        if len(saves) == 1:
+            raise StorageError(errno.ENOSPC, f"cannot write {p}: No space left on device")
+        return real_save(self, p)
+
+    monkeypatch.setattr(Memory, "save", save)
+    status, _, err = _chat(monkeypatch, capsys, path, "one\n/save\ntwo\n")
+    assert status == 0, err
+    assert err.splitlines() == [
+        f"kvedit chat: error: /save {path}: cannot write {path}: No space left on device; "
+        "nothing was saved, and the chat goes on with its messages"
+    ]
+    assert len(Memory.load(path, *tiny)) == 4  # saved at the end, every turn kept
