@@ -7,6 +7,10 @@
 ``h2o``          attention accumulated over the whole text, plus a recent window (:mod:`.h2o`)
 ``reconstruct``  the most attention an entry gets while the model repeats the text (KVzip,
                  query-agnostic; :mod:`.reconstruct`)
+``kvzip``        the same, normalized over the entry's own chunk as KVzip's code does, so
+                 scores made as entries arrive compare (:mod:`.kvzip`)
+``learned``      ``kvzip``'s scores predicted from each entry's own key and value by a map
+                 fit once per model (KVzap's idea; :mod:`.learned`)
 ===============  ============================================================================
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 from .base import SCORERS, Scorer, make_scorer, register_scorer
 from .h2o import H2O
 from .knorm import KNorm
+from .kvzip import KVzip
+from .learned import Learned
 from .reconstruct import Reconstruct
 from .snapkv import SnapKV, pool_scores
 from .tova import TOVA
@@ -24,6 +30,8 @@ __all__ = [
     "SCORERS",
     "TOVA",
     "KNorm",
+    "KVzip",
+    "Learned",
     "Reconstruct",
     "Scorer",
     "SnapKV",

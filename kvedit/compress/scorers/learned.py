@@ -1,0 +1,244 @@
+"""Learned: KVzip's scores predicted from each entry's own key and value, fit once per model.
+
+KVzap (Jegou & Jeblick, 2026, arXiv:2601.07891; in kvpress) predicts KVzip's score of each
+(token, KV head) from the token's hidden state with one small linear map per layer, fit once
+per model: about 1% of a layer's cost, and no re-read of the text. kvedit fits the same kind of
+map on what a cache already holds, so it scores any cache with no model pass at all (a memory's
+entries as they arrive, a loaded file, K/V another engine computed): per global layer, a ridge
+map from an entry's *key with its rotation undone* (its pre-RoPE key, :mod:`kvedit.rope`) and its
+*value*, all KV heads together, to the log of its :class:`~kvedit.compress.scorers.kvzip.KVzip`
+score on each KV head. Key and value are linear maps of the layer's normalized input, so they
+carry what KVzap reads from the hidden state through the layer's own projections.
+
+A fit is one safetensors file (:class:`Fitted`): per layer ``mean``/``scale`` (the features'
+standardization), ``weight`` ``[features, kv_heads]``, ``bias`` ``[kv_heads]``, and JSON metadata
+naming the model (:func:`kvedit.fingerprint.model_fingerprint`) and recording the fit
+(conversations, samples, held-out R², the command). ``kvedit memory fit-scorer --model M`` makes
+one (:mod:`kvedit.memory.fitting`); the fits of the bundled models ship in
+:data:`FITTED_DIR`. A fit is refused for any other model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ...cache import LayerKV
+from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError
+from ...states.state import KVState
+from .base import Scorer, register_scorer
+
+__all__ = ["FITTED_DIR", "FORMAT", "Fitted", "Learned", "entry_features", "fitted_for"]
+
+FORMAT = "kvedit-learned-scorer/1"
+"""The ``format`` in a fit's metadata."""
+
+FITTED_DIR = Path(__file__).resolve().parent / "fitted"
+"""Where the fits of the bundled models ship (one ``.safetensors`` file each)."""
+
+MAX_FILE_BYTES = 64 * 2**20
+"""The largest fit file read: a linear map per layer of a model up to ~70B is a few MB."""
+
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> {(path, mtime, size): Fitted}: a fit is read once, not at every message."""
+
+
+def entry_features(state: KVState, layer: int, entries: torch.Tensor | None = None):
+    """``[m, features]`` float32: per entry of layer ``layer`` (all, or the indices
+    ``entries``), its key on every KV head with the rotation undone, then its value on every
+    KV head (batch row 0)."""
+    from ...rope import movers
+
+    model, _ = state.require_model()
+    held: LayerKV = state.layers[layer]
+    keys, values = held.dense_kv()
+    positions = held.positions
+    if entries is not None:
+        keys, values = keys[..., entries, :], values[..., entries, :]
+        positions = positions[entries.to(positions.device)]
+    keys = movers(model)[layer].move(keys.float(), -positions.to(keys.device))
+    k = keys[0].transpose(0, 1).flatten(1)  # [m, kv_heads * head_dim]
+    v = values[0].float().transpose(0, 1).flatten(1)
+    return torch.cat([k, v], dim=1)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A fit: per layer the standardization and the linear map, and its metadata.
+
+    Attributes:
+        layers: ``{layer: (mean [F], scale [F], weight [F, kv_heads], bias [kv_heads])}``.
+        meta: JSON-ready: ``format``, ``model`` (fingerprint), ``model_name``, ``target``,
+            ``fit`` (how it was made and how well it predicts held-out scores).
+    """
+
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    meta: dict = field(default_factory=dict)
+
+    def predict(self, layer: int, features: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, m]`` predicted log scores of ``features`` ``[m, F]``."""
+        if layer not in self.layers:
+            raise InvalidInputError(f"the learned scorer has no map for layer {layer}")
+        mean, scale, weight, bias = self.layers[layer]
+        if features.shape[1] != mean.shape[0]:
+            raise CacheMismatchError(
+                f"layer {layer}: {features.shape[1]} features, the fit expects {mean.shape[0]}"
+            )
+        return (((features - mean) / scale) @ weight + bias).T
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the fit to ``path`` (safetensors, atomically)."""
+        from safetensors.torch import save
+
+        from ...atomic import atomic_write
+
+        tensors = {}
+        for i, (mean, scale, weight, bias) in self.layers.items():
+            for name, t in (("mean", mean), ("scale", scale), ("weight", weight), ("bias", bias)):
+                tensors[f"layer.{i}.{name}"] = t.float().contiguous()
+        meta = {"kvedit": json.dumps({**self.meta, "format": FORMAT}, sort_keys=True)}
+        return atomic_write(Path(path), save(tensors, metadata=meta))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Fitted:
+        """A fit written by :meth:`save`.
+
+        Raises:
+            CorruptCacheError: not a fit (missing, too large, not safetensors, bad metadata or
+                tensors), naming the file.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        path = Path(path)
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise CorruptCacheError(f"{path}: larger than a fit ({MAX_FILE_BYTES} bytes)")
+            data = path.read_bytes()
+            tensors = load(data)
+            meta = json.loads(_metadata(data).get("kvedit", "{}"))
+        except (OSError, SafetensorError, ValueError) as e:
+            raise CorruptCacheError(f"{path}: not a learned scorer's fit ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptCacheError(f"{path}: not a learned scorer's fit (format {FORMAT})")
+        layers: dict = {}
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "layer" or not parts[1].isdigit():
+                raise CorruptCacheError(f"{path}: unexpected tensor {name!r}")
+            layers.setdefault(int(parts[1]), {})[parts[2]] = t.float()
+        out = {}
+        for i, parts in layers.items():
+            if set(parts) != {"mean", "scale", "weight", "bias"}:
+                raise CorruptCacheError(f"{path}: layer {i} lacks part of its map")
+            f, h = parts["weight"].shape
+            if (
+                parts["mean"].shape != (f,)
+                or parts["scale"].shape != (f,)
+                or parts["bias"].shape != (h,)
+            ):
+                raise CorruptCacheError(f"{path}: layer {i}'s map has inconsistent shapes")
+            out[i] = (parts["mean"], parts["scale"], parts["weight"], parts["bias"])
+        return cls(out, meta)
+
+
+def _metadata(data: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors byte string."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    return header.get("__metadata__", {}) or {}
+
+
+def fitted_for(model, path: str | os.PathLike | None = None) -> Fitted:
+    """The fit for ``model``: the file ``path``, or the shipped fit whose fingerprint is the
+    model's.
+
+    Raises:
+        InvalidInputError: no fit ships for this model (fit one: ``kvedit memory fit-scorer``).
+        CacheMismatchError: ``path`` is a fit of another model.
+    """
+    key = None
+    if path is not None:
+        try:
+            st = Path(path).stat()
+            key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+        except OSError:
+            return _find(model, path)  # refused there, naming the file
+    found = _FOUND.setdefault(model, {})
+    if key is not None and key in found:
+        return found[key]
+    if path is None and None in found:
+        return found[None]
+    fitted = _find(model, path)
+    found[key if path is not None else None] = fitted
+    return fitted
+
+
+def _find(model, path) -> Fitted:
+    """:func:`fitted_for` without its cache."""
+    from ...fingerprint import model_fingerprint
+
+    mine = model_fingerprint(model)
+    if path is not None:
+        fitted = Fitted.load(path)
+        if fitted.meta.get("model") != mine:
+            raise CacheMismatchError(
+                f"{path}: a learned scorer fit for another model "
+                f"({fitted.meta.get('model_name', '?')}); fit one for this model with "
+                "`kvedit memory fit-scorer`"
+            )
+        return fitted
+    for candidate in sorted(FITTED_DIR.glob("*.safetensors")):
+        fitted = Fitted.load(candidate)
+        if fitted.meta.get("model") == mine:
+            return fitted
+    raise InvalidInputError(
+        "no learned scorer is fit for this model (kvedit ships fits for its bundled models); "
+        "fit one with `kvedit memory fit-scorer --model ...` and pass its file "
+        "(Learned(path=...)), or use forget='kvzip'"
+    )
+
+
+@register_scorer("learned")
+@dataclass(frozen=True)
+class Learned(Scorer):
+    """KVzip's scores predicted from each entry's own key and value (module docstring).
+
+    Attributes:
+        path: a fit's file; None: the fit shipped for the state's model.
+    """
+
+    path: str | None = None
+
+    arrival: ClassVar[bool] = True
+    """Scores entries when they arrive (:meth:`score_tokens`); no model pass."""
+
+    def fitted(self, state: KVState) -> Fitted:
+        """The fit this scorer uses for ``state``'s model (checked once per call)."""
+        model, _ = state.require_model()
+        return fitted_for(model, self.path)
+
+    def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """``{layer: [batch, kv_heads, n]}`` predicted log KVzip scores."""
+        fit = self.fitted(state)
+        return {i: fit.predict(i, entry_features(state, i))[None] for i in layers}
+
+    def score_tokens(
+        self, state: KVState, start: int, end: int, layers: Sequence[int]
+    ) -> dict[int, torch.Tensor]:
+        """``{layer: [batch, kv_heads, m]}`` for layer ``i``'s entries of tokens
+        ``[start, end)``, in the layer's order."""
+        fit = self.fitted(state)
+        out = {}
+        for i in layers:
+            index = state.layers[i].token_index
+            entries = ((index >= start) & (index < end)).nonzero().flatten()
+            out[i] = fit.predict(i, entry_features(state, i, entries))[None]
+        return out
