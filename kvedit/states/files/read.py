@@ -3,7 +3,9 @@
 :func:`load_state` reads, verifies (header sniffed, format, version, the seal over header and
 tensors: :mod:`kvedit.states.files.seal`) and
 checks the file against the model (fingerprints, layers, KV heads, head size, windows, sizes)
-before the state is built. Nothing is ever unpickled. The state's history comes from the file
+before the state is built. Nothing is ever unpickled. The file is read through one open
+(:mod:`kvedit.states.files.snapshot`): header and tensors come from the same version, whatever a
+concurrent writer renames onto the name meanwhile. The state's history comes from the file
 when this installation wrote it (older or foreign files: unknown), with a cast step when the file's K/V dtype is not the
 model's. Version 1 files (kvedit 0.1): their model
 fingerprint (:func:`kvedit.fingerprint.legacy_model_fingerprint`) is checked and the loaded
@@ -14,13 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ... import checks
 from ...cache import layer_class
@@ -30,9 +30,12 @@ from ...provenance import History, cast_step, dtype_name
 from ..state import KVState, LastInput
 from .format import FORMAT, READABLE_VERSIONS, SEALED_VERSION, crc32_of
 from .seal import VERIFIED, Seal, check_header, check_tensors, tensors_digest
+from .snapshot import FileSnapshot, read_snapshot
 
 __all__ = [
+    "AttachedFile",
     "load_attached",
+    "read_attached",
     "SealedFile",
     "load_state",
     "read_sealed",
@@ -40,36 +43,6 @@ __all__ = [
     "read_verified",
     "state_from_parts",
 ]
-
-_MAX_HEADER = 100 * 2**20
-
-
-def _check_header(path: Path) -> None:
-    """Reject what is not a plausible safetensors file before parsing it.
-
-    A safetensors file is an 8-byte little-endian header length, then a JSON header starting
-    with ``{``. Only when that shape is absent is the file sniffed for a pickle or a zip
-    (``torch.save``), to name what it is; the first byte alone proves nothing (a header length
-    can end in 0x80).
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise CorruptCacheError(f"{path}: cannot read: {e}") from e
-    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else 0
-    if len(head) == 9 and head[8:9] == b"{" and 0 < n <= _MAX_HEADER and 8 + n <= size:
-        return
-    if head[:1] == b"\x80" or head[:2] == b"PK":
-        raise CorruptCacheError(
-            f"{path}: looks like a pickle or torch.save archive; kvedit never unpickles files"
-        )
-    if len(head) < 9:
-        raise CorruptCacheError(f"{path}: truncated ({size} bytes), not a safetensors file")
-    raise CorruptCacheError(f"{path}: bad or truncated safetensors header (length {n})")
 
 
 def _read_path(path) -> Path:
@@ -82,22 +55,17 @@ def _read_path(path) -> Path:
     return Path(path)
 
 
-def _read_raw(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The header's ``kvedit`` entry (parsed JSON) and every tensor of a safetensors file."""
-    _check_header(path)
+def _read_raw(path: Path) -> tuple[dict, FileSnapshot]:
+    """The header's ``kvedit`` entry (parsed JSON) and the snapshot of the file (every tensor,
+    the version read), all read through one open file (:func:`read_snapshot`)."""
+    snapshot = read_snapshot(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            raw_meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    except Exception as e:  # safetensors raises its own error types
-        raise CorruptCacheError(f"{path}: unreadable safetensors file: {e}") from e
-    try:
-        meta = json.loads(raw_meta["kvedit"])
+        meta = json.loads(snapshot.metadata["kvedit"])
     except (KeyError, json.JSONDecodeError) as e:
         raise CorruptCacheError(f"{path}: no kvedit metadata in the header") from e
     if not isinstance(meta, dict):
         raise CorruptCacheError(f"{path}: the kvedit metadata is not a JSON object")
-    return meta, tensors
+    return meta, snapshot
 
 
 def _check_version(meta: dict, path, fmt: str, versions: tuple[int, ...], what: str) -> int:
@@ -115,12 +83,15 @@ def _check_version(meta: dict, path, fmt: str, versions: tuple[int, ...], what: 
 
 @dataclass(frozen=True)
 class SealedFile:
-    """A verified file: its header entry ``meta``, its ``tensors``, and its ``seal`` (None for a
-    version before sealing, whose CRC-32 was checked instead)."""
+    """A verified file: its header entry ``meta``, its ``tensors``, its ``seal`` (None for a
+    version before sealing, whose CRC-32 was checked instead), and the ``version`` of the file
+    read (``(device, inode, size, mtime_ns, ctime_ns)`` of the one open it was read through;
+    None where not known)."""
 
     meta: dict
     tensors: dict[str, torch.Tensor]
     seal: Seal | None
+    version: tuple | None = None
 
     @property
     def trusted(self) -> bool:
@@ -144,22 +115,22 @@ def read_sealed(
     Raises :class:`CorruptCacheError` for anything else (truncated, corrupted, edited, a pickle).
     """
     path = _read_path(path)
-    before = VERIFIED.version(path)
-    meta, tensors = _read_raw(path)
+    meta, snapshot = _read_raw(path)  # one open: header and tensors of the same version
+    tensors, read = snapshot.tensors, snapshot.version
     versions = (version,) if isinstance(version, int) else tuple(version)
     found = _check_version(meta, path, fmt, versions, what)
     if sealed_from is None or found < sealed_from:
         if crc32_of(tensors) != meta.get("checksum"):
             raise CorruptCacheError(f"{path}: checksum mismatch, the file is corrupted")
-        return SealedFile(meta, tensors, None)
+        return SealedFile(meta, tensors, None, read)
     seal = check_header(meta, path)
-    after = VERIFIED.version(path)
-    # a file version (inode, size, times) already hashed, with the same recorded digest
-    seen = (after, seal.tensors) if before is not None and before == after else None
+    # a file version (inode, size, times) already hashed, with the same recorded digest; a
+    # file written in place while it was read is hashed whatever it was
+    seen = None if snapshot.changed else (read, seal.tensors)
     if not VERIFIED.seen(seen):
         check_tensors(seal, tensors_digest(tensors), path)
         VERIFIED.add(seen)
-    return SealedFile(meta, tensors, seal)
+    return SealedFile(meta, tensors, seal, read)
 
 
 def read_verified(
@@ -408,6 +379,31 @@ def load_attached(
     Raises:
         CorruptCacheError: as :func:`load_state`, or an ``attachment`` that is not a JSON object.
     """
+    found = read_attached(path, model, tokenizer, max_positions=max_positions)
+    return found.state, found.attachment
+
+
+@dataclass(frozen=True)
+class AttachedFile:
+    """A state file read by :func:`read_attached`: the ``state``, the header's ``attachment``
+    (None when it has none), whether this installation wrote it (``trusted``: its seal's MAC
+    verifies, so its history and attachment are what the writer was given), and the
+    ``version`` of the file read (:attr:`SealedFile.version`)."""
+
+    state: KVState
+    attachment: dict | None
+    trusted: bool
+    version: tuple | None
+
+
+def read_attached(
+    path: str | os.PathLike, model, tokenizer, *, max_positions: int | None = None
+) -> AttachedFile:
+    """:func:`load_attached`, with whether the file is trusted and the version read.
+
+    Raises:
+        CorruptCacheError: as :func:`load_attached`.
+    """
     if max_positions is not None:  # before reading: a bad value is no corrupt file
         max_positions = checks.count("max_positions", max_positions, minimum=1)
     found = read_state_file(path)
@@ -424,4 +420,4 @@ def load_attached(
     attachment = found.meta.get("attachment")
     if attachment is not None and not isinstance(attachment, dict):
         raise CorruptCacheError(f"{path}: the header's attachment is not a JSON object")
-    return state, attachment
+    return AttachedFile(state, attachment, found.trusted, found.version)

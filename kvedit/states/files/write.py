@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,14 @@ from ..view import StateView
 from .format import FORMAT, FORMAT_VERSION
 from .seal import make_seal, tensors_digest
 
-__all__ = ["save_state", "saved_history", "state_metadata", "state_tensors"]
+__all__ = [
+    "SavedFile",
+    "save_file_version",
+    "save_state",
+    "saved_history",
+    "state_metadata",
+    "state_tensors",
+]
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -135,6 +143,16 @@ def _kv_dtype(state: StateView) -> torch.dtype | None:
     return None
 
 
+@dataclass(frozen=True)
+class SavedFile:
+    """A file :func:`save_file_version` wrote: its ``path`` and the ``version`` written
+    (``(device, inode, size, mtime_ns)``, taken from the file before it was renamed onto
+    ``path``: what a later ``os.stat(path)`` gives while no other writer replaced it)."""
+
+    path: Path
+    version: tuple[int, int, int, int]
+
+
 def save_state(
     state: StateView,
     path: str | os.PathLike,
@@ -153,6 +171,18 @@ def save_state(
         StorageError: the file cannot be written (an ``OSError``). An existing file at
             ``path`` is then left as it was, and no temporary file is left.
     """
+    return save_file_version(state, path, dtype, attachment=attachment).path
+
+
+def save_file_version(
+    state: StateView,
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    *,
+    attachment: dict | None = None,
+) -> SavedFile:
+    """:func:`save_state`, returning the version of the file written too (:class:`SavedFile`),
+    for a writer that must later tell its own file from another writer's."""
     path = checks.path(path)
     dtype = checks.save_dtype(dtype)
     seen: set[torch.dtype] = set()
@@ -166,5 +196,12 @@ def save_state(
         fields["attachment"] = attachment
     fields["seal"] = make_seal(fields, tensors_digest(tensors))
     meta = {"kvedit": json.dumps(fields, ensure_ascii=False)}
+    written: list[tuple[int, int, int, int]] = []
+
+    def write(tmp: str) -> None:
+        save_file(tensors, tmp, metadata=meta)
+        st = os.stat(tmp)  # the inode renamed onto path: the same device, inode, size, mtime
+        written.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
     sweep_leftovers(path)  # what a killed save of this file left behind
-    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return SavedFile(atomic_write(path, write), written[-1])
