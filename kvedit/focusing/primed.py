@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.adapter import CacheEntries
-from ..states.decoding import Answer, Decoder
+from ..states.decoding import Answer, Decoder, Sampling
 from ..states.passes import appended_layers
 from ..states.state import KVState, LastInput
 
@@ -170,7 +170,8 @@ class PrimedState(KVState):
         """As :meth:`KVState.answer <kvedit.states.state.KVState.answer>`; a greedy answer
         (no sampling, the model's EOS) to the primed continuation skips its pass."""
         c = self._primed(continuation)
-        if c is None or kw.get("do_sample") or kw.get("eos_token_id") is not None:
+        sampling = Sampling.of(kw)  # checked before any work, on either path
+        if c is None or sampling.do_sample or kw.get("eos_token_id") is not None:
             return super().answer(continuation, max_new_tokens, **kw)
         return c.answer(max_new_tokens)
 

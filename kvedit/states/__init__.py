@@ -4,9 +4,11 @@
   positions, history) and its methods (extend, generate, logits, save).
 - :mod:`.capturing`: building a state by running the model (``capture``, ``capture_tokens``).
 - :mod:`.passes`: forward passes over a state's cache (run tokens on top, recompute the last input).
-- :mod:`.decoding`: decoding from a state (``Answer``, ``Decoder``, EOS ids, sampling).
+- :mod:`.decoding`: decoding from a state (``Answer``, ``Decoder``, EOS ids, ``Sampling``).
+- :mod:`.room`: whether what a call adds fits the positions left (a text refused by its
+  characters before it is tokenized).
 - :mod:`.observer`: the one attention observer, a bias plan that records attention probabilities.
-- :mod:`.files`: the state-file format, writer and reader.
+- :mod:`.files`: the state-file format, writer and reader (one version of a file, one open).
 
 The package imports nothing itself; import from the modules.
 """

@@ -1,5 +1,7 @@
 """Decoding from a state: the :class:`Answer` it returns, token-by-token :class:`Decoder`, the
-EOS ids greedy decoding stops at, and sampling of one token from logits.
+EOS ids greedy decoding stops at, and how one token is chosen from logits (:class:`Sampling`:
+greedy, or sampled with a temperature, top-k and top-p, its arguments checked once, before any
+work, by every path that decodes).
 
 A state is typed :class:`~kvedit.states.view.StateView` here (:mod:`kvedit.states.state`
 imports this module).
@@ -7,17 +9,22 @@ imports this module).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .. import checks
 from ..cache.adapter import CacheEntries, dynamic_cache
+from ..errors import InvalidInputError, InvalidTypeError
 from ..runtime import forward
 from .passes import StateBias, appended_layers
 from .view import StateView
 
-__all__ = ["Answer", "Decoder", "eos_ids", "sample"]
+__all__ = ["SAMPLING_KEYWORDS", "Answer", "Decoder", "Sampling", "eos_ids", "sample"]
+
+SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
+"""The keyword arguments that choose how tokens are picked (:class:`Sampling`'s fields)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,94 @@ def eos_ids(model, tok, override: int | Sequence[int] | None = None) -> set[int]
     return {eos} if isinstance(eos, int) else set(eos)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How each token is chosen: the argmax (``do_sample=False``, the default), or a sample of
+    the logits divided by ``temperature``, cut to the ``top_k`` best tokens and to the smallest
+    set whose probability reaches ``top_p``, drawn with ``generator``.
+
+    Every argument is checked when built, so a decoding path builds one before any work:
+    ``do_sample`` a real bool (``"False"`` is not false); ``temperature`` a finite number,
+    above 0 when sampling (0 or less would not sample: give ``do_sample=False`` for greedy),
+    at least 0 otherwise; ``top_k`` None or an int of at least 1; ``top_p`` None or a number
+    in ``(0, 1]``; ``generator`` None or a ``torch.Generator``. The values are held in
+    canonical form (a ``float`` temperature, an ``int`` top-k).
+
+    Raises:
+        InvalidTypeError: an argument of the wrong type.
+        InvalidInputError: an argument out of its range.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        do_sample = checks.flag("do_sample", self.do_sample)
+        temperature = checks.real("temperature", self.temperature)
+        if do_sample and temperature <= 0:
+            raise InvalidInputError(
+                f"temperature must be above 0 to sample, not {temperature!r} "
+                "(for greedy decoding give do_sample=False)"
+            )
+        if temperature < 0:
+            raise InvalidInputError(f"temperature must be at least 0, not {temperature!r}")
+        top_k = self.top_k
+        if top_k is not None:
+            top_k = checks.count("top_k", top_k, minimum=1)
+        top_p = self.top_p
+        if top_p is not None:
+            top_p = checks.real("top_p", top_p)
+            if not 0 < top_p <= 1:
+                raise InvalidInputError(f"top_p must be in (0, 1], not {top_p!r}")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise InvalidTypeError(
+                f"generator must be a torch.Generator or None, not {checks.describe(self.generator)}"
+            )
+        for name, value in (
+            ("do_sample", do_sample),
+            ("temperature", temperature),
+            ("top_k", top_k),
+            ("top_p", top_p),
+        ):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def of(cls, keywords: Mapping[str, object]) -> Sampling:
+        """The sampling that the :data:`SAMPLING_KEYWORDS` among ``keywords`` ask for (the
+        others are ignored)."""
+        return cls(**{k: keywords[k] for k in SAMPLING_KEYWORDS if k in keywords})
+
+    def check_device(self, device: torch.device | str) -> None:
+        """Refuse a ``generator`` on another device than the logits it will sample
+        (``device``), before any work."""
+        if self.generator is None or not self.do_sample:
+            return
+        if torch.device(self.generator.device).type != torch.device(device).type:
+            raise InvalidInputError(
+                f"generator is on {self.generator.device}, the model's logits on {device}: "
+                "give a torch.Generator of the model's device"
+            )
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """One token id from ``logits [vocab]``."""
+        if not self.do_sample:
+            return int(torch.argmax(logits))
+        logits = logits.float() / self.temperature
+        if self.top_k is not None:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p is not None:
+            sorted_p, order = probs.sort(descending=True)
+            cut = sorted_p.cumsum(-1) - sorted_p > self.top_p
+            sorted_p[cut] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
 def sample(
     logits: torch.Tensor,
     do_sample: bool,
@@ -118,17 +213,5 @@ def sample(
     top_p: float | None,
     generator: torch.Generator | None,
 ) -> int:
-    """One token id from ``logits [vocab]``: the argmax, or a sample (temperature, top-k, top-p)."""
-    if not do_sample:
-        return int(torch.argmax(logits))
-    logits = logits.float() / max(temperature, 1e-6)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p is not None:
-        sorted_p, order = probs.sort(descending=True)
-        cut = sorted_p.cumsum(-1) - sorted_p > top_p
-        sorted_p[cut] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from ``logits [vocab]``: :meth:`Sampling.pick` (the arguments checked)."""
+    return Sampling(do_sample, temperature, top_k, top_p, generator).pick(logits)

@@ -37,12 +37,13 @@ from transformers import PreTrainedModel
 from .. import checks
 from ..cache import LayerKV
 from ..cache.adapter import CacheEntries
-from ..errors import InvalidInputError, ModelNotAttachedError, StateAlteredError
+from ..errors import ModelNotAttachedError, StateAlteredError
 from ..provenance import History, Step, content_digest
 from ..spans import Spans, char_ranges, tokens_in_ranges
-from .decoding import Answer, Decoder, eos_ids, sample
+from .decoding import Answer, Decoder, Sampling, eos_ids
 from .files.write import save_state
 from .passes import appended_layers, run_model
+from .room import check_room
 from .stamps import tensor_stamp
 from .view import LastInput
 
@@ -306,33 +307,10 @@ class KVState:
         at the cache length (a duplicated entry takes no position; a re-read advances them).
         Whatever the positions, a call adding more than
         :data:`kvedit.checks.MAX_TOKENS_PER_CALL` tokens is refused too (a memory bound).
-        ``n_chars``: the text's length, refused when even
-        :data:`kvedit.checks.MAX_CHARS_PER_TOKEN` characters a token cannot fit it."""
-        n_tokens = checks.count("n_tokens", n_tokens)
-        reserve = checks.count("reserve", reserve)
-        limit = checks.positions_limit(self.model, self.max_positions)
-        if limit is not None:
-            self._check_positions(limit, n_tokens, reserve, what, n_chars)
-        checks.call_size(n_tokens=n_tokens, n_chars=n_chars, reserve=reserve, what=what)
-
-    def _check_positions(self, limit: int, n_tokens: int, reserve: int, what: str, n_chars):
-        room = limit - self.next_position - reserve
-        head = (
-            f"the model attends to at most {limit} positions; the state's next position is "
-            f"{self.next_position}" + (f" and {reserve} tokens are to follow" if reserve else "")
-        )
-        hint = " (a model whose config understates its context: capture or load the state "
-        hint += "with max_positions=, or give the CLI --max-positions)"
-        if n_chars is not None and n_chars > max(room, 0) * checks.MAX_CHARS_PER_TOKEN:
-            raise InvalidInputError(
-                f"the {what} is {n_chars} characters long, more than the {max(room, 0)} "
-                f"positions left can hold: {head}{hint}"
-            )
-        if n_tokens > room:
-            raise InvalidInputError(
-                f"the {what} is {n_tokens} tokens long and would reach position "
-                f"{self.next_position + n_tokens + reserve}: {head}{hint}"
-            )
+        ``n_chars``: the text's length, refused (before it is tokenized) when even the most
+        characters one token of the state's tokenizer can cover cannot fit it
+        (:func:`kvedit.states.room.check_room`)."""
+        check_room(self, n_tokens, reserve, what=what, n_chars=n_chars)
 
     def run(self, ids: Sequence[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, CacheEntries]:
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
@@ -393,7 +371,9 @@ class KVState:
     ) -> str:
         """Continue from the state with ``continuation`` and decode up to ``max_new_tokens``.
 
-        Greedy by default; stops at EOS. Returns only the new tokens, decoded with
+        Greedy by default (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``generator``:
+        :class:`~kvedit.states.decoding.Sampling`, checked before any work); stops at EOS.
+        Returns only the new tokens, decoded with
         ``skip_special_tokens=True``. The state itself is never mutated. :meth:`answer` does
         the same and also returns each token's log-probability.
         """
@@ -422,7 +402,14 @@ class KVState:
         eos_token_id: int | Sequence[int] | None = None,
     ) -> Answer:
         """:meth:`generate`, returning an :class:`Answer`: the text, the new token ids and the
-        log-probability the model gave each of them (under its unscaled distribution)."""
+        log-probability the model gave each of them (under its unscaled distribution).
+
+        Raises:
+            InvalidTypeError, InvalidInputError: a sampling argument of the wrong type or out
+                of range (:class:`~kvedit.states.decoding.Sampling`), before any work.
+        """
+        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        sampling.check_device(self.last_logits.device)
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
         dec = Decoder(self, continuation, max_new_tokens=max_new_tokens)
         eos = eos_ids(dec.model, dec.tokenizer, eos_token_id)
@@ -430,7 +417,7 @@ class KVState:
         logprobs: list[float] = []
         finished = False
         for step in range(max_new_tokens):
-            token = sample(dec.next_logits, do_sample, temperature, top_k, top_p, generator)
+            token = sampling.pick(dec.next_logits)
             if token in eos:
                 finished = True
                 break

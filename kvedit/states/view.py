@@ -1,7 +1,7 @@
 """What the modules under :mod:`kvedit.states.state` see of a state: :class:`StateView`.
 
 :mod:`kvedit.states.state` builds :class:`~kvedit.states.state.KVState` on
-:mod:`~kvedit.states.passes`, :mod:`~kvedit.states.decoding` and
+:mod:`~kvedit.states.passes`, :mod:`~kvedit.states.decoding`, :mod:`~kvedit.states.room` and
 :mod:`~kvedit.states.files.write`, which take a state as an argument. They type it with
 :class:`StateView`, the part of a state they read (a ``typing.Protocol`` that ``KVState``
 satisfies), so none of them imports the module that imports them. :class:`LastInput`, the entry
@@ -35,7 +35,7 @@ class LastInput(NamedTuple):
 
 class StateView(Protocol):
     """The attributes and methods of :class:`~kvedit.states.state.KVState` (see there) that the
-    passes, decoding and the file writer use. Read-only: a state is frozen."""
+    passes, decoding, the room check and the file writer use. Read-only: a state is frozen."""
 
     @property
     def layers(self) -> Sequence[LayerKV]: ...
@@ -72,6 +72,12 @@ class StateView(Protocol):
 
     @property
     def model(self) -> PreTrainedModel | None: ...
+
+    @property
+    def tokenizer(self) -> object | None: ...
+
+    @property
+    def max_positions(self) -> int | None: ...
 
     @property
     def device(self) -> torch.device: ...

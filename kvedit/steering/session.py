@@ -35,6 +35,7 @@ from ..focusing.guard import Guard, check_guard
 from ..focusing.sizing import strength_for_share, strength_from_pasta_alpha
 from ..runtime import activate
 from ..spans import Spans, as_span_list
+from ..states.decoding import Sampling
 
 __all__ = [
     "SCOPES",
@@ -126,10 +127,14 @@ class Steering:
         Raises:
             InvalidTypeError: ``prompt`` is not one str (None, bytes, a list of prompts: one
                 prompt per call), or ``max_new_tokens`` is not an int.
-            InvalidInputError: ``prompt`` is empty, ``max_new_tokens`` is below 1, or the
-                prompt and ``max_new_tokens`` do not fit the model's maximum positions.
+            InvalidInputError: ``prompt`` is empty, ``max_new_tokens`` is below 1, the
+                prompt and ``max_new_tokens`` do not fit the model's maximum positions, or a
+                sampling argument is out of range (:class:`~kvedit.states.decoding.Sampling`,
+                as every kvedit decoding path checks them: ``do_sample`` a real bool, a
+                temperature above 0 when sampling, ``top_k`` at least 1, ``top_p`` in (0, 1]).
         """
         prompt = checks.text("prompt", prompt, allow_empty=False)
+        Sampling.of(gen_kwargs)  # do_sample, temperature, top_k, top_p checked before any work
         if "max_new_tokens" in gen_kwargs:
             gen_kwargs["max_new_tokens"] = checks.count(
                 "max_new_tokens", gen_kwargs["max_new_tokens"], minimum=1
