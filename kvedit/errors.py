@@ -18,6 +18,7 @@ class                           raised when
 ``CorruptCacheError``           a stored file is truncated, corrupted, a pickle, inconsistent
 ``StateAlteredError``           a state's tensors were changed behind kvedit's back
 ``StorageError``                a file cannot be written (``OSError``)
+``FileChangedError``            a file changed since it was read (another writer; ``OSError``)
 ``StoreUnavailableError``       a KVStore's directory cannot be used (``OSError``)
 ``EntryNotFoundError``          a KVStore key names no entry (``KeyError``)
 ``StoreLockTimeout``            another writer held a KVStore's lock too long (``TimeoutError``)
@@ -123,6 +124,12 @@ class StorageError(KVEditError, OSError):
     """
 
 
+class FileChangedError(StorageError):
+    """A file is no longer the version its holder read or wrote last: another writer replaced
+    it meanwhile (two chats saving one memory file), and writing it now would lose that
+    writer's work. Nothing was written."""
+
+
 class StoreUnavailableError(StorageError):
     """A :class:`~kvedit.KVStore`'s directory is gone and cannot be created again, or is not
     usable."""
@@ -170,6 +177,7 @@ __all__ = [
     "CorruptCacheError",
     "EmptySelectionError",
     "EntryNotFoundError",
+    "FileChangedError",
     "InvalidExampleError",
     "InvalidInputError",
     "InvalidTypeError",

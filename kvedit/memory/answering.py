@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from ..states.capturing import appended_state, extend_ids
-from ..states.decoding import Decoder, eos_ids, sample
+from ..states.decoding import Decoder, Sampling, eos_ids
 from ..states.state import KVState
-from .rendering import Rendering
+from .records import Turn
+from .rendering import Message, Rendering
 
-__all__ = ["Commit", "Decoded", "commit", "common_prefix", "decode"]
+__all__ = ["Commit", "Decoded", "answer_turns", "commit", "common_prefix", "decode"]
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,16 @@ def decode(
     generator: torch.Generator | None = None,
 ) -> Decoded:
     """Decode from ``state`` (which ends with the generation prompt) until EOS, a stop string
-    or ``max_new_tokens``; the answer's text is cut before the first stop string."""
+    or ``max_new_tokens``; the answer's text is cut before the first stop string. The sampling
+    arguments are checked (:class:`~kvedit.states.decoding.Sampling`) before any work."""
+    sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+    sampling.check_device(state.last_logits.device)
     dec = Decoder(state, max_new_tokens=max_new_tokens)
     eos = eos_ids(dec.model, dec.tokenizer)
     tokens: list[int] = []
     ended = "length"
     for step in range(max_new_tokens):
-        token = sample(dec.next_logits, do_sample, temperature, top_k, top_p, generator)
+        token = sampling.pick(dec.next_logits)
         if token in eos:
             ended = "eos"
             break
@@ -161,3 +165,45 @@ def _rerun(memory: KVState, full: Rendering, recomputed: int, note: str) -> Comm
     return Commit(
         extend_ids(memory, full.ids[n:], full.offsets[n:], full.text), 0, n, recomputed, note
     )
+
+
+def answer_turns(
+    question: Message,
+    answer: Message,
+    index: int,
+    tokens: tuple[int, int, int],
+    full: Rendering,
+    done: Commit,
+) -> list[Turn]:
+    """The :class:`~kvedit.memory.records.Turn` of a question (message ``index``) and of its
+    answer, committed as ``done`` says. ``tokens``: where the question starts, where it ends
+    and where the generation prompt ends; the answer ends with ``full`` (the rendering
+    committed). The generation prompt belongs to the answer."""
+    n, n_q, n_p = tokens
+    end = len(full.ids)
+    again = done.rerun_from <= n  # the question was run again with the answer
+    return [
+        Turn(
+            index,
+            question.role,
+            question.content,
+            n,
+            n_q,
+            "computed",
+            n_q - n,
+            recomputed=(n_q - n) if again else 0,
+            note=done.note if again else "",
+        ),
+        Turn(
+            index + 1,
+            answer.role,
+            answer.content,
+            n_q,
+            end,
+            "decoded" if done.kept else "computed",
+            (end - n_q) if again else (n_p - n_q) + (end - done.rerun_from),
+            kept=done.kept,
+            recomputed=done.recomputed - (n_q - n if again else 0),
+            note=done.note,
+        ),
+    ]

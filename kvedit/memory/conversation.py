@@ -26,25 +26,31 @@ from ..focusing.choice import DEFAULT_GUARD, Focus, focus
 from ..focusing.guard import Guard, check_guard
 from ..spans import Spans
 from ..states.capturing import empty_state, extend_ids
-from ..states.files.write import save_state
+from ..states.decoding import Sampling
+from ..states.files.write import save_file_version
 from ..states.state import KVState
-from .answering import commit, common_prefix, decode
+from .answering import answer_turns, commit, common_prefix, decode
 from .explaining import explain_text, focus_said
-from .files import budget_keywords, memory_attachment, read_memory
+from .files import (
+    budget_keywords,
+    check_as_file,
+    check_unchanged,
+    file_key,
+    load_keywords,
+    memory_attachment,
+    read_memory,
+)
 from .forgetting import DEFAULT_POLICY, Round, budget_from
+from .protection import check_system_held, protected_ranges
 from .quantizing import check_bits, hold_older_quantized
-from .records import Turn
-from .rendering import ROLES, Message, Rendering, renderer_for
+from .records import MAX_MESSAGES, Turn
+from .rendering import ROLES, Message, Rendering, check_readable, renderer_for
 
 __all__ = ["ANSWER_MARKUP", "MAX_MESSAGES", "Memory"]
 
 ANSWER_MARKUP = 16
 """Room kept for an answer's end-of-turn markup (its template's closing tokens) when a memory
 with a budget makes room for a question."""
-
-MAX_MESSAGES = 100_000
-"""The most messages a memory holds: every turn renders the whole conversation, so a count far
-past any context the bundled models read (8K-32K positions) only makes each turn slower."""
 
 
 class Memory:
@@ -89,6 +95,7 @@ class Memory:
         protect: Spans | None = None,
         quantize: int | None = None,
     ) -> None:
+        _check_model(model, tokenizer)
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
         self.renderer = renderer_for(prompt, tokenizer)
@@ -109,6 +116,7 @@ class Memory:
         """The last messages held exact and never forgotten."""
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
+        self._files: dict[str, tuple | None] = {}  # file -> the version loaded or saved last
         if system is not None:
             self.add("system", system)
 
@@ -161,11 +169,13 @@ class Memory:
         message = self._message(role, content)
         self._check_count()
         rendering = self._render_after([*self._messages, message], message.role)
+        check_system_held(self.budget, self.prompt, self._messages, rendering)
         n = len(self._state)
         self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
         held, rounds = self._room(len(rendering.ids) - n)
         state = extend_ids(held, rendering.ids[n:], rendering.offsets[n:], rendering.text)
-        turn = self._turn(message, n, len(rendering.ids), "computed", len(rendering.ids) - n)
+        end = len(rendering.ids)
+        turn = Turn(len(self._messages), role, message.content, n, end, "computed", end - n)
         self._keep(state, [message], rendering, [turn], rounds)
         return turn
 
@@ -175,9 +185,9 @@ class Memory:
         many of the ``recent`` messages are the ones being added."""
         if self.budget is None:
             return self._state, []
-        last = self._turns[len(self._turns) - max(self.budget.recent - recent_kept, 0) :]
-        ranges = [(t.start, t.end) for t in self._turns if t.role == "system"]
-        ranges += [(t.start, t.end) for t in last] if self.budget.recent > recent_kept else []
+        ranges = protected_ranges(
+            self.budget, self._turns, self._messages, self._rendering, recent_kept
+        )
         state, done = self.budget.make_room(self._state, ranges, n_new, len(self._messages))
         return state, [] if done is None else [done]
 
@@ -187,6 +197,7 @@ class Memory:
         content = checks.text(f"the {role} message", content)
         if not content.strip():
             raise InvalidInputError(f"the {role} message is empty")
+        check_readable(f"the {role} message", content)
         self._state.check_room(0, what=f"{role} message", n_chars=len(content))
         return Message(role, content)
 
@@ -217,20 +228,6 @@ class Memory:
             )
         if len(new.ids) == n:
             raise TemplateError(f"the {what} renders to no new tokens; the memory is unchanged")
-
-    def _turn(
-        self, message: Message, start: int, end: int, source: str, computed: int, **kw
-    ) -> Turn:
-        kw.setdefault("index", len(self._messages))
-        return Turn(
-            role=message.role,
-            content=message.content,
-            start=start,
-            end=end,
-            source=source,
-            computed=computed,
-            **kw,
-        )
 
     def _keep(
         self,
@@ -297,10 +294,15 @@ class Memory:
         again over it; :attr:`Turn.recomputed` says so). :attr:`last_focus` keeps the choice.
 
         Raises:
-            InvalidInputError: an empty question, a bad argument, or a question and answer
-                past the model's positions (before any work).
-            TemplateError: the template is not append-only with the question or the answer.
+            InvalidInputError: an empty question, a bad argument (``remember`` not a bool,
+                sampling arguments: :class:`~kvedit.states.decoding.Sampling`), or a question
+                and answer past the model's positions (before any work).
+            TemplateError: the template is not append-only with the question or the answer,
+                or refuses the conversation itself.
         """
+        remember = checks.flag("remember", remember)
+        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        sampling.check_device(self._state.last_logits.device)
         guard = _guard_of(focus)
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens, minimum=1)
         stops = self._stops(stop)
@@ -308,6 +310,7 @@ class Memory:
         self._check_count(2)
         asked = [*self._messages, message]
         q = self._render_after(asked, "question")
+        check_system_held(self.budget, self.prompt, self._messages, q)
         p = self.renderer.render(asked, generation_prompt=True, after=q)
         self._check_prefix(q, p, "generation prompt")
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
@@ -317,16 +320,7 @@ class Memory:
         focused = guard is not None and self._focused(held, question, p, guard)
         prompt_from = self.last_focus.state if focused else held
         prompt = extend_ids(prompt_from, p.ids[n:], p.offsets[n:], p.text)
-        decoded = decode(
-            prompt,
-            max_new_tokens,
-            stops,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=generator,
-        )
+        decoded = decode(prompt, max_new_tokens, stops, **vars(sampling))
         text = decoded.text.strip()
         if not remember:
             return text
@@ -336,30 +330,7 @@ class Memory:
         full = self.renderer.render([*asked, answer], after=q)
         self._check_prefix(p, full, "answer")
         done = commit(held, prompt, decoded, full, focused=focused)
-        end = len(full.ids)
-        again = done.rerun_from <= n  # the question was run again with the answer
-        turns = [
-            self._turn(
-                message,
-                n,
-                n_q,
-                "computed",
-                n_q - n,
-                recomputed=(n_q - n) if again else 0,
-                note=done.note if again else "",
-            ),
-            self._turn(
-                answer,
-                n_q,
-                end,
-                "decoded" if done.kept else "computed",
-                (end - n_q) if again else (n_p - n_q) + (end - done.rerun_from),
-                kept=done.kept,
-                recomputed=done.recomputed - (n_q - n if again else 0),
-                note=done.note,
-                index=len(self._messages) + 1,
-            ),
-        ]
+        turns = answer_turns(message, answer, len(self._messages), (n, n_q, n_p), full, done)
         self._keep(done.state, [message, answer], full, turns, rounds)
         return answer.content.strip()
 
@@ -395,7 +366,8 @@ class Memory:
             self._turns,
             self._rounds,
             self.budget,
-            len(self._messages),
+            self._messages,
+            self._rendering,
             self._state,
             self.focus_said(),
         )
@@ -406,16 +378,36 @@ class Memory:
         why it abstained; None when no question was asked with focus."""
         return focus_said(self.last_focus, self._rendering.contents, self._messages)
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the memory to one state file (the cache, sealed, with the messages in its
         header), atomically; returns the path. The whole file is written each time (46 KB per
         token on SmolLM2 in float32): save on demand (``kvedit chat`` saves on exit), not
-        every turn."""
+        every turn.
+
+        A file this memory loaded from or saved to is written again only while it is still
+        the version it read or wrote last: one another writer saved meanwhile (a second chat
+        on the same file) is refused, unless ``overwrite``.
+
+        Raises:
+            StateAlteredError: the memory's tensors were written in place
+                (``mem.state.layers[i].values.mul_(...)``): its file would claim a cache it
+                does not hold.
+            FileChangedError: ``path`` changed since this memory loaded or saved it.
+            InvalidInputError: a bad ``path``; StorageError: it cannot be written.
+        """
+        overwrite = checks.flag("overwrite", overwrite)
+        self._state.check_unaltered("saving the memory")
+        path = checks.path(path)
+        key = file_key(path)
+        if not overwrite:
+            check_unchanged(path, self._files.get(key))
         keywords = budget_keywords(self.budget, self.recent, self.quantize)
         attachment = memory_attachment(
             self.prompt, self._messages, self._turns, self._rounds, keywords
         )
-        return save_state(self._state, path, attachment=attachment)
+        saved = save_file_version(self._state, path, attachment=attachment)
+        self._files[key] = saved.version
+        return saved.path
 
     @classmethod
     def load(
@@ -425,26 +417,34 @@ class Memory:
         tokenizer,
         *,
         max_positions: int | None = None,
-        **budget,
+        **keywords,
     ) -> Memory:
         """A memory saved with :meth:`save`, for ``model`` and ``tokenizer``.
 
-        The messages are rendered again and must give the file's token ids exactly. The
-        file keeps what was forgotten (its state), the rounds, and the budget and quantizing it
-        was saved with, which hold from here on; a keyword given here (``max_tokens=``,
-        ``max_bytes=``, ``forget=``, ``recent=``, ``protect=``, ``quantize=``, as for
-        :class:`Memory`) replaces the file's (``max_tokens=None``: no budget).
+        The messages are rendered again and must give the file's token ids exactly; every
+        other field is checked against them (:mod:`kvedit.memory.attached`). The file keeps
+        what was forgotten (its state), the rounds, and the budget and quantizing it was saved
+        with, which hold from here on; a keyword given here (``max_tokens=``, ``max_bytes=``,
+        ``forget=``, ``recent=``, ``protect=``, ``quantize=``, as for :class:`Memory`)
+        replaces the file's (``max_tokens=None``: no budget). ``prompt=`` and ``system=`` may
+        be given only as the file's (a loaded memory keeps its messages and format).
 
         Raises:
+            InvalidTypeError: an unknown keyword (before any work).
+            InvalidInputError: a ``prompt=`` or ``system=`` that is not the file's.
             CacheMismatchError: the file was made by another model or tokenizer.
-            CorruptCacheError: not a memory file, damaged, or messages that do not render to
-                its tokens.
+            CorruptCacheError: not a memory file, damaged, a field that is not what
+                :meth:`save` writes, or messages that do not render to its tokens.
         """
+        _check_model(model, tokenizer)
+        given = load_keywords(keywords)
+        prompt, system = given.pop("prompt", None), given.pop("system", None)
         found = read_memory(path, model, tokenizer, max_positions)
-        keywords = {**found.keywords, **budget}
-        if "max_bytes" in budget:  # a size given in bytes replaces the file's entries
-            keywords.pop("max_tokens", None)
-        memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **keywords)
+        check_as_file(found, prompt, system)
+        merged = {**found.keywords, **given}
+        if "max_bytes" in given:  # a size given in bytes replaces the file's entries
+            merged.pop("max_tokens", None)
+        memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **merged)
         turns = [
             Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0})
             for t in found.turns
@@ -452,6 +452,7 @@ class Memory:
         memory._held = _Held(
             found.state, tuple(found.messages), found.rendering, tuple(turns), tuple(found.rounds)
         )
+        memory._files[file_key(path)] = found.version
         return memory
 
 
@@ -481,3 +482,14 @@ def _guard_of(focus: bool | Guard) -> Guard | None:
     if isinstance(focus, bool):
         raise InvalidTypeError(f"focus must be True, False or a guard, not {focus!r}")
     return check_guard(focus)
+
+
+def _check_model(model, tokenizer) -> None:
+    """Refuse what is not a model and a tokenizer, before any work."""
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        model = (
+            f"a transformers model (a torch.nn.Module with a config), not {checks.describe(model)}"
+        )
+        raise InvalidTypeError(f"model must be {model}")
+    if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
+        raise InvalidTypeError(f"tokenizer must be the model's, not {checks.describe(tokenizer)}")

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from ..focusing.choice import Focus
 from ..states.state import KVState
 from .forgetting import Budget, Round, global_entries
+from .protection import system_texts
 from .records import Turn
-from .rendering import Message
+from .rendering import Message, Rendering
 
 __all__ = ["explain_text", "focus_said", "preview"]
 
@@ -27,20 +28,28 @@ def explain_text(
     turns: Sequence[Turn],
     rounds: Sequence[Round],
     budget: Budget | None,
-    n_messages: int,
+    messages: Sequence[Message],
+    rendering: Rendering,
     state: KVState,
     said: str | None,
 ) -> str:
-    """Per message: role, tokens, computed / kept / loaded, bytes (after ``header``); the
-    forgetting rounds by policy (a memory loaded with another policy forgot by both) against
-    the ``budget`` it has now; and ``said``, what focus did last (:func:`focus_said`)."""
+    """Per message: role, tokens, computed / kept / loaded, bytes (after ``header``), and where
+    a template writes a system message's text in another message's tokens (Gemma-3's folds it
+    into the first user turn), that message; the forgetting rounds by policy (a memory loaded
+    with another policy forgot by both) against the ``budget`` it has now; and ``said``, what
+    focus did last (:func:`focus_said`)."""
     lines = [header]
+    texts = system_texts(messages, rendering)
     for t in turns:
         how = {"computed": f"computed {t.computed}", "loaded": "loaded from file"}.get(
             t.source, f"decoded, kept {t.kept}, computed {t.computed}"
         )
         if t.recomputed:
             how += f", {t.recomputed} recomputed ({t.note})"
+        start = texts.get(t.index, (t.start,))[0]
+        if not t.start <= start < t.end:
+            holder = next((u.index for u in turns if u.start <= start < u.end), None)
+            how += f"; its text is in message {holder}'s tokens (the template puts it there)"
         lines.append(
             f"{t.index:4d} {t.role:9s} {t.n_tokens:6d} tok  {how}; "
             f"{t.nbytes / 1024:.0f} KiB  {preview(t.content)}"
@@ -52,7 +61,7 @@ def explain_text(
         now = "no budget now" if budget is None else f"budget {budget.max_entries} entries"
         lines.append(
             f"forgetting ({now}): {len(rounds)} rounds ({policies}), {spent:.2f} s, "
-            f"{spent / max(n_messages, 1):.3f} s per message; holds "
+            f"{spent / max(len(messages), 1):.3f} s per message; holds "
             f"{global_entries(state)} entries of {len(state)} tokens"
         )
     if said is not None:

@@ -3,36 +3,66 @@ header carries the conversation as its ``attachment``: the prompt format, the me
 :class:`~kvedit.memory.records.Turn` records, the forgetting rounds and the ``Memory`` keywords
 of its budget and quantizing (``budget``: ``max_tokens``, ``forget``, ``recent``, ``protect``,
 ``quantize``; a file written before they were kept has none). The seal covers it, and the
-loader renders the messages again and refuses a file whose messages do not give its ids."""
+loader checks every field (:mod:`kvedit.memory.attached`): the messages rendered again must give
+the file's ids.
+
+A memory remembers the version of each file it loaded from or saved to (:func:`disk_version`:
+device, inode, size and modification time), and a save to that file first checks that the file
+is still that version (:func:`check_unchanged`): another writer's save in between (two chats on
+one file) is refused, not overwritten.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-from ..errors import CorruptCacheError
-from ..states.files.read import load_attached
+from ..errors import FileChangedError, InvalidInputError, InvalidTypeError
+from ..states.files.read import read_attached
 from ..states.state import KVState
+from .attached import ATTACHMENT_KIND, ATTACHMENT_VERSION, BUDGET_KEYWORDS, parse_attachment
 from .forgetting import Budget, Round
 from .records import Turn
-from .rendering import Message, Rendering, renderer_for
+from .rendering import Message, Rendering
 
-__all__ = ["ATTACHMENT_KIND", "MemoryFile", "budget_keywords", "memory_attachment", "read_memory"]
+__all__ = [
+    "ATTACHMENT_KIND",
+    "KEYWORDS",
+    "LOAD_KEYWORDS",
+    "MemoryFile",
+    "budget_keywords",
+    "check_as_file",
+    "check_unchanged",
+    "disk_version",
+    "file_key",
+    "load_keywords",
+    "memory_attachment",
+    "read_memory",
+]
 
-ATTACHMENT_KIND = "kvedit.memory"
-"""What a memory file's header attachment says it is."""
-
-KEYWORDS = {"max_tokens", "forget", "recent", "protect", "quantize"}
+KEYWORDS = set(BUDGET_KEYWORDS)
 """The ``Memory`` keywords a memory file keeps (:func:`budget_keywords`)."""
+
+LOAD_KEYWORDS = (
+    "max_positions",
+    "max_tokens",
+    "max_bytes",
+    *BUDGET_KEYWORDS[1:],
+    "prompt",
+    "system",
+)
+"""The keywords :meth:`kvedit.Memory.load` takes (``prompt`` and ``system`` only as the file's)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFile:
     """What a memory file holds: the ``state``, the ``prompt`` format, the ``messages``, their
     ``turns``, the forgetting ``rounds``, the messages' ``rendering`` (its ids are the
-    state's), and the ``Memory`` ``keywords`` of its budget (empty for a file that has none)."""
+    state's), the ``Memory`` ``keywords`` of its budget (empty for a file that has none), and
+    the ``version`` of the file read (:func:`disk_version`)."""
 
     state: KVState
     prompt: str
@@ -41,6 +71,7 @@ class MemoryFile:
     rounds: list[Round]
     rendering: Rendering
     keywords: dict
+    version: tuple | None = None
 
 
 def budget_keywords(budget: Budget | None, recent: int, quantize: int | None) -> dict:
@@ -64,34 +95,6 @@ def _span_json(span) -> dict:
     return {"chars": [int(start), int(end)]}
 
 
-def _span(item: dict):
-    """A span written by :func:`_span_json`."""
-    if set(item) == {"text"}:
-        return str(item["text"])
-    if set(item) == {"pattern", "flags"}:
-        return re.compile(str(item["pattern"]), int(item["flags"]))
-    if set(item) == {"chars"} and len(item["chars"]) == 2:
-        return int(item["chars"][0]), int(item["chars"][1])
-    raise ValueError(f"not a span: {item!r}")
-
-
-def _keywords(stored) -> dict:
-    """The budget keywords of a file's header (:func:`budget_keywords`), their types checked."""
-    if stored is None:
-        return {}
-    if not isinstance(stored, dict) or not set(stored) <= KEYWORDS:
-        raise ValueError(f"budget {stored!r}")
-    out = dict(stored)
-    for key in ("max_tokens", "recent", "quantize"):
-        if out.get(key) is not None and not isinstance(out[key], int):
-            raise ValueError(f"budget {key} {out[key]!r}")
-    if "forget" in out and not isinstance(out["forget"], str):
-        raise ValueError(f"budget forget {out['forget']!r}")
-    if "protect" in out:
-        out["protect"] = [_span(item) for item in out["protect"]]
-    return out
-
-
 def memory_attachment(
     prompt: str,
     messages: Sequence[Message],
@@ -103,7 +106,7 @@ def memory_attachment(
     :func:`budget_keywords` to keep (None: none)."""
     return {
         "kind": ATTACHMENT_KIND,
-        "version": 1,
+        "version": ATTACHMENT_VERSION,
         "prompt": prompt,
         "messages": [m.as_dict() for m in messages],
         "turns": [t.to_json() for t in turns],
@@ -115,28 +118,89 @@ def memory_attachment(
 def read_memory(
     path: str | os.PathLike, model, tokenizer, max_positions: int | None = None
 ) -> MemoryFile:
-    """A memory file, checked: the messages rendered again give the state's ids exactly.
+    """A memory file, checked (:func:`kvedit.memory.attached.parse_attachment`): every field of
+    its attachment, and the messages rendered again give the state's ids exactly.
 
     Raises:
         CacheMismatchError: the file was made by another model or tokenizer.
-        CorruptCacheError: not a memory file, damaged, or messages that do not render to its
-            tokens.
+        CorruptCacheError: not a memory file, damaged, a field that is not what
+            :meth:`kvedit.Memory.save` writes, or messages that do not render to its tokens.
     """
-    state, attachment = load_attached(path, model, tokenizer, max_positions=max_positions)
-    if not isinstance(attachment, dict) or attachment.get("kind") != ATTACHMENT_KIND:
-        raise CorruptCacheError(f"{path}: a state file, not a memory (Memory.save writes one)")
-    try:
-        messages = [Message(m["role"], m["content"]) for m in attachment["messages"]]
-        prompt = attachment["prompt"]
-        turns = [Turn(**t) for t in attachment["turns"]]
-        rounds = [Round(**r) for r in attachment.get("rounds", [])]
-        keywords = _keywords(attachment.get("budget"))
-        rendering = renderer_for(prompt, tokenizer).render(messages)
-    except (KeyError, TypeError, ValueError, re.error) as e:
-        raise CorruptCacheError(f"{path}: the memory's header is malformed ({e})") from None
-    if rendering.ids != state.token_ids.tolist() or len(turns) != len(messages):
-        raise CorruptCacheError(
-            f"{path}: the memory's {len(messages)} messages do not render to its "
-            f"{len(state)} tokens"
+    found = read_attached(path, model, tokenizer, max_positions=max_positions)
+    state = found.state
+    a = parse_attachment(
+        found.attachment, path, state.token_ids.tolist(), tokenizer, trusted=found.trusted
+    )
+    version = None if found.version is None else tuple(found.version[:4])
+    return MemoryFile(
+        state, a.prompt, a.messages, a.turns, a.rounds, a.rendering, a.keywords, version
+    )
+
+
+def load_keywords(given: Mapping[str, object]) -> dict:
+    """The keywords given to :meth:`kvedit.Memory.load`, refused before any work unless each is
+    one of :data:`LOAD_KEYWORDS`.
+
+    Raises:
+        InvalidTypeError: an unknown keyword (a ``TypeError``, as Python's own).
+    """
+    unknown = sorted(set(given) - set(LOAD_KEYWORDS))
+    if unknown:
+        raise InvalidTypeError(
+            f"Memory.load takes no keyword {', '.join(f'{k}=' for k in unknown)}; it takes "
+            f"{', '.join(f'{k}=' for k in LOAD_KEYWORDS)}"
         )
-    return MemoryFile(state, prompt, messages, turns, rounds, rendering, keywords)
+    return dict(given)
+
+
+def check_as_file(found: MemoryFile, prompt, system) -> None:
+    """Refuse a ``prompt`` or ``system`` given to :meth:`kvedit.Memory.load` that is not the
+    file's: a loaded memory keeps the file's messages and format (None: not given)."""
+    if prompt is not None and prompt != found.prompt:
+        raise InvalidInputError(
+            f"prompt={prompt!r}: the file's messages were rendered in the {found.prompt!r} "
+            "format, and a loaded memory keeps it (leave prompt= out)"
+        )
+    if system is not None:
+        first = found.messages[0] if found.messages else None
+        held = first.content if first is not None and first.role == "system" else None
+        if held != system:
+            has = "no system message" if held is None else f"the system message {held!r}"
+            raise InvalidInputError(
+                f"system={system!r}: the file has {has}, and a loaded memory keeps the file's "
+                "messages (leave system= out)"
+            )
+
+
+def file_key(path: str | os.PathLike) -> str:
+    """The file a path names, for telling one memory file from another (links resolved)."""
+    return os.path.realpath(os.fspath(path))
+
+
+def disk_version(path: str | os.PathLike) -> tuple | None:
+    """``(device, inode, size, mtime_ns)`` of the file at ``path`` (None: no file there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(path: Path, known: tuple | None) -> None:
+    """Refuse to save over ``path`` when it is no longer the version this memory loaded from
+    or saved last (``known``; None: a file this memory never read nor wrote, not checked). A
+    file since removed is no one's work: it is written again.
+
+    Raises:
+        FileChangedError: another writer replaced or changed the file meanwhile.
+    """
+    if known is None:
+        return
+    now = disk_version(path)
+    if now is not None and now != known:
+        raise FileChangedError(
+            f"{path} changed since this memory loaded or saved it: another writer (a second "
+            "chat on the same file?) saved it meanwhile, and saving now would overwrite its "
+            "conversation; the file and the memory are unchanged (save(path, overwrite=True) "
+            "replaces it anyway, or save to another path)"
+        )

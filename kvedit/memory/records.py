@@ -1,10 +1,15 @@
-"""What a :class:`kvedit.Memory` records of each message: :class:`Turn`."""
+"""What a :class:`kvedit.Memory` records of each message (:class:`Turn`), and how many messages
+it holds at most (:data:`MAX_MESSAGES`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["SOURCES", "Turn"]
+__all__ = ["MAX_MESSAGES", "SOURCES", "Turn"]
+
+MAX_MESSAGES = 100_000
+"""The most messages a memory holds: every turn renders the whole conversation, so a count far
+past any context the bundled models read (8K-32K positions) only makes each turn slower."""
 
 SOURCES = ("computed", "decoded", "loaded")
 """Where a message's entries came from: run through the model when it was added, kept from

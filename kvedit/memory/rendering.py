@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from jinja2 import TemplateError as JinjaError
 
-from ..errors import InvalidInputError, UnsupportedModelError
+from ..errors import InvalidInputError, TemplateError, UnsupportedModelError
 from ..spans import zero_width_specials
 
 __all__ = [
@@ -49,6 +50,8 @@ __all__ = [
     "PlainRenderer",
     "Renderer",
     "Rendering",
+    "check_readable",
+    "lone_surrogate",
     "renderer_for",
 ]
 
@@ -93,6 +96,32 @@ class Rendering:
     offsets: torch.Tensor
     contents: list[tuple[int, int] | None]
     generation_prompt: bool = False
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (``"\\ud800"``: half of a UTF-16 pair, text no
+    tokenizer can read, e.g. bytes decoded with ``errors="surrogateescape"``); None when it
+    holds none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def check_readable(name: str, text: str) -> None:
+    """Refuse a ``text`` holding a lone surrogate (:func:`lone_surrogate`), naming it ``name``:
+    tokenizers raise a bare ``TypeError`` on it.
+
+    Raises:
+        InvalidInputError: naming the text and the character.
+    """
+    at = lone_surrogate(text)
+    if at is not None:
+        raise InvalidInputError(
+            f"{name} holds a lone surrogate {text[at]!r} at character {at} (half of a UTF-16 "
+            "pair, e.g. from bytes decoded with surrogateescape): not text a tokenizer can read"
+        )
 
 
 class Renderer:
@@ -159,11 +188,17 @@ class ChatRenderer(Renderer):
         text between them piece by piece, so the ids before that token cannot change."""
         if not messages and not generation_prompt:
             return Rendering([], "", torch.zeros(0, 2, dtype=torch.long), [])
-        text = self.tokenizer.apply_chat_template(
-            [m.as_dict() for m in messages],
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.as_dict() for m in messages],
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+            )
+        except JinjaError as e:  # the template's own raise_exception, or a template bug
+            raise TemplateError(
+                f"the chat template refused the conversation ({type(e).__name__}: {e}); the "
+                "memory is unchanged"
+            ) from None
         k = self._last_special(after) if _usable(after, messages) else None
         if k is not None and text.startswith(after.text):
             cut = int(after.offsets[k, 0])

@@ -174,7 +174,7 @@ def test_a_memory_file_keeps_its_budget_and_a_keyword_given_replaces_it(llama, t
     # one whose kept keywords are malformed is refused as a damaged memory
     for bad in ({"max_tokens": "many"}, {"protect": [{"glob": "*"}]}, {"size": 3}):
         save_state(mem.state, plain, attachment={**old, "budget": bad})
-        with pytest.raises(CorruptCacheError, match="header is malformed"):
+        with pytest.raises(CorruptCacheError, match="plain.kv: the memory.s budget"):
             kvedit.Memory.load(plain, model, tok)
 
 
