@@ -1,10 +1,13 @@
-"""Argument types and input-file reading shared by the ``kvedit`` subcommands."""
+"""Argument types, input-file reading and the eval suites' ``--out`` lock, shared by the
+``kvedit`` subcommands."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from .status import UsageError
@@ -136,3 +139,54 @@ def max_positions_arg(p) -> None:
         help="the most positions the model attends to, for a model whose config understates "
         "it (default: its max_position_embeddings); longer contexts are refused",
     )
+
+
+def _out_lock(out: str, what: str):
+    from ..evals.report import LOCK_NAME
+    from ..store.lock import WriterLock
+
+    return WriterLock(Path(out) / LOCK_NAME, what)
+
+
+def _refuse_if_held(out: str, lock, holder) -> None:
+    if holder is not None:
+        raise UsageError(
+            f"--out {out}: another kvedit eval run is writing there ({holder}; lock file "
+            f"{lock.path}); wait for it to end, or choose another --out"
+        )
+
+
+def check_out_free(out: str) -> None:
+    """Refuse an empty ``--out`` (the working directory), or one another run holds (naming
+    its process, :func:`holding_out`); writes nothing. Checked before the folder's contents,
+    so a second run on a running folder is told so, not told to ``--resume``."""
+    if not out.strip():
+        raise UsageError("--out is empty: name the folder the results go to")
+    lock = _out_lock(out, "kvedit eval")
+    _refuse_if_held(out, lock, lock.holder())
+
+
+@contextlib.contextmanager
+def holding_out(out: str, what: str) -> Iterator[Path]:
+    """Hold ``--out``'s lock for the ``with`` block: one run per folder at a time.
+
+    The lock is ``out/.lock``, a :class:`~kvedit.store.lock.WriterLock` naming the run
+    (``what``, its process, since when), released by the kernel when the run dies and removed
+    when it ends. The folder is made if needed, and removed again if the run leaves it empty
+    (a run refused before its first result).
+
+    Raises:
+        UsageError: another run holds the folder (naming it).
+    """
+    folder = Path(out)
+    made = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = _out_lock(out, what)
+    try:
+        _refuse_if_held(out, lock, lock.acquire())
+        yield folder
+    finally:
+        lock.release()
+        if made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import max_positions_arg, positions, positive
+from .arguments import check_out_free, holding_out, max_positions_arg, positions, positive
 from .status import UsageError
 
 _LITM_EPILOG = """\
@@ -141,8 +141,7 @@ def _check_litm(args) -> None:
     from ..evals.litm import build_examples
     from ..evals.report import check_out
 
-    if not args.out.strip():  # Path("") is the working directory
-        raise UsageError("--out is empty: name the folder the results go to")
+    check_out_free(args.out)
     check_out(
         args.out,
         LITM_RESULTS,
@@ -181,16 +180,14 @@ def _litm_args(args) -> argparse.Namespace:
 
 def _run_litm(args) -> int:
     from ..evals.litm import main
-    from ..evals.report import hold_out
 
     _check_litm(args)
-    with hold_out(args.out):  # one run per --out at a time
+    with holding_out(args.out, "kvedit eval litm"):  # one run per --out at a time
         return main(_litm_args(args))
 
 
 def run_demo(args) -> int:
     from ..evals.litm import main
-    from ..evals.report import hold_out
 
     ns = argparse.Namespace(
         task="records",
@@ -213,5 +210,5 @@ def run_demo(args) -> int:
         f"kvedit demo: lost in the middle on {args.model}: 20 records, the gold record at "
         f"positions 0/5/10/15/19, {args.trials} trials each; methods none, auto, oracle."
     )
-    with hold_out(args.out):
+    with holding_out(args.out, "kvedit demo"):
         return main(ns)

@@ -12,12 +12,9 @@ nothing and exits 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
-from pathlib import Path
 
-from .arguments import positive
+from .arguments import check_out_free, holding_out, positive
 from .litm import overwrite_arg
-from .status import UsageError
 
 _EPILOG = """\
 methods (--methods, comma-separated specs name[:key=value...]):
@@ -87,10 +84,7 @@ def check_memory(args) -> None:
     from ..evals.methods.registry import split_specs
     from ..evals.report import check_out
 
-    if not args.out.strip():
-        raise UsageError("--out is empty: name the folder the results go to (default runs/memory)")
-    lock = _out_lock(args.out)
-    _refuse_if_held(args.out, lock, lock.holder())
+    check_out_free(args.out)
     check_out(args.out, MEMORY_RESULTS, overwrite=args.overwrite, resume=args.resume)
     specs = split_specs(args.methods)
     if not specs:
@@ -101,37 +95,9 @@ def check_memory(args) -> None:
     build_conversations(args.task, args.n_examples, args.seed, args.size, args.questions)
 
 
-def _out_lock(out: str):
-    from ..evals.report import LOCK_NAME
-    from ..store.lock import WriterLock
-
-    return WriterLock(Path(out) / LOCK_NAME, "kvedit eval memory")
-
-
-def _refuse_if_held(out: str, lock, holder) -> None:
-    """Refuse the run when ``holder`` (of ``lock``, --out's) is not None."""
-    if holder is not None:
-        raise UsageError(
-            f"--out {out}: another kvedit eval run is writing there ({holder}; lock file "
-            f"{lock.path}); wait for it to end, or choose another --out"
-        )
-
-
 def _run_memory(args) -> int:
-    """Check, then run holding ``--out``'s lock; a run that wrote nothing (refused after the
-    model loaded) leaves no folder it made."""
     from ..evals.memory import main
 
     check_memory(args)
-    out = Path(args.out)
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    lock = _out_lock(args.out)
-    try:
-        _refuse_if_held(args.out, lock, lock.acquire())  # one run per --out at a time
+    with holding_out(args.out, "kvedit eval memory"):  # one run per --out at a time
         return main(args)
-    finally:
-        lock.release()
-        if made:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only when empty

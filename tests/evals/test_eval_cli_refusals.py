@@ -12,6 +12,7 @@ import pytest
 
 from kvedit.cli import main as cli_main
 from kvedit.evals import litm
+from kvedit.store.lock import WriterLock
 
 RUN = [
     "eval",
@@ -260,3 +261,20 @@ def test_an_empty_out_is_refused(command, tmp_path, monkeypatch, no_model, capsy
         f"{name}: error: --out is empty: name the folder the results go to"
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_a_second_run_on_a_running_out_is_told_who_holds_it(killed, no_model, capsys):
+    """A running run's folder holds its partial.jsonl: a second run is told another run holds
+    the folder (which), not to --resume it."""
+    out = killed
+    with WriterLock(out / ".lock", "kvedit eval litm"):
+        before = _snapshot(out)
+        status, err = _cli(capsys, "--methods", "none", "--out", str(out))
+        assert _snapshot(out) == before
+    (line,) = err.splitlines()
+    assert status == 2 and "--resume" not in line
+    assert line.startswith(
+        f"kvedit eval litm: error: --out {out}: another kvedit eval run is writing there "
+        f"(kvedit eval litm {os.getpid()}, since "
+    )
+    assert not (out / ".lock").exists()  # the holder's lock file went with it

@@ -342,8 +342,7 @@ def test_an_empty_out_is_refused(tmp_path, monkeypatch, no_model, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli_main([*RUN, "--methods", "reuse", "--out", ""]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "kvedit eval memory: error: --out is empty: name the folder the results go to "
-        "(default runs/memory)"
+        "kvedit eval memory: error: --out is empty: name the folder the results go to"
     ]
     assert os.listdir(tmp_path) == []
 
