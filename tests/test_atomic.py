@@ -112,3 +112,38 @@ def test_the_leftovers_of_a_link_are_swept_beside_its_file(tmp_path):
     link.symlink_to(target)
     dead = _leftover(target, f"{_dead_pid()}@{host_tag()}-{'a' * 16}")
     assert sweep_stale(link) == 1 and not dead.exists()
+
+
+def test_what_a_writer_killed_mid_write_left_is_swept_at_once(tmp_path):
+    """kill -9 during a write leaves its temporary directory (safetensors' file half written
+    in it); the next sweep removes it without waiting, the old file untouched."""
+    path = tmp_path / "state.kv"
+    path.write_bytes(b"the old file")
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from kvedit.atomic import atomic_write\n"
+        "def write(tmp):\n"
+        "    Path(tmp).write_bytes(b'x' * 100000)\n"
+        "    print('written', flush=True)\n"
+        "    time.sleep(300)\n"
+        f"atomic_write({str(path)!r}, write)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    try:
+        assert child.stdout.readline() == "written\n"
+        (left,) = _temps(tmp_path)
+        assert not left_by_dead_writer(tmp_path / left)  # its writer runs: never swept
+        assert sweep_stale(path) == 0
+    finally:
+        child.kill()
+        child.wait()
+    assert left_by_dead_writer(tmp_path / left)
+    assert sweep_stale(path) == 1
+    assert _temps(tmp_path) == [] and path.read_bytes() == b"the old file"
