@@ -196,8 +196,12 @@ class WriterLock:
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # released and removed between the open and the lock: take the new one
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        record["what"] = self.what
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+            "what": self.what,
+        }
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
