@@ -147,3 +147,14 @@ def test_what_a_writer_killed_mid_write_left_is_swept_at_once(tmp_path):
     assert left_by_dead_writer(tmp_path / left)
     assert sweep_stale(path) == 1
     assert _temps(tmp_path) == [] and path.read_bytes() == b"the old file"
+
+
+def test_loading_a_state_file_sweeps_what_a_killed_save_of_it_left(tmp_path, llama):
+    import kvedit
+
+    model, tok = llama
+    path = tmp_path / "s.kv"
+    kvedit.capture(model, tok, "Hello there.").save(path)
+    dead = _leftover(path, f"{_dead_pid()}@{host_tag()}-{'b' * 16}")
+    kvedit.load_state(path, model, tok)
+    assert not dead.exists()

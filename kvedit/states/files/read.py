@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ... import checks
+from ...atomic import sweep_stale
 from ...cache import layer_class
 from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError, InvalidTypeError
 from ...fingerprint import legacy_model_fingerprint, model_fingerprint, tokenizer_fingerprint
@@ -57,7 +58,9 @@ def _read_path(path) -> Path:
 
 def _read_raw(path: Path) -> tuple[dict, FileSnapshot]:
     """The header's ``kvedit`` entry (parsed JSON) and the snapshot of the file (every tensor,
-    the version read), all read through one open file (:func:`read_snapshot`)."""
+    the version read), all read through one open file (:func:`read_snapshot`). What a killed
+    writer of the file left beside it is swept first (:func:`kvedit.atomic.sweep_stale`)."""
+    sweep_stale(path)
     snapshot = read_snapshot(path)
     try:
         meta = json.loads(snapshot.metadata["kvedit"])
