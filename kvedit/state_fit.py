@@ -80,7 +80,9 @@ def layer_value_problems(i: int, layer, n_tokens: int, next_position: int) -> li
     """Layer ``i``'s ``token_index`` outside ``[-1, n_tokens)`` or positions outside
     ``[0, next_position)`` (the layer holds at least one entry)."""
     problems = []
-    index, positions = layer.token_index, layer.positions
+    index, positions = layer.held_entries()
+    if not len(index):
+        return problems
     if int(index.min()) < -1 or int(index.max()) >= n_tokens:
         problems.append(f"layer {i}: token_index outside [-1, {n_tokens})")
     if int(positions.min()) < 0 or int(positions.max()) >= next_position:

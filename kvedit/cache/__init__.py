@@ -13,6 +13,8 @@ Register a new kind with :func:`register_layer`.
 ``merged``      :class:`MergedLayerKV`: one layer of a MiniCache pair, sharing its K/V
                 directions with the adjacent layer (:class:`SharedDirections`,
                 :mod:`.directions`; the layer in :mod:`.merged`)
+``headwise``    :class:`HeadwiseLayerKV`: each KV head holds its own entries, right-aligned
+                and padded (:mod:`.headwise`; a memory forgetting per head)
 ==============  =========================================================================
 
 Packed classes (``packed = True``: quantized, merged) derive from :class:`PackedLayerKV`
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from .dense import LayerKV
 from .directions import SharedDirections
+from .headwise import HeadwiseLayerKV, is_headwise, keep_per_head, refuse_headwise
 from .merged import MergedLayerKV
 from .packed import PackedKV, PackedLayerKV
 from .quantized import QuantizedLayerKV
@@ -32,12 +35,16 @@ from .registry import LAYER_CLASSES, layer_class, register_layer
 
 __all__ = [
     "LAYER_CLASSES",
+    "HeadwiseLayerKV",
     "LayerKV",
     "MergedLayerKV",
     "PackedKV",
     "PackedLayerKV",
     "QuantizedLayerKV",
     "SharedDirections",
+    "is_headwise",
+    "keep_per_head",
+    "refuse_headwise",
     "layer_class",
     "register_layer",
 ]

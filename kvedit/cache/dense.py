@@ -140,6 +140,16 @@ class LayerKV:
         tensors = (self.keys, self.values, self.bias)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def head_entries(self) -> int:
+        """Entries held over all KV heads (``kv_heads * n``; a headwise layer counts each
+        head's own, :mod:`kvedit.cache.headwise`)."""
+        return self.kv_shape[1] * len(self)
+
+    def held_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_index, positions)`` of every entry the layer holds, flat (a headwise layer
+        lists each head's own, :mod:`kvedit.cache.headwise`)."""
+        return self.token_index, self.positions
+
     def entries_for(self, token_indices: torch.Tensor) -> torch.Tensor:
         """Entry indices of this layer that encode any of ``token_indices`` (``LongTensor[k]``)."""
         return (

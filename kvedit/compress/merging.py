@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from ..cache import LayerKV, MergedLayerKV
+from ..cache import LayerKV, MergedLayerKV, refuse_headwise
 from ..cache.directions import SharedDirections, new_uid, pack_directions
 from ..cache.packed import BITS
 from ..errors import InvalidInputError
@@ -219,6 +219,7 @@ def minicache(
         InvalidInputError: a pair's two layers hold different entries.
         InvalidInputError: an argument out of range (also a ``ValueError``).
     """
+    refuse_headwise(state.layers, "minicache")
     _check_args(retain, t, residual, bits, group)
     pairs = merge_plan(state, start)
     layers: list[LayerKV] = list(state.layers)

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import checks
-from ..cache import LayerKV
+from ..cache import LayerKV, refuse_headwise
 from ..errors import EmptySelectionError, InvalidInputError, InvalidTypeError
 from ..provenance import Step, token_ranges
 from ..spans import Spans
@@ -122,6 +122,7 @@ def _select(
     if not isinstance(protect_bias, bool):
         raise InvalidTypeError(f"protect_bias must be a bool, not {protect_bias!r}")
     chosen = checks.layers(layers, len(state.layers))
+    refuse_headwise(state.layers, "select")
     tokens = protected_tokens(state, protect, protect_bias)
     if keep == 1.0:
         return state

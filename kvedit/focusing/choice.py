@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import checks, ops
+from ..cache import refuse_headwise
 from ..errors import InvalidInputError, InvalidTypeError
 from ..prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ..states.capturing import capture
@@ -252,6 +253,7 @@ def choose(
     distinctive word); the question's is kept (:attr:`Focus.continued`), so an answer from the
     unedited state does not run it again.
     """
+    refuse_headwise(state.layers, "focus")
     target, max_strength = _check_sizing(target, max_strength)
     smoothing = checks.real("smoothing", smoothing)
     if not 0.0 < smoothing <= 1.0:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import checks
-from ..cache import LayerKV
+from ..cache import LayerKV, refuse_headwise
 from ..errors import EmptySelectionError
 from ..provenance import Step, token_ranges
 from ..spans import Spans
@@ -52,6 +52,7 @@ def edit_entries(
     and its re-read copies. Layers holding none of the tokens (e.g. sliding-window layers past
     the span) are kept as they are; an edit that changes nothing returns at once (no step).
     """
+    refuse_headwise(state.layers, f"the {step.name} edit")
     tokens = span_tokens(state, spans)
     chosen = layer_set(state, layers)
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import checks, rope
-from ...cache import LayerKV
+from ...cache import LayerKV, refuse_headwise
 from ...errors import InvalidInputError, ModelNotAttachedError
 from ...provenance import History
 from ...states.state import KVState
@@ -296,6 +296,7 @@ def to_stock(state: KVState, *, remove_at: float = REMOVE_AT) -> StockCache:
         raise InvalidInputError(f"remove_at must be > 0 nats, not {remove_at}")
     if any(layer.kv_shape[0] != 1 for layer in state.layers):
         raise InvalidInputError("to_stock takes a state of batch 1")
+    refuse_headwise(state.layers, "a stock kernel (vLLM)")
     realizations: list[BiasRealization] = []
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     nulls: list[int] = []
