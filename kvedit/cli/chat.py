@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..cache.packed import BITS
 from ..errors import KVEditError, TemplateError
-from ..memory.forgetting import DEFAULT_POLICY, POLICIES, global_entries
+from ..memory.budget import RECENT_TOKENS
+from ..memory.forgetting import DEFAULT_POLICY, FALLBACK_POLICY, global_entries, policies
 from .arguments import byte_size, max_positions_arg, nonempty, positive
 from .chat_file import check_memory_path, lock_memory, open_memory, save_copy, target
 from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, exit_status, message
@@ -38,11 +39,12 @@ left by a chat that was killed does not block. A --memory that is a symbolic lin
 it leads to: that file is read, locked and replaced, and the link stays a link.
 
 With --max-tokens or --max-bytes the memory forgets, without knowing the next question, when it
-would hold more (kvedit.Memory's budget: the system message, the last --recent messages and the
---protect texts are never forgotten); a turn that forgot says so after its cost. --quantize
-holds the older messages in fewer bits, with or without a budget. The file keeps both: a later
-run goes on under them, and an option given again replaces the file's (--forget, --recent and
---protect with --max-tokens or --max-bytes).
+would hold more (kvedit.Memory's budget: the first tokens, the system message, the last
+--recent-tokens tokens and the --protect texts are never forgotten); a turn that forgot says so
+after its cost. --quantize holds the messages before the last --recent in fewer bits, with or
+without a budget. The file keeps both: a later run goes on under them, and an option given
+again replaces the file's (--forget, --recent-tokens and --protect with --max-tokens or
+--max-bytes).
 """
 
 _COMMANDS = ("/explain", "/save", "/quit", "/help")
@@ -114,31 +116,38 @@ def _budget_args(p) -> None:
         default=None,
         metavar="N",
         help="the most entries the memory holds per global-attention layer, on average over "
-        "those layers",
+        "those layers, when a question comes (the question and the answer on top)",
     )
     held.add_argument(
         "--max-bytes",
         type=byte_size("--max-bytes"),
         default=None,
         metavar="SIZE",
-        help="the most bytes the memory's global-layer entries take in bfloat16 (a number of "
-        "bytes, or with KB, MB, GB, KiB, MiB or GiB); the size each turn prints is what the "
-        "memory holds, every layer in the model's dtype",
+        help="the most bytes the memory's cache allocates, every layer in the dtype it holds "
+        "(a number of bytes, or with KB, MB, GB, KiB, MiB or GiB): the size each turn prints "
+        "never passes it",
     )
     budget.add_argument(
         "--forget",
         default=None,
-        choices=POLICIES,
+        choices=policies(),
         metavar="POLICY",
-        help=f"which entries go first: {', '.join(POLICIES)} (default {DEFAULT_POLICY})",
+        help=f"which entries go first: {', '.join(policies())} (default {DEFAULT_POLICY} where "
+        f"a fit exists for the model, else {FALLBACK_POLICY})",
+    )
+    budget.add_argument(
+        "--recent-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the last N tokens never forgotten (default {RECENT_TOKENS})",
     )
     budget.add_argument(
         "--recent",
         type=positive("--recent"),
         default=None,
         metavar="N",
-        help="the last N messages never forgotten, the question and answer being added among "
-        "them (default 2: every earlier message may be forgotten)",
+        help="the last N messages --quantize holds exact (default 2)",
     )
     budget.add_argument(
         "--protect",
@@ -183,20 +192,24 @@ def _budget(args) -> dict:
     """``Memory``'s budget keywords from the forgetting and quantizing options; refused,
     before the model loads, where an option needs a budget that is not given."""
     budgeted = args.max_tokens is not None or args.max_bytes is not None
-    needs = [("--forget", args.forget), ("--protect", args.protect)]
-    if args.quantize is None:  # --recent also says which messages --quantize keeps exact
-        needs.insert(1, ("--recent", args.recent))
+    needs = [("--forget", args.forget), ("--recent-tokens", args.recent_tokens)]
+    needs.append(("--protect", args.protect))
     given = [name for name, value in needs if value is not None]
     if given and not budgeted:
         raise UsageError(
             f"{', '.join(given)} without a budget: give --max-tokens or --max-bytes "
             "(nothing is forgotten without one)"
         )
+    if args.recent is not None and args.quantize is None:
+        raise UsageError("--recent says which messages --quantize holds exact: give --quantize")
+    if args.recent_tokens is not None and args.recent_tokens < 0:
+        raise UsageError(f"--recent-tokens must be 0 or more, not {args.recent_tokens}")
     keywords = {
         "max_tokens": args.max_tokens,
         "max_bytes": args.max_bytes,
         "forget": args.forget,
         "recent": args.recent,
+        "recent_tokens": args.recent_tokens,
         "protect": None if args.protect is None else list(args.protect),
         "quantize": args.quantize,
     }
@@ -339,9 +352,14 @@ class _Chat:
             seconds = sum(r.seconds for r in rounds)
             forgot = f", forgot {dropped:,} entries ({rounds[-1].policy}, {seconds:.1f} s)"
         held = ""
-        if self.memory.budget is not None:
-            entries, most = global_entries(self.memory.state), self.memory.budget.max_entries
-            held = f" ({entries:,} of {most:,} entries held)"
+        budget = self.memory.budget
+        if budget is not None and budget.max_bytes is not None:
+            held = f" (budget {_size(budget.max_bytes)})"
+        elif budget is not None:  # the budget counts what was held when the question came
+            entries = global_entries(self.memory.state) - q.n_tokens - a.n_tokens
+            held = (
+                f" ({entries:,} of {budget.max_entries:,} entries held, question and answer on top)"
+            )
         return (
             f"[{q.start:,} tok reused, question {q.computed:,} tok computed, {answer}, "
             f"memory {len(self.memory.state):,} tok{held}, {_size(self.memory.nbytes)}{forgot}]"
@@ -402,9 +420,15 @@ class _Chat:
             head = f"[new memory {self.path}, prompt {self.memory.prompt!r}"
         budget = self.memory.budget
         if budget is not None:
+            most = (
+                f"{_size(budget.max_bytes)}"
+                if budget.max_bytes is not None
+                else f"{budget.max_entries:,} entries a global layer on average"
+            )
+            heads = ", each KV head its own" if budget.per_head else ""
             head += (
-                f", holds at most {budget.max_entries:,} entries a global layer on average "
-                f"(forgets by {budget.policy}, the last {budget.recent} messages kept)"
+                f", holds at most {most} (forgets by {budget.policy}{heads}, the last "
+                f"{budget.recent_tokens} tokens kept)"
             )
         if self.memory.quantize is not None:
             head += (

@@ -18,6 +18,7 @@ from .arguments import port, positive
 from .chat import chat_parser
 from .litm import litm_parser, run_demo
 from .memory import memory_parser
+from .scorer import memory_parser as memory_tools_parser
 from .serving import publish_parser, serve_parser
 from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish_parser(sub)
     serve_parser(sub)
     chat_parser(sub)
+    memory_tools_parser(sub)
     _label(parser)
     return parser
 

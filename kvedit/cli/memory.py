@@ -16,18 +16,29 @@ import argparse
 from .arguments import check_out_free, holding_out, positive
 from .litm import overwrite_arg
 
-_EPILOG = """\
+
+def _epilog() -> str:
+    """The methods and parameters, from the registry of policies."""
+    from ..memory.forgetting import policies
+
+    names = ", ".join(policies())
+    return f"""\
 methods (--methods, comma-separated specs name[:key=value...]):
   reuse         the memory keeps everything (run at budget 1.0 only)
-  window, knorm, tova, snapkv, h2o, reconstruct
+  {names}
                 kvedit.Memory(max_tokens=budget x entries, forget=NAME) from the first message
+                (every registered scorer is a policy)
   snapkv-first  everything kept, compressed once by SnapKV with the first question as query,
                 then reused for every question
-  parameters: budget=F (this budget only), recent=N (messages never forgotten; default 2 for
-  facts, 1 for nq-shared), quantize=B (2, 4 or 8: the messages before the last recent held in
-  B bits; with snapkv-first, the compressed state quantized)
+  parameters: budget=F (this budget only), recent_tokens=N (the last tokens never forgotten;
+  default 16), per_head=True|False (each KV head its own entries; default: where the policy
+  allows), recent=N (the messages quantize=B holds exact, default 2), quantize=B (2, 4 or 8:
+  the messages before the last recent held in B bits; with snapkv-first, the compressed state
+  quantized), in_bytes=True (the budget a fraction of the bytes a memory that forgets nothing
+  allocates: max_bytes)
 budgets (--budgets): fractions in (0, 1] of the conversation's global-layer entries when the
-first question is asked; at 1.0 every method without quantize is reuse (computed once).
+first question is asked, held when each question comes (the question and answer on top); at
+1.0 every method without quantize is reuse (computed once).
 """
 
 
@@ -35,12 +46,12 @@ def memory_parser(sub) -> None:
     p = sub.add_parser(
         "memory",
         help="what a forgetting kvedit.Memory still answers, by the age of what is asked",
-        epilog=_EPILOG,
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--task", default="facts", choices=["facts", "nq-shared"])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--methods", default="reuse,window,knorm,tova,snapkv,reconstruct")
+    p.add_argument("--methods", default="reuse,learned,kvzip,window,snapkv-first")
     p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")
     p.add_argument("--n-examples", type=positive("--n-examples"), default=10)
     p.add_argument(

@@ -10,7 +10,9 @@
 ==========================  ==================================================================
 
 Selection: a scorer is one small class whose ``score`` gives ``[batch, kv_heads, n]`` scores per
-layer (:mod:`.scorers`: ``snapkv``, ``knorm``, ``tova``, ``h2o``, ``reconstruct``, registered by name);
+layer (:mod:`.scorers`: ``snapkv``, ``knorm``, ``tova``, ``h2o``, ``reconstruct``, ``kvzip``,
+``learned``, ``window``, registered by name; :func:`rank_keep` ranks entries of several layers
+under one budget);
 :class:`AdaKV` wraps any scorer to share a layer's budget among its heads by score mass
 (:mod:`.adakv`). Kept entries are stored as a masked union (:mod:`.masking`); the attention
 read-outs that score them are in :mod:`.observe`::
@@ -26,6 +28,7 @@ Quantized and merged states hold packed layers (:mod:`kvedit.cache.quantized`,
 from __future__ import annotations
 
 from .adakv import AdaKV, adaptive_budgets
+from .allocation import rank_keep
 from .masking import DROPPED, live_entries, masked_union
 from .merging import merge_layers, merge_plan, minicache, slerp
 from .quantization import quantize
@@ -34,9 +37,12 @@ from .scorers import (
     SCORERS,
     TOVA,
     KNorm,
+    KVzip,
+    Learned,
     Reconstruct,
     Scorer,
     SnapKV,
+    Window,
     make_scorer,
     register_scorer,
 )
@@ -49,9 +55,12 @@ __all__ = [
     "TOVA",
     "AdaKV",
     "KNorm",
+    "KVzip",
+    "Learned",
     "Reconstruct",
     "Scorer",
     "SnapKV",
+    "Window",
     "adaptive_budgets",
     "keep_mask",
     "live_entries",
@@ -62,6 +71,7 @@ __all__ = [
     "minicache",
     "protected_tokens",
     "quantize",
+    "rank_keep",
     "register_scorer",
     "select",
     "slerp",

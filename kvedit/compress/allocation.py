@@ -34,17 +34,21 @@ def rank_keep(
     cost: Mapping[int, float],
     *,
     per_head: bool = False,
+    held: Mapping[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
     """What each layer keeps: the entries of ``must``, then the best-scored others of all the
     layers together while their cost fits ``budget``.
 
     Args:
         scores: ``{layer: [kv_heads, n]}`` float, higher kept first (``n`` the layer's entries).
-        must: ``{layer: [n]}`` bool, kept whatever their scores (their cost counts).
+        must: ``{layer: [n]}`` bool (or ``[kv_heads, n]`` with ``per_head``), kept whatever
+            their scores (their cost counts).
         budget: what the kept entries may cost in all.
         cost: ``{layer: c}``, what one head-uniform entry of the layer costs (all its KV heads);
             a per-head entry costs ``c / kv_heads``.
         per_head: rank each KV head's entries on their own (module docstring).
+        held: ``{layer: [kv_heads, n]}`` bool, the slots that hold an entry (a headwise layer's
+            padding does not; never kept nor paid for). None: every slot.
 
     Returns:
         ``{layer: [n]}`` bool (head-uniform) or ``{layer: [kv_heads, n]}`` bool (``per_head``).
@@ -59,15 +63,17 @@ def rank_keep(
     units, unit_cost, musts, shapes = [], [], [], {}
     for i in order:
         s = scores[i].float().cpu()
-        if s.ndim != 2 or must[i].shape != (s.shape[1],):
-            raise InvalidInputError(
-                f"layer {i}: scores {tuple(s.shape)} and must {tuple(must[i].shape)} disagree"
-            )
-        heads, n = s.shape
+        heads, n = s.shape if s.ndim == 2 else (0, 0)
         m = must[i].cpu()
+        if s.ndim != 2 or m.shape not in ((n,), (heads, n)) or (m.ndim == 2 and not per_head):
+            raise InvalidInputError(
+                f"layer {i}: scores {tuple(s.shape)} and must {tuple(m.shape)} disagree"
+            )
         if per_head:
-            units.append(s.flatten())
-            musts.append(m[None].expand(heads, n).flatten())
+            m = m if m.ndim == 2 else m[None].expand(heads, n)
+            h = held[i].cpu() if held is not None else torch.ones(heads, n, dtype=torch.bool)
+            units.append(s.masked_fill(~h, float("nan")).flatten())
+            musts.append((m & h).flatten())
             unit_cost.append(torch.full((heads * n,), float(cost[i]) / heads, dtype=torch.float64))
         else:
             units.append(s.amax(dim=0))
@@ -83,7 +89,7 @@ def rank_keep(
             f"the protected entries alone cost {spent:g}, more than the budget {budget:g}"
         )
     kept = need.clone()
-    free = (~need).nonzero().flatten()
+    free = (~need & ~torch.isnan(flat)).nonzero().flatten()
     if len(free):
         ranked = free[torch.argsort(flat[free], descending=True, stable=True)]
         fits = torch.cumsum(price[ranked], 0) <= budget - spent + 1e-9

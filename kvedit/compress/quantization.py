@@ -22,7 +22,9 @@ most ``window`` entries.
 
 from __future__ import annotations
 
-from ..cache import QuantizedLayerKV
+from collections.abc import Sequence
+
+from ..cache import QuantizedLayerKV, refuse_headwise
 from ..cache.packed import BITS, PackedKV
 from ..errors import InvalidInputError
 from ..provenance import Step
@@ -32,14 +34,17 @@ from ..states.state import KVState
 __all__ = ["quantize"]
 
 
-def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32) -> KVState:
+def quantize(
+    state: KVState, bits: int = 8, residual: int | Sequence[int] = 32, group: int = 32
+) -> KVState:
     """A new state with every global layer's K/V quantized to ``bits`` bits, KIVI-style.
 
     Args:
         state: the state (not modified); a quantized state is re-quantized from its values.
         bits: 2, 4 or 8.
         residual: the most recent entries (at least this many, and always the last input's,
-            which :func:`~kvedit.states.passes.recompute_last` reruns) kept in full precision.
+            which :func:`~kvedit.states.passes.recompute_last` reruns) kept in full precision;
+            or one count per layer (a memory whose layers hold its recent messages unequally).
         group: tokens per key scale group; channels per value scale group (capped at the head
             dimension, which it must then divide).
 
@@ -49,11 +54,17 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
     """
     if isinstance(bits, bool) or bits not in BITS:
         raise InvalidInputError(f"bits must be one of {BITS}, not {bits!r}")
-    for name, value, low in (("residual", residual, 0), ("group", group, 1)):
+    residuals = [residual] * len(state.layers) if isinstance(residual, int) else list(residual)
+    if len(residuals) != len(state.layers):
+        raise InvalidInputError(
+            f"residual gives {len(residuals)} counts for {len(state.layers)} layers"
+        )
+    for name, value, low in (*(("residual", r, 0) for r in residuals), ("group", group, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InvalidInputError(f"{name} must be an int >= {low}, not {value!r}")
+    refuse_headwise(state.layers, "quantize")
     new_layers = []
-    for layer in state.layers:
+    for layer, residual_i in zip(state.layers, residuals, strict=True):
         n, d = len(layer), layer.keys.shape[-1]
         channels = min(group, d)  # values: one scale per token and group of channels
         if d % channels or (d * bits) % 8:
@@ -62,7 +73,7 @@ def quantize(state: KVState, bits: int = 8, residual: int = 32, group: int = 32)
             )
         # the last input's entries stay exact even with residual=0: recompute_last reruns them
         mine = last_input_entries(state, layer).nonzero().flatten()
-        exact_from = min(n - residual, int(mine.min())) if mine.numel() else n - residual
+        exact_from = min(n - residual_i, int(mine.min())) if mine.numel() else n - residual_i
         n_quant = (max(0, exact_from) // group) * group
         if layer.window is not None or n_quant == 0:
             new_layers.append(layer)

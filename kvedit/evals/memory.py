@@ -69,8 +69,6 @@ from kvedit.evals.memory_report import (
     summarize_memory,
 )
 from kvedit.evals.memory_specs import (
-    DEFAULT_RECENT,
-    MEMORY_METHODS,
     MEMORY_RESULTS,
     TASKS,
     MemoryMethod,
@@ -79,6 +77,7 @@ from kvedit.evals.memory_specs import (
     build_conversations,
     check_budgets_fit,
     full_entries,
+    memory_methods,
     parse_budgets,
     parse_memory_spec,
 )
@@ -89,7 +88,7 @@ from kvedit.evals.report import PLOT_HINT, plotting_available
 from kvedit.evals.tasks.memory_schema import Conversation
 
 __all__ = [
-    "MEMORY_METHODS",
+    "memory_methods",
     "MEMORY_RESULTS",
     "REREAD_TURNS",
     "TASKS",
@@ -120,17 +119,31 @@ def _renderer(tokenizer):
     return renderer_for("chat" if getattr(tokenizer, "chat_template", None) else "plain", tokenizer)
 
 
-def _memory(model, tokenizer, method: MemoryMethod, max_tokens: int | None, recent: int):
+def _memory(model, tokenizer, method: MemoryMethod, budget: float, full: int):
+    """The memory ``method`` runs at ``budget`` of a conversation of ``full`` entries: with
+    ``max_tokens`` that fraction of the entries, or with ``in_bytes`` ``max_bytes`` that
+    fraction of the bytes a memory forgetting nothing would allocate."""
+    from kvedit.memory.budget import added_bytes
     from kvedit.memory.conversation import Memory
 
     if method.name == "snapkv-first":
         return Memory(model, tokenizer)
-    bits = method.params.quantize
+    keywords = method.memory_keywords()
+    max_tokens = budget_entries(budget, full)
     if method.name == "reuse" or max_tokens is None:
-        return Memory(model, tokenizer, recent=recent, quantize=bits)
-    return Memory(
-        model, tokenizer, max_tokens=max_tokens, forget=method.name, recent=recent, quantize=bits
-    )
+        kept = {k: keywords[k] for k in ("recent", "quantize") if k in keywords}
+        return Memory(model, tokenizer, **kept)
+    if method.params.in_bytes:
+        whole = added_bytes(Memory(model, tokenizer).state, full)
+        return Memory(model, tokenizer, max_bytes=max(1, round(budget * whole)), **keywords)
+    return Memory(model, tokenizer, max_tokens=max_tokens, **keywords)
+
+
+def _held(state) -> list[float]:
+    """The entries each global layer of ``state`` holds (per KV head, on average)."""
+    from kvedit.memory.forgetting import layer_entries
+
+    return [round(layer_entries(state, i), 2) for i in state.counted_layers]
 
 
 def _snapkv_first_answers(
@@ -155,7 +168,7 @@ def _snapkv_first_answers(
             state = select(state, SnapKV(query=probe.question), budget)
         if k == 0 and bits is not None:
             state = quantize(state, bits, residual=0)
-        entries, nbytes = global_entries(state), state.nbytes
+        entries, nbytes, per = global_entries(state), state.nbytes, _held(state)
         asked = [*messages, Message("user", probe.question)]
         p = renderer.render(asked, generation_prompt=True)
         n = len(state)
@@ -165,7 +178,7 @@ def _snapkv_first_answers(
             messages = [*asked, Message("assistant", text or " ")]
             full = renderer.render(messages)
             state = extend_ids(state, full.ids[n:], full.offsets[n:], full.text)
-        yield text, time.perf_counter() - t0, entries, nbytes
+        yield text, time.perf_counter() - t0, entries, nbytes, per
 
 
 def _reread(memory, question: str, max_new_tokens: int) -> tuple[str, float]:
@@ -200,17 +213,16 @@ def run_conversation(
     ``{"seconds", "reuse_seconds", "same_answer"}``."""
     from kvedit.memory.forgetting import global_entries
 
-    recent = method.params.recent if method.params.recent is not None else DEFAULT_RECENT[task]
     full = full_entries(_renderer(tokenizer), conversation)
     max_tokens = budget_entries(budget, full)
-    memory = _memory(model, tokenizer, method, max_tokens, recent)
+    memory = _memory(model, tokenizer, method, budget, full)
     t0 = time.perf_counter()
     for role, content in conversation.messages:
         memory.add(role, content)
     build = time.perf_counter() - t0
     digest = conversation.digest()
 
-    def record(k: int, prediction: str, seconds: float, entries: int, nbytes: int) -> dict:
+    def record(k: int, prediction: str, seconds: float, entries: int, nbytes: int, per) -> dict:
         probe = conversation.probes[k]
         rounds = memory.forgetting
         return {
@@ -226,8 +238,10 @@ def run_conversation(
             "prediction": prediction,
             "correct": best_subspan_em(prediction, probe.answers),
             "seconds": round(seconds, 4),
-            "max_entries": max_tokens,
+            "max_entries": None if method.params.in_bytes else max_tokens,
+            "max_bytes": None if memory.budget is None else memory.budget.max_bytes,
             "entries": entries,
+            "entries_per_layer": per,
             "nbytes": nbytes,
             "full_entries": full,
             "rounds": len(rounds),
@@ -239,16 +253,16 @@ def run_conversation(
     if method.name == "snapkv-first":
         bits = method.params.quantize
         answers = _snapkv_first_answers(memory, conversation, budget, max_new_tokens, bits)
-        for k, (text, seconds, entries, nbytes) in enumerate(answers):
-            records.append(record(k, text, seconds, entries, nbytes))
+        for k, (text, seconds, entries, nbytes, per) in enumerate(answers):
+            records.append(record(k, text, seconds, entries, nbytes, per))
         return records
     for k, probe in enumerate(conversation.probes):
         timed = reread is not None and k < REREAD_TURNS
         again = _reread(memory, probe.question, max_new_tokens) if timed else None
-        entries, nbytes = global_entries(memory.state), memory.nbytes
+        entries, nbytes, per = global_entries(memory.state), memory.nbytes, _held(memory.state)
         t = time.perf_counter()
         text = memory.ask(probe.question, max_new_tokens, remember=conversation.remember)
-        records.append(record(k, text, time.perf_counter() - t, entries, nbytes))
+        records.append(record(k, text, time.perf_counter() - t, entries, nbytes, per))
         if again is not None:
             reread.append(
                 {

@@ -17,8 +17,6 @@ from kvedit.evals.tasks.memory_schema import Conversation
 from kvedit.memory.quantizing import check_bits
 
 __all__ = [
-    "DEFAULT_RECENT",
-    "MEMORY_METHODS",
     "MEMORY_RESULTS",
     "TASKS",
     "MemoryMethod",
@@ -28,25 +26,26 @@ __all__ = [
     "check_budgets_fit",
     "entries_needed",
     "full_entries",
+    "memory_methods",
     "parse_budgets",
     "parse_memory_spec",
 ]
 
 TASKS = ("facts", "nq-shared")
-MEMORY_METHODS = (
-    "reuse",
-    "window",
-    "knorm",
-    "tova",
-    "snapkv",
-    "h2o",
-    "reconstruct",
-    "snapkv-first",
-)
-"""The methods by name (module docstring)."""
 MEMORY_RESULTS = ("results.json", "partial.jsonl")
 """The files of an earlier run that ``--out`` must not hold (unless --overwrite/--resume)."""
-DEFAULT_RECENT = {"facts": 2, "nq-shared": 1}
+
+ONCE = ("reuse", "snapkv-first")
+"""The methods that are not a forgetting policy: everything kept, or compressed once for the
+first question."""
+
+
+def memory_methods() -> tuple[str, ...]:
+    """The methods by name: ``reuse``, every forgetting policy (every registered scorer,
+    :func:`kvedit.memory.forgetting.policies`) and ``snapkv-first`` (module docstring)."""
+    from kvedit.memory.forgetting import policies
+
+    return (ONCE[0], *policies(), ONCE[1])
 
 
 @dataclass(frozen=True)
@@ -56,12 +55,16 @@ class MemoryParams:
     budget: float | None = None
     recent: int | None = None
     quantize: int | None = None
+    recent_tokens: int | None = None
+    per_head: bool | None = None
+    in_bytes: bool = False
 
     def __post_init__(self) -> None:
         if self.budget is not None:
             check_fraction("budget", self.budget, open_low=True)
-        if self.recent is not None:
-            check_count("recent", self.recent)
+        for name in ("recent", "recent_tokens"):
+            if getattr(self, name) is not None:
+                check_count(name, getattr(self, name))
         if self.quantize is not None:
             check_bits(self.quantize)
 
@@ -82,21 +85,34 @@ class MemoryMethod:
             return [float(self.params.budget)]
         return [float(b) for b in budgets]
 
+    def recent_tokens(self) -> int:
+        """The memory's ``recent_tokens`` (its default unless the spec gives one)."""
+        from kvedit.memory.budget import RECENT_TOKENS
+
+        given = self.params.recent_tokens
+        return RECENT_TOKENS if given is None else given
+
+    def memory_keywords(self) -> dict:
+        """The ``Memory`` keywords the spec gives (the rest left at the memory's defaults)."""
+        out = {"forget": self.name}
+        for key in ("recent", "recent_tokens", "per_head", "quantize"):
+            if getattr(self.params, key) is not None:
+                out[key] = getattr(self.params, key)
+        return out
+
 
 def parse_memory_spec(spec: str) -> MemoryMethod:
-    """``"name:key=value:..."`` -> a :class:`MemoryMethod` (names: :data:`MEMORY_METHODS`).
+    """``"name:key=value:..."`` -> a :class:`MemoryMethod` (names: :func:`memory_methods`).
 
     Raises:
         InvalidInputError: an unknown method or parameter, a bad value (``quantize`` not 2, 4
             or 8), a ``reuse`` with a budget below 1, or a policy whose scorer is not
             registered.
     """
-    from kvedit.compress.scorers import SCORERS
-
     name, *parts = spec.strip().split(":")
-    if name not in MEMORY_METHODS:
+    if name not in memory_methods():
         raise InvalidInputError(
-            f"unknown memory method {name!r}; known: {', '.join(MEMORY_METHODS)}"
+            f"unknown memory method {name!r}; known: {', '.join(memory_methods())}"
         )
     texts = {}
     for part in parts:
@@ -109,12 +125,6 @@ def parse_memory_spec(spec: str) -> MemoryMethod:
         raise InvalidInputError(
             f"method {spec!r}: reuse forgets nothing, so its budget is 1; name a policy "
             f"(window, knorm, ...) for budget {params.budget}"
-        )
-    if name not in ("reuse", "window", "snapkv-first") and name not in SCORERS:
-        raise InvalidInputError(
-            f"method {name!r}: the forgetting policy {name!r} needs the compression scorer "
-            f"{name!r}, which is not registered in this kvedit (registered: "
-            f"{', '.join(sorted(SCORERS))}); it is not built yet"
         )
     return MemoryMethod(name, params, spec.strip())
 
@@ -175,34 +185,17 @@ def budget_entries(budget: float, full: int) -> int | None:
     return None if budget >= 1 else max(1, round(budget * full))
 
 
-def _held(ends: Sequence[int], system: Sequence[bool], n: int, last: int) -> int:
-    """The tokens a memory holding the first ``n`` messages (message ``j`` is tokens
-    ``ends[j]:ends[j + 1]``) never forgets: the first sink tokens, the system messages, the
-    last ``last`` messages and the last token."""
-    from kvedit.memory.forgetting import SINK_TOKENS
-
-    end = ends[n]
-    spans = [(0, min(SINK_TOKENS, end)), (max(end - 1, 0), end), (ends[max(n - last, 0)], end)]
-    spans += [(ends[j], ends[j + 1]) for j in range(n) if system[j]]
-    count, reach = 0, 0
-    for start, stop in sorted(spans):
-        count += max(stop - max(start, reach), 0)
-        reach = max(reach, stop)
-    return count
-
-
 def entries_needed(
-    renderer, conversation: Conversation, recent: int, max_new_tokens: int
+    renderer, conversation: Conversation, recent_tokens: int, max_new_tokens: int
 ) -> tuple[int, int]:
-    """``(needed, full)``: the entries a :class:`kvedit.Memory` with ``recent`` must be allowed
-    to hold for ``conversation`` (``max_tokens`` below it is refused by the memory, after the
-    model loads), and :func:`full_entries`. As ``Memory`` makes room: for each message added,
-    what it never forgets (the first sink tokens, the system message, the last ``recent`` - 1
-    messages, the last token) and the message's tokens; for each question asked over the whole
-    conversation (the first only, when the conversation keeps the answers), what it never
-    forgets (the last ``recent`` - 2 messages) and the question's tokens with
-    ``max_new_tokens`` and :data:`~kvedit.memory.conversation.ANSWER_MARKUP`."""
-    from kvedit.memory.conversation import ANSWER_MARKUP
+    """``(needed, full)``: the entries a :class:`kvedit.Memory` with ``recent_tokens`` must be
+    allowed to hold for ``conversation`` (``max_tokens`` below it is refused by the memory,
+    after the model loads), and :func:`full_entries`. As ``Memory`` makes room: for each message
+    added, what it never forgets of the messages before
+    (:func:`kvedit.memory.budget.never_forgotten`) and the message's tokens; a question and
+    its answer come on top of the budget. ``max_new_tokens`` is not needed by an entry budget
+    (kept for the callers' signature)."""
+    from kvedit.memory.budget import never_forgotten
     from kvedit.memory.rendering import Message
 
     messages = [Message(role, content) for role, content in conversation.messages]
@@ -210,18 +203,15 @@ def entries_needed(
     for k in range(len(messages)):
         rendering = renderer.render(messages[: k + 1], after=rendering)
         ends.append(len(rendering.ids))
-    system = [m.role == "system" for m in messages]
+    system = [(ends[j], ends[j + 1]) for j, m in enumerate(messages) if m.role == "system"]
     needed = max(
-        _held(ends, system, k, max(recent - 1, 0)) + ends[k + 1] - ends[k]
+        never_forgotten(ends[k], [r for r in system if r[1] <= ends[k]], recent_tokens)
+        + ends[k + 1]
+        - ends[k]
         for k in range(len(messages))
     )
-    probes = conversation.probes if not conversation.remember else conversation.probes[:1]
-    held = _held(ends, system, len(messages), max(recent - 2, 0))
-    for probe in probes:
-        question = [*messages, Message("user", probe.question)]
-        asked = renderer.render(question, generation_prompt=True, after=rendering)
-        needed = max(needed, held + len(asked.ids) - ends[-1] + max_new_tokens + ANSWER_MARKUP)
-    return needed, ends[-1]
+    held = never_forgotten(ends[-1], system, recent_tokens)
+    return max(needed, held), ends[-1]
 
 
 def check_budgets_fit(
@@ -240,9 +230,9 @@ def check_budgets_fit(
     """
     needs: dict[tuple[str, int], tuple[int, int]] = {}
     for method, budget in pairs:
-        if method.name in ("reuse", "snapkv-first") or budget >= 1:
-            continue  # nothing forgotten (snapkv-first compresses once, with no floor)
-        recent = method.params.recent if method.params.recent is not None else DEFAULT_RECENT[task]
+        if method.name in ONCE or budget >= 1 or method.params.in_bytes:
+            continue  # nothing forgotten, or compressed once, or a byte budget (told at its add)
+        recent = method.recent_tokens()
         for conv in conversations:
             key = (conv.id, recent)
             if key not in needs:
@@ -253,7 +243,7 @@ def check_budgets_fit(
                 raise InvalidInputError(
                     f"{method.spec} at budget {budget:g}: its memory would hold {held:,} of "
                     f"{conv.id}'s {full:,} entries, fewer than the {needed:,} it never forgets "
-                    f"(the first tokens, the system message, the last {recent} messages, with "
-                    f"a message or a question and its {max_new_tokens}-token answer); give a "
+                    f"(the first tokens, the system message, the last {recent} tokens, with "
+                    f"the message being added); give a "
                     f"budget of at least {math.ceil(1000 * needed / full) / 1000:g}"
                 )

@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidTypeError
+from ..focusing.choice import DEFAULT_GUARD
+from ..focusing.guard import Guard, check_guard
 from ..states.capturing import appended_state, extend_ids
 from ..states.decoding import Decoder, Sampling, eos_ids
 from ..states.state import KVState
 from .records import Turn
-from .rendering import Message, Rendering
+from .rendering import Message, Rendering, common_prefix
 
-__all__ = ["Commit", "Decoded", "answer_turns", "commit", "common_prefix", "decode"]
+__all__ = ["Commit", "Decoded", "answer_turns", "commit", "common_prefix", "decode", "guard_of"]
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,6 @@ def decode(
     if ended == "stop":
         text = text[: min(text.find(s) for s in stops if s in text)]
     return Decoded(text, tokens, dec, ended)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass(frozen=True)
@@ -207,3 +201,14 @@ def answer_turns(
             note=done.note,
         ),
     ]
+
+
+def guard_of(focus: bool | Guard) -> Guard | None:
+    """The guard ``Memory.ask(focus=...)`` asks for, None for no focus."""
+    if focus is False or focus is None:
+        return None
+    if focus is True:
+        return DEFAULT_GUARD
+    if isinstance(focus, bool):
+        raise InvalidTypeError(f"focus must be True, False or a guard, not {focus!r}")
+    return check_guard(focus)

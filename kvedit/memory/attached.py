@@ -41,7 +41,7 @@ from .. import checks
 from ..cache.packed import BITS
 from ..errors import CorruptCacheError, KVEditError
 from ..spans import as_span_list
-from .forgetting import POLICIES, Round
+from .forgetting import Round, policies
 from .records import MAX_MESSAGES, SOURCES, Turn
 from .rendering import RENDERERS, ROLES, Message, Rendering, lone_surrogate, renderer_for
 
@@ -59,10 +59,19 @@ ATTACHMENT_KIND = "kvedit.memory"
 ATTACHMENT_VERSION = 1
 """The attachment version :meth:`kvedit.Memory.save` writes and :func:`parse_attachment` reads."""
 
-BUDGET_KEYWORDS = ("max_tokens", "forget", "recent", "protect", "quantize")
+BUDGET_KEYWORDS = (
+    "max_tokens",
+    "max_bytes",
+    "forget",
+    "recent",
+    "recent_tokens",
+    "per_head",
+    "protect",
+    "quantize",
+)
 """The ``Memory`` keywords a memory file keeps."""
 
-_FIELDS = {"kind", "version", "prompt", "messages", "turns", "rounds", "budget"}
+_FIELDS = {"kind", "version", "prompt", "messages", "turns", "rounds", "budget", "scores"}
 _REQUIRED = {"kind", "version", "prompt", "messages", "turns"}
 _TURN_FIELDS = {f.name for f in dataclasses.fields(Turn)}
 _TURN_REQUIRED = {"index", "role", "content", "start", "end", "source", "computed"}
@@ -89,6 +98,7 @@ class Attachment:
     rounds: list[Round]
     rendering: Rendering
     keywords: dict
+    scores: dict | None = None
 
 
 def _int(field: str, value, minimum: int = 0, maximum: int | None = None) -> int:
@@ -198,16 +208,22 @@ def _budget(value) -> dict:
     if value is None:
         return {}
     kw = dict(_keys("budget", value, set(BUDGET_KEYWORDS), set()))
-    if kw.get("max_tokens") is not None:
-        _int("budget.max_tokens", kw["max_tokens"], minimum=1)
-    if "recent" in kw:
-        _int("budget.recent", kw["recent"])
+    for key in ("max_tokens", "max_bytes"):
+        if kw.get(key) is not None:
+            _int(f"budget.{key}", kw[key], minimum=1)
+    if kw.get("max_tokens") is not None and kw.get("max_bytes") is not None:
+        raise _Bad("budget", "gives both max_tokens and max_bytes")
+    for key in ("recent", "recent_tokens"):
+        if key in kw:
+            _int(f"budget.{key}", kw[key])
+    if kw.get("per_head") is not None and not isinstance(kw["per_head"], bool):
+        raise _Bad("budget.per_head", f"is {kw['per_head']!r}, not a bool or null")
     if kw.get("quantize") is not None and (
         isinstance(kw["quantize"], bool) or kw["quantize"] not in BITS
     ):
         raise _Bad("budget.quantize", f"is {kw['quantize']!r}, not one of {list(BITS)} or null")
-    if "forget" in kw and kw["forget"] not in POLICIES:
-        raise _Bad("budget.forget", f"is {kw['forget']!r}, not one of {list(POLICIES)}")
+    if "forget" in kw and kw["forget"] not in policies():
+        raise _Bad("budget.forget", f"is {kw['forget']!r}, not one of {list(policies())}")
     if "protect" in kw:
         items = _list("budget.protect", kw["protect"])
         spans = [_span(f"budget.protect[{i}]", s) for i, s in enumerate(items)]
@@ -282,6 +298,21 @@ def parse_attachment(attachment, path, token_ids: list[int], tokenizer, trusted:
             rounds.append(_round(i, r, bounds, last))
             last = rounds[-1].at_message
         keywords = _budget(a.get("budget"))
+        scores = _scores(a.get("scores"))
     except _Bad as e:
         raise CorruptCacheError(f"{path}: the memory's {e}") from None
-    return Attachment(a["prompt"], messages, parsed, rounds, full, keywords)
+    return Attachment(a["prompt"], messages, parsed, rounds, full, keywords, scores)
+
+
+def _scores(value) -> dict | None:
+    """The ``scores`` field: the arrival policy that scored the entries and the layers whose
+    scores the file holds (``attached.scores.{layer}``), or None."""
+    if value is None:
+        return None
+    kw = _keys("scores", value, {"policy", "layers"}, {"policy", "layers"})
+    if kw["policy"] not in policies():
+        raise _Bad("scores.policy", f"is {kw['policy']!r}, not one of {list(policies())}")
+    layers = [
+        _int(f"scores.layers[{i}]", x) for i, x in enumerate(_list("scores.layers", kw["layers"]))
+    ]
+    return {"policy": kw["policy"], "layers": layers}

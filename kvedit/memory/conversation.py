@@ -6,30 +6,32 @@ prefix of the new text), and runs only the new ids through the model. So the cac
 every turn what a fresh :func:`kvedit.capture_tokens` of the rendering's ids would hold: the
 same ids, the same digest, logits equal up to float rounding. :meth:`Memory.ask` decodes an
 answer and commits it the same way, keeping the decoded tokens' K/V
-(:mod:`kvedit.memory.answering`). Nothing is forgotten here, so the memory's state is a plain
-capture of its transcript: :class:`kvedit.KVStore` takes it and :func:`kvedit.reuse` finds it
-as a prefix.
+(:mod:`kvedit.memory.answering`). Without a budget nothing is forgotten, so the memory's state
+is a plain capture of its transcript: :class:`kvedit.KVStore` takes it and :func:`kvedit.reuse`
+finds it as a prefix. Under a budget (:mod:`kvedit.memory.forgetting`) each message that would
+take it past the budget first forgets, and the state records each round.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from .. import checks
-from ..errors import InvalidInputError, InvalidTypeError, TemplateError
-from ..focusing.choice import DEFAULT_GUARD, Focus, focus
-from ..focusing.guard import Guard, check_guard
+from ..errors import InvalidInputError
+from ..focusing.choice import Focus, focus
+from ..focusing.guard import Guard
 from ..spans import Spans
 from ..states.capturing import empty_state, extend_ids
 from ..states.decoding import Sampling
 from ..states.files.write import save_file_version
 from ..states.state import KVState
-from .answering import answer_turns, commit, common_prefix, decode
+from .answering import answer_turns, commit, decode, guard_of
+from .budget import RECENT_TOKENS, budget_from
 from .explaining import explain_text, focus_said
 from .files import (
     budget_keywords,
@@ -39,12 +41,21 @@ from .files import (
     load_keywords,
     memory_attachment,
     read_memory,
+    score_tensors,
 )
-from .forgetting import DEFAULT_POLICY, Round, budget_from
+from .forgetting import Round
+from .held import Held, Scores, arrived, bytes_per_token, check_model, scored_from_scratch
 from .protection import check_system_held, protected_ranges
 from .quantizing import check_bits, hold_older_quantized
 from .records import MAX_MESSAGES, Turn
-from .rendering import ROLES, Message, Rendering, check_readable, renderer_for
+from .rendering import (
+    ROLES,
+    Message,
+    Rendering,
+    check_append_only,
+    check_readable,
+    renderer_for,
+)
 
 __all__ = ["ANSWER_MARKUP", "MAX_MESSAGES", "Memory"]
 
@@ -64,17 +75,19 @@ class Memory:
     a model whose config understates its context; every message and answer is refused before
     any work when it would run past it.
 
-    Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (entries of a
-    global-attention layer, on average over them) or ``max_bytes`` (those entries' bytes in
-    bfloat16), a message that would take the memory past its budget first makes it forget, with
-    the ``forget`` policy (default :data:`~kvedit.memory.forgetting.DEFAULT_POLICY`), down to
-    :data:`~kvedit.memory.forgetting.LOW_WATER` of the budget; the system message, the
-    last ``recent`` messages and the ``protect`` spans are never forgotten. Each round is a
-    history step (the memory is no longer a plain capture) and a
+    Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (the entries a
+    global-attention layer holds, on average, when a question comes; the question and its
+    answer on top) or ``max_bytes`` (the bytes the cache allocates, never exceeded), a message
+    that would take the memory past its budget first makes it forget just what the message
+    needs, with the ``forget`` policy (any registered scorer; None:
+    :data:`~kvedit.memory.forgetting.DEFAULT_POLICY` where a fit exists for the model, else
+    :data:`~kvedit.memory.forgetting.FALLBACK_POLICY`); the first tokens, the system message,
+    the last ``recent_tokens`` tokens and the ``protect`` spans are never forgotten.
+    ``per_head`` (None: where the policy allows it) lets each KV head keep its own entries.
+    Each round is a history step (the memory is no longer a plain capture) and a
     :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
     holds the messages before the last ``recent`` in that many bits
-    (:mod:`kvedit.memory.quantizing`), with or without a budget: fewer bytes per entry, the
-    same entries (a budget still counts entries).
+    (:mod:`kvedit.memory.quantizing`), with or without a budget.
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
@@ -90,33 +103,46 @@ class Memory:
         max_positions: int | None = None,
         max_tokens: int | None = None,
         max_bytes: int | None = None,
-        forget: str = DEFAULT_POLICY,
+        forget: str | None = None,
         recent: int = 2,
         protect: Spans | None = None,
         quantize: int | None = None,
+        recent_tokens: int = RECENT_TOKENS,
+        per_head: bool | None = None,
     ) -> None:
-        _check_model(model, tokenizer)
+        check_model(model, tokenizer)
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
         self.renderer = renderer_for(prompt, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
-        self._held = _Held(
+        self._held = Held(
             empty_state(model, tokenizer, max_positions=max_positions),
             (),
             self.renderer.render([]),
             (),
             (),
         )
-        self.budget = budget_from(self._held.state, max_tokens, max_bytes, forget, recent, protect)
-        """The :class:`~kvedit.memory.forgetting.Budget` (None: nothing is ever forgotten)."""
         self.quantize = check_bits(quantize)
         """Bits the messages before the last ``recent`` are held in (None: all exact)."""
+        self.budget = budget_from(
+            self._held.state,
+            max_tokens,
+            max_bytes,
+            forget,
+            recent_tokens,
+            protect,
+            per_head,
+            self.quantize,
+        )
+        """The :class:`~kvedit.memory.budget.Budget` (None: nothing is ever forgotten)."""
         self.recent = checks.count("recent", recent)
-        """The last messages held exact and never forgotten."""
+        """The last messages ``quantize`` holds exact."""
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
         self._files: dict[str, tuple | None] = {}  # file -> the version loaded or saved last
+        self.scoring_seconds = 0.0
+        """Seconds an arrival policy spent scoring the messages as they came (this process)."""
         if system is not None:
             self.add("system", system)
 
@@ -172,24 +198,33 @@ class Memory:
         check_system_held(self.budget, self.prompt, self._messages, rendering)
         n = len(self._state)
         self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
-        held, rounds = self._room(len(rendering.ids) - n)
+        held, scores, rounds = self._room(len(rendering.ids) - n)
         state = extend_ids(held, rendering.ids[n:], rendering.offsets[n:], rendering.text)
         end = len(rendering.ids)
+        scores = self._arrived(state, scores, n, end)
         turn = Turn(len(self._messages), role, message.content, n, end, "computed", end - n)
-        self._keep(state, [message], rendering, [turn], rounds)
+        self._keep(state, [message], rendering, [turn], rounds, scores)
         return turn
 
-    def _room(self, n_new: int, recent_kept: int = 1) -> tuple[KVState, list[Round]]:
-        """The state with room for ``n_new`` entries under the budget (forgetting if need
-        be; the memory itself is changed only when the message is kept). ``recent_kept``: how
-        many of the ``recent`` messages are the ones being added."""
+    def _arrived(self, state: KVState, scores: Scores | None, start: int, end: int):
+        """:func:`~kvedit.memory.held.arrived`, timed into :attr:`scoring_seconds`."""
+        t0 = time.perf_counter()
+        out = arrived(self.budget, state, scores, start, end)
+        if out is not None:
+            self.scoring_seconds += time.perf_counter() - t0
+        return out
+
+    def _room(self, n_new: int, on_top: bool = False) -> tuple[KVState, Scores | None, list[Round]]:
+        """``(state, scores, rounds)`` with room for ``n_new`` entries under the budget
+        (forgetting if need be; the memory itself is changed only when the message is kept).
+        ``on_top``: a question and its answer (an entry budget does not count them)."""
         if self.budget is None:
-            return self._state, []
-        ranges = protected_ranges(
-            self.budget, self._turns, self._messages, self._rendering, recent_kept
+            return self._state, None, []
+        ranges = protected_ranges(self._turns, self._messages, self._rendering)
+        state, scores, done = self.budget.make_room(
+            self._state, self._held.scores, ranges, n_new, len(self._messages), on_top=on_top
         )
-        state, done = self.budget.make_room(self._state, ranges, n_new, len(self._messages))
-        return state, [] if done is None else [done]
+        return state, scores, [] if done is None else [done]
 
     def _message(self, role: str, content: str) -> Message:
         if not isinstance(role, str) or role not in ROLES:
@@ -217,17 +252,7 @@ class Memory:
         return rendering
 
     def _check_prefix(self, held: Rendering, new: Rendering, what: str) -> None:
-        n = len(held.ids)
-        if new.ids[:n] != held.ids or not new.text.startswith(held.text):
-            at = common_prefix(held.ids, new.ids)
-            raise TemplateError(
-                f"the {self.prompt!r} prompt format is not append-only here: with the {what} "
-                f"added, the rendering differs from the {n} tokens already held at token {at} "
-                f"(held {self.tokenizer.decode(held.ids[at : at + 8])!r}, now "
-                f"{self.tokenizer.decode(new.ids[at : at + 8])!r}); the memory is unchanged"
-            )
-        if len(new.ids) == n:
-            raise TemplateError(f"the {what} renders to no new tokens; the memory is unchanged")
+        check_append_only(held, new, what, self.prompt, self.tokenizer)
 
     def _keep(
         self,
@@ -236,6 +261,7 @@ class Memory:
         rendering: Rendering,
         turns: list[Turn],
         rounds: Sequence[Round] = (),
+        scores: Scores | None = None,
     ) -> None:
         """Make the new state the memory's, after all work is done: one assignment, so an
         interrupt (Ctrl-C) leaves the memory as it was before or as it is after. With
@@ -243,14 +269,15 @@ class Memory:
         if self.quantize is not None:
             starts = [t.start for t in (*self._turns, *turns)]
             state = hold_older_quantized(state, self.quantize, starts, self.recent, bool(rounds))
-        per_token = _bytes_per_token(state)
+        per_token = bytes_per_token(state)
         turns = [t.with_nbytes(round(per_token * t.n_tokens)) for t in turns]
-        self._held = _Held(
+        self._held = Held(
             state,
             (*self._messages, *messages),
             rendering,
             (*self._turns, *turns),
             (*self._rounds, *rounds),
+            scores,
         )
 
     # the memory's fields, read from its one snapshot
@@ -303,7 +330,7 @@ class Memory:
         remember = checks.flag("remember", remember)
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         sampling.check_device(self._state.last_logits.device)
-        guard = _guard_of(focus)
+        guard = guard_of(focus)
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens, minimum=1)
         stops = self._stops(stop)
         message = self._message("user", question)
@@ -316,7 +343,7 @@ class Memory:
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
         self._state.check_room(n_p - n, max_new_tokens, what="question")
         # room for the question, the answer and its end-of-turn markup
-        held, rounds = self._room(n_p - n + max_new_tokens + ANSWER_MARKUP, recent_kept=2)
+        held, scores, rounds = self._room(n_p - n + max_new_tokens + ANSWER_MARKUP, on_top=True)
         focused = guard is not None and self._focused(held, question, p, guard)
         prompt_from = self.last_focus.state if focused else held
         prompt = extend_ids(prompt_from, p.ids[n:], p.offsets[n:], p.text)
@@ -331,7 +358,8 @@ class Memory:
         self._check_prefix(p, full, "answer")
         done = commit(held, prompt, decoded, full, focused=focused)
         turns = answer_turns(message, answer, len(self._messages), (n, n_q, n_p), full, done)
-        self._keep(done.state, [message, answer], full, turns, rounds)
+        scores = self._arrived(done.state, scores, n, len(full.ids))
+        self._keep(done.state, [message, answer], full, turns, rounds, scores)
         return answer.content.strip()
 
     def _stops(self, stop: Sequence[str] | None) -> tuple[str, ...]:
@@ -402,10 +430,14 @@ class Memory:
         if not overwrite:
             check_unchanged(path, self._files.get(key))
         keywords = budget_keywords(self.budget, self.recent, self.quantize)
+        scores = self._held.scores
+        policy = None if self.budget is None else self.budget.policy
         attachment = memory_attachment(
-            self.prompt, self._messages, self._turns, self._rounds, keywords
+            self.prompt, self._messages, self._turns, self._rounds, keywords, scores, policy
         )
-        saved = save_file_version(self._state, path, attachment=attachment)
+        saved = save_file_version(
+            self._state, path, attachment=attachment, attached=score_tensors(scores)
+        )
         self._files[key] = saved.version
         return saved.path
 
@@ -436,60 +468,31 @@ class Memory:
             CorruptCacheError: not a memory file, damaged, a field that is not what
                 :meth:`save` writes, or messages that do not render to its tokens.
         """
-        _check_model(model, tokenizer)
+        check_model(model, tokenizer)
         given = load_keywords(keywords)
         prompt, system = given.pop("prompt", None), given.pop("system", None)
         found = read_memory(path, model, tokenizer, max_positions)
         check_as_file(found, prompt, system)
         merged = {**found.keywords, **given}
-        if "max_bytes" in given:  # a size given in bytes replaces the file's entries
-            merged.pop("max_tokens", None)
+        for one, other in (("max_bytes", "max_tokens"), ("max_tokens", "max_bytes")):
+            if one in given:  # a size given one way replaces the file's given the other
+                merged.pop(other, None)
         memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **merged)
         turns = [
             Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0})
             for t in found.turns
         ]
-        memory._held = _Held(
-            found.state, tuple(found.messages), found.rendering, tuple(turns), tuple(found.rounds)
+        scores = found.scores
+        arrival = memory.budget is not None and memory.budget.scorer.arrival
+        if arrival and (scores is None or found.scored_by != memory.budget.policy):
+            scores = scored_from_scratch(memory.budget, found.state)
+        memory._held = Held(
+            found.state,
+            tuple(found.messages),
+            found.rendering,
+            tuple(turns),
+            tuple(found.rounds),
+            scores if arrival else None,
         )
         memory._files[file_key(path)] = found.version
         return memory
-
-
-@dataclasses.dataclass(frozen=True)
-class _Held:
-    """What a memory holds at one moment (replaced whole by each change)."""
-
-    state: KVState
-    messages: tuple[Message, ...]
-    rendering: Rendering
-    turns: tuple[Turn, ...]
-    rounds: tuple[Round, ...]
-
-
-def _bytes_per_token(state: KVState) -> float:
-    """Bytes one token's entries take on the global layers of ``state``."""
-    layers = [state.layers[i] for i in state.global_layers]
-    return sum(layer.nbytes / max(len(layer), 1) for layer in layers)
-
-
-def _guard_of(focus: bool | Guard) -> Guard | None:
-    """The guard ``ask(focus=...)`` asks for, None for no focus."""
-    if focus is False or focus is None:
-        return None
-    if focus is True:
-        return DEFAULT_GUARD
-    if isinstance(focus, bool):
-        raise InvalidTypeError(f"focus must be True, False or a guard, not {focus!r}")
-    return check_guard(focus)
-
-
-def _check_model(model, tokenizer) -> None:
-    """Refuse what is not a model and a tokenizer, before any work."""
-    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
-        model = (
-            f"a transformers model (a torch.nn.Module with a config), not {checks.describe(model)}"
-        )
-        raise InvalidTypeError(f"model must be {model}")
-    if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
-        raise InvalidTypeError(f"tokenizer must be the model's, not {checks.describe(tokenizer)}")

@@ -9,12 +9,13 @@ from collections.abc import Sequence
 
 from ..focusing.choice import Focus
 from ..states.state import KVState
-from .forgetting import Budget, Round, global_entries
+from .budget import Budget
+from .forgetting import Round, global_entries, layer_entries
 from .protection import system_texts
 from .records import Turn
 from .rendering import Message, Rendering
 
-__all__ = ["explain_text", "focus_said", "preview"]
+__all__ = ["explain_text", "focus_said", "held_line", "per_layer", "preview"]
 
 
 def preview(text: str, width: int = 48) -> str:
@@ -58,15 +59,49 @@ def explain_text(
         spent = sum(r.seconds for r in rounds)
         by_policy = Counter(r.policy for r in rounds)  # in the order they first forgot
         policies = ", ".join(f"{n} by {name}" for name, n in by_policy.items())
-        now = "no budget now" if budget is None else f"budget {budget.max_entries} entries"
+        now = "no budget now" if budget is None else f"budget {budget.describe()}"
         lines.append(
             f"forgetting ({now}): {len(rounds)} rounds ({policies}), {spent:.2f} s, "
             f"{spent / max(len(messages), 1):.3f} s per message; holds "
             f"{global_entries(state)} entries of {len(state)} tokens"
         )
+    if budget is not None or rounds:
+        lines.append(held_line(state))
     if said is not None:
         lines.append(f"last focus: {said}")
     return "\n".join(lines)
+
+
+def per_layer(state: KVState) -> list[dict]:
+    """Per layer, what the cache holds now: ``entries`` (per KV head, on average: a headwise
+    layer's heads hold their own), ``bytes`` (allocated, padding included) and ``window``."""
+    return [
+        {
+            "layer": i,
+            "entries": round(layer_entries(state, i), 2),
+            "bytes": layer.nbytes,
+            "window": layer.window,
+        }
+        for i, layer in enumerate(state.layers)
+    ]
+
+
+def held_line(state: KVState) -> str:
+    """One line: what the global layers hold now (entries per layer: least, median, most) and
+    the bytes the whole cache allocates."""
+    counted = sorted(layer_entries(state, i) for i in state.counted_layers)
+    if not counted:
+        return f"holds {state.nbytes / 2**20:.2f} MiB"
+    mid = counted[len(counted) // 2]
+    heads = (
+        " (each KV head its own)"
+        if any(hasattr(state.layers[i], "head_index") for i in state.counted_layers)
+        else ""
+    )
+    return (
+        f"holds per global layer {counted[0]:.0f} / {mid:.0f} / {counted[-1]:.0f} entries "
+        f"(least / median / most){heads}, {state.nbytes / 2**20:.2f} MiB in all"
+    )
 
 
 def focus_said(

@@ -20,11 +20,14 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import FileChangedError, InvalidInputError, InvalidTypeError
+import torch
+
+from ..errors import CorruptCacheError, FileChangedError, InvalidInputError, InvalidTypeError
 from ..states.files.read import read_attached
 from ..states.state import KVState
 from .attached import ATTACHMENT_KIND, ATTACHMENT_VERSION, BUDGET_KEYWORDS, parse_attachment
-from .forgetting import Budget, Round
+from .budget import Budget
+from .forgetting import Round
 from .records import Turn
 from .rendering import Message, Rendering
 
@@ -41,19 +44,13 @@ __all__ = [
     "load_keywords",
     "memory_attachment",
     "read_memory",
+    "score_tensors",
 ]
 
 KEYWORDS = set(BUDGET_KEYWORDS)
 """The ``Memory`` keywords a memory file keeps (:func:`budget_keywords`)."""
 
-LOAD_KEYWORDS = (
-    "max_positions",
-    "max_tokens",
-    "max_bytes",
-    *BUDGET_KEYWORDS[1:],
-    "prompt",
-    "system",
-)
+LOAD_KEYWORDS = ("max_positions", *BUDGET_KEYWORDS, "prompt", "system")
 """The keywords :meth:`kvedit.Memory.load` takes (``prompt`` and ``system`` only as the file's)."""
 
 
@@ -72,6 +69,8 @@ class MemoryFile:
     rendering: Rendering
     keywords: dict
     version: tuple | None = None
+    scores: dict | None = None
+    scored_by: str | None = None
 
 
 def budget_keywords(budget: Budget | None, recent: int, quantize: int | None) -> dict:
@@ -81,7 +80,10 @@ def budget_keywords(budget: Budget | None, recent: int, quantize: int | None) ->
     keywords: dict = {"max_tokens": None, "recent": recent, "quantize": quantize}
     if budget is not None:
         keywords["max_tokens"] = budget.max_entries
+        keywords["max_bytes"] = budget.max_bytes
         keywords["forget"] = budget.policy
+        keywords["recent_tokens"] = budget.recent_tokens
+        keywords["per_head"] = budget.per_head
         keywords["protect"] = [_span_json(span) for span in budget.protect]
     return keywords
 
@@ -101,10 +103,13 @@ def memory_attachment(
     turns: Sequence[Turn],
     rounds: Sequence[Round],
     keywords: dict | None = None,
+    scores: Mapping[int, object] | None = None,
+    scored_by: str | None = None,
 ) -> dict:
     """The header attachment of a memory file (JSON-ready); ``keywords``: the
-    :func:`budget_keywords` to keep (None: none)."""
-    return {
+    :func:`budget_keywords` to keep (None: none); ``scores``: the layers whose entry scores
+    (by the arrival policy ``scored_by``) the file holds as tensors (:func:`score_tensors`)."""
+    out = {
         "kind": ATTACHMENT_KIND,
         "version": ATTACHMENT_VERSION,
         "prompt": prompt,
@@ -113,6 +118,37 @@ def memory_attachment(
         "rounds": [dataclasses.asdict(r) for r in rounds],
         "budget": keywords,
     }
+    if scores is not None:
+        out["scores"] = {"policy": scored_by, "layers": sorted(int(i) for i in scores)}
+    return out
+
+
+def score_tensors(scores: Mapping[int, object] | None) -> dict:
+    """The tensors a memory file holds its entry scores in (``scores.{layer}``)."""
+    return {} if scores is None else {f"scores.{i}": t for i, t in scores.items()}
+
+
+def _file_scores(a, found, path) -> dict | None:
+    """The entry scores of a memory file, each ``[kv_heads, n]`` float32 of its layer's slots
+    (``-inf`` on a headwise layer's padding), checked against its layers."""
+    if a.scores is None:
+        return None
+    state, tensors, out = found.state, found.tensors or {}, {}
+    if sorted(a.scores["layers"]) != sorted(state.counted_layers):
+        raise CorruptCacheError(f"{path}: the memory's scores.layers are not its global layers")
+    for i in a.scores["layers"]:
+        t = tensors.get(f"scores.{i}")
+        layer = state.layers[i]
+        shape = (layer.kv_shape[1], len(layer))
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
+            got = "none" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise CorruptCacheError(
+                f"{path}: the memory's scores of layer {i} are {got}, not {shape} float32"
+            )
+        if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
+            raise CorruptCacheError(f"{path}: the memory's scores of layer {i} are not finite")
+        out[i] = t
+    return out
 
 
 def read_memory(
@@ -132,8 +168,18 @@ def read_memory(
         found.attachment, path, state.token_ids.tolist(), tokenizer, trusted=found.trusted
     )
     version = None if found.version is None else tuple(found.version[:4])
+    scores = _file_scores(a, found, path)
     return MemoryFile(
-        state, a.prompt, a.messages, a.turns, a.rounds, a.rendering, a.keywords, version
+        state,
+        a.prompt,
+        a.messages,
+        a.turns,
+        a.rounds,
+        a.rendering,
+        a.keywords,
+        version,
+        scores,
+        None if a.scores is None else a.scores["policy"],
     )
 
 

@@ -1,106 +1,94 @@
-"""Forgetting under a budget: which entries a :class:`kvedit.Memory` drops when it would hold
-more than it may, without knowing the next question.
+"""Forgetting: which entries a :class:`kvedit.Memory` drops when it would hold more than its
+budget (:mod:`kvedit.memory.budget`) allows, without knowing the next question.
 
-The budget counts the entries of the global-attention layers (a sliding-window layer keeps its
-last tokens by itself and is not counted), on average over those layers
-(:func:`global_entries`); a byte budget is converted with the bytes one entry takes on all
-global layers in bfloat16 (:func:`entry_bytes_bf16`), so a budget means the same on models
-stored in other dtypes.
+**A round** (:func:`forget`) keeps every protected entry (the first :data:`SINK_TOKENS` tokens,
+the system message, the ``protect`` spans, the last ``recent_tokens`` tokens: the budget's
+:meth:`~kvedit.memory.budget.Budget.protected_tokens`) and the best-scored others
+(:func:`kvedit.compress.allocation.rank_keep`), and cuts the layers to them.
 
-A round (:func:`forget`) scores every global layer's entries with the policy, keeps every
-protected entry (the first :data:`SINK_TOKENS` tokens, the system message, the last ``recent``
-messages, the ``protect`` spans) and the best-scored others up to the target, drops the rest
-(all KV heads alike, so the bytes go down by exactly what is dropped), and runs the state's
-last token again over what is left (its logits then follow the cache it has). The target is
-each layer's for most policies (every global layer keeps the same entries' count); for the
-policies in :data:`SHARED_POLICIES` it is shared by the global layers, as KVzip shares it:
-their scores (attention probabilities) compare across layers, so the best-scored entries of all
-layers together are kept and a layer the reconstruction reads broadly keeps more than one that
-reads a few tokens. The state's history gets a ``forget`` step (not exact): a memory that
-forgot is no longer a plain capture.
+**Policies** are the compression scorers by name (:data:`kvedit.compress.SCORERS`: any
+registered scorer is a policy); what a round does with one follows from what it says of itself
+(:class:`kvedit.compress.Scorer`):
 
-Policies (:data:`POLICIES`), each a score per entry, higher kept first:
+* an ``arrival`` scorer (``learned``, ``kvzip``) scores each message's entries once, when the
+  message arrives, and the memory keeps the scores (:mod:`kvedit.memory.held`): a round only
+  ranks them, nothing is re-read; any other scorer scores everything the memory holds at each
+  round (``reconstruct`` re-reads it);
+* a ``shared`` scorer's scores compare across layers: one ranking of every global layer's
+  entries shares the budget (a layer that reads the text broadly keeps more, KVzip's rule);
+  any other keeps the same count on every global layer;
+* ``whole_words``: an entry's score is the best of its word's (:func:`kvedit.spans.word_index`);
+* ``per_head`` (arrival scorers, the default where the model has more than one KV head and
+  nothing needs the same entries on every head): one ranking of (layer, KV head, entry), each
+  head keeping its own entries (:class:`kvedit.cache.HeadwiseLayerKV`; the bytes are freed);
+  otherwise an entry's score is its largest over the KV heads (an entry some head needs is kept)
+  and a layer keeps the same entries on every head (what vLLM's paged cache serves).
 
-==============  ===============================================================================
-``window``      recency: the newest entries are kept (with the protected ones: StreamingLLM's
-                sink tokens plus a window of the last messages)
-``knorm``       minus the key's L2 norm (:mod:`kvedit.compress.scorers.knorm`)
-``tova``        the last token's attention (:mod:`kvedit.compress.scorers.tova`)
-``snapkv``      the attention of the state's own last tokens, a generic observation window
-                (:mod:`kvedit.compress.scorers.snapkv` without a query)
-``h2o``         attention accumulated over the whole text (not on sliding-window models)
-``reconstruct`` the attention each entry gets while the model reads the context again after a
-                "repeat the context" prompt (KVzip's idea;
-                :mod:`kvedit.compress.scorers.reconstruct`), when that scorer is registered
-==============  ===============================================================================
-
-A compression scorer's per-head scores are averaged over the KV heads, but for the policies of
-:data:`SHARED_POLICIES`, whose entry scores are their largest over the heads (KVzip's: an entry
-one head needs is kept), then the largest over the entries of the same word
-(:func:`kvedit.spans.word_index`: a code such as ``SZ-611.`` takes several tokens, and a code
-with a digit forgotten is a wrong code), so a word is kept or forgotten whole.
+Each round is a ``forget`` history step (not exact: a memory that forgot is no longer a plain
+capture) and a :class:`Round`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .. import checks
-from ..compress.scorers import SCORERS, make_scorer
-from ..errors import InvalidInputError, SpanNotFoundError, UnsupportedModelError
+from ..cache import keep_per_head
+from ..compress.allocation import rank_keep
+from ..compress.scorers import SCORERS, Scorer, make_scorer
+from ..errors import InvalidInputError, UnsupportedModelError
 from ..provenance import Step
-from ..spans import as_span_list, word_index
-from ..states.passes import recompute_last
+from ..spans import word_index
 from ..states.state import KVState
 
 __all__ = [
     "DEFAULT_POLICY",
-    "LOW_WATER",
-    "SHARED_POLICIES",
-    "Budget",
-    "POLICIES",
+    "FALLBACK_POLICY",
     "SINK_TOKENS",
     "Round",
-    "budget_from",
     "check_policy",
-    "entry_bytes_bf16",
+    "default_policy",
+    "entry_bytes",
     "forget",
     "global_entries",
-    "policy_scores",
+    "layer_entries",
+    "policies",
+    "protected_slots",
 ]
 
 SINK_TOKENS = 4
 """The first tokens every round keeps: attention sinks (StreamingLLM, arXiv:2309.17453) that
 every later query attends to; dropping them degrades all that follows."""
 
-LOW_WATER = 0.8
-"""A round forgets down to this fraction of the budget, so it runs once every several messages
-rather than at every message."""
+DEFAULT_POLICY = "learned"
+"""``Memory(forget=)``'s default where a fit exists for the model: the policy that kept the most
+on the tuning seeds at a quarter and a tenth of the entries, at a fraction of a message's cost
+(reports/memory/forgetting.md)."""
 
-POLICIES = ("window", "knorm", "tova", "snapkv", "h2o", "reconstruct")
-"""The forgetting policies by name (module docstring)."""
+FALLBACK_POLICY = "kvzip"
+"""The default for a model no learned scorer is fit for: the arrival policy that needs no fit
+(it re-reads each message once, about the message's own cost)."""
 
-DEFAULT_POLICY = "reconstruct"
-"""``Memory(forget=)``'s default: on the facts task's tuning seed it kept the most (0.519 against
-``reuse``'s 0.556; ``window`` 0.185, ``snapkv-first`` 0.148, ``tova`` 0.037), though its rounds
-cost several times a message's own time (reports/memory/eval_memory.md, budget.md)."""
 
-SHARED_POLICIES = ("reconstruct",)
-"""Policies whose round shares the target among the global layers and keeps words whole (module
-docstring): on the facts task's tuning seed, reconstruct kept the facts with the target shared
-as KVzip shares it and lost them with the same count on every layer, and whole words kept more
-of them on Gemma-3 (reports/memory/eval_memory.md)."""
+def default_policy(state: KVState) -> str:
+    """:data:`DEFAULT_POLICY` when a fit exists for ``state``'s model, else
+    :data:`FALLBACK_POLICY`."""
+    return DEFAULT_POLICY if make_scorer(DEFAULT_POLICY).refuses(state) is None else FALLBACK_POLICY
+
+
+def policies() -> tuple[str, ...]:
+    """Every policy's name: the registered scorers (:data:`kvedit.compress.SCORERS`)."""
+    return tuple(sorted(SCORERS))
 
 
 @dataclass(frozen=True)
 class Round:
     """One forgetting round: at which message, the policy, the global-layer entries before and
     after (:func:`global_entries`: on average over those layers), and its cost in seconds
-    (scoring, dropping and the last token's rerun)."""
+    (scoring and dropping)."""
 
     at_message: int
     policy: str
@@ -109,228 +97,171 @@ class Round:
     seconds: float
 
 
+def layer_entries(state: KVState, i: int) -> float:
+    """The entries layer ``i`` of ``state`` holds per KV head (on average over its heads)."""
+    layer = state.layers[i]
+    return layer.head_entries() / max(layer.kv_shape[1], 1)
+
+
 def global_entries(state: KVState) -> int:
     """The entries a global-attention layer of ``state`` holds on average, rounded up (every
-    layer when the model has none): times :func:`entry_bytes_bf16`, at least the bytes the
-    global layers hold in bfloat16."""
-    sizes = [len(state.layers[i]) for i in state.counted_layers]
-    return -(-sum(sizes) // len(sizes))
+    layer when the model has none; a layer held per head: its heads' entries on average)."""
+    sizes = [layer_entries(state, i) for i in state.counted_layers]
+    return -int(-sum(sizes) // len(sizes))
 
 
-def entry_bytes_bf16(state: KVState) -> int:
-    """Bytes one entry takes on all global layers together, keys and values in bfloat16."""
-    layers = [state.layers[i] for i in state.counted_layers]
-    return sum(2 * layer.kv_shape[1] * layer.kv_shape[3] * 2 for layer in layers)
-
-
-def check_policy(policy: str, state: KVState) -> None:
-    """Refuse a policy that does not exist or cannot serve the model, before any work."""
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise InvalidInputError(f"forget must be one of {list(POLICIES)}, not {policy!r}")
-    if policy != "window" and policy not in SCORERS:
-        raise InvalidInputError(f"forget={policy!r}: the scorer {policy!r} is not registered")
-    if policy == "h2o" and any(layer.window is not None for layer in state.layers):
-        raise UnsupportedModelError(
-            "forget='h2o' cannot serve a model with sliding-window layers: they forget the "
-            "tokens its scores re-read (use reconstruct, snapkv, tova, knorm or window)"
-        )
-
-
-def policy_scores(policy: str, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-    """``{layer: [n] scores}`` of each layer's entries under ``policy`` (higher kept first)."""
-    if policy == "window":
-        return {i: state.layers[i].token_index.float() for i in layers}
+def check_policy(policy: str, state: KVState) -> Scorer:
+    """The scorer of ``policy``, refused before any work when it does not exist or cannot serve
+    the model (:meth:`kvedit.compress.Scorer.refuses`)."""
+    if not isinstance(policy, str) or policy not in SCORERS:
+        raise InvalidInputError(f"forget must be one of {list(policies())}, not {policy!r}")
     scorer = make_scorer(policy)
-    scores = scorer.score(state, list(layers))
-    if policy in SHARED_POLICIES:  # KVzip: an entry some head needs is kept for all heads
-        words = word_index(state.text, state.offsets)
-        return {
-            i: _word_max(scores[i].float().amax(dim=(0, 1)).cpu(), words, state, i) for i in layers
-        }
-    return {i: scores[i].float().mean(dim=(0, 1)).cpu() for i in layers}
+    why = scorer.refuses(state)
+    if why is not None:
+        raise UnsupportedModelError(f"forget={policy!r}: {why}")
+    return scorer
 
 
-def _word_max(
-    scores: torch.Tensor, words: torch.Tensor, state: KVState, layer: int
-) -> torch.Tensor:
-    """``[n]`` scores of layer ``layer``'s entries, each the largest of the entries of its word
-    (``words``: :func:`kvedit.spans.word_index` of the state's tokens) the layer holds."""
-    index = state.layers[layer].token_index.cpu()
-    held = index >= 0
-    w = torch.where(held, words[index.clamp_min(0)], -1 - torch.arange(len(index)))
-    w = torch.unique(w, return_inverse=True)[1]  # entries without a token: a word each
-    best = torch.full((int(w.max()) + 1,), float("-inf")).scatter_reduce(0, w, scores, "amax")
-    return best[w]
+def entry_bytes(layer) -> int:
+    """Bytes one more entry (every KV head) takes on ``layer``: keys and values in its dtype,
+    its bias when it holds one."""
+    b, heads, _, d = layer.kv_shape
+    dv = layer.value_shape[3]
+    exact = layer.packed_keys.residual if layer.packed else layer.keys  # new entries: exact
+    bias = 0 if layer.bias is None else 4 * layer.bias.shape[1]
+    index = getattr(layer, "head_index", None)  # a headwise layer's slots: token and position
+    slots = 0 if index is None else 2 * heads * index.element_size()
+    return b * heads * (d + dv) * exact.element_size() + b * bias + slots
 
 
 def forget(
     state: KVState,
-    target: int,
+    scores: dict[int, torch.Tensor] | None,
     protected: torch.Tensor,
     policy: str,
-    *,
+    room: float,
     at_message: int = 0,
-    scores: Callable[[str, KVState, Sequence[int]], dict[int, torch.Tensor]] = policy_scores,
-) -> tuple[KVState, Round]:
-    """``state`` with its global layers cut to ``target`` entries each (on average for the
-    policies of :data:`SHARED_POLICIES`).
+    *,
+    per_head: bool = False,
+    in_bytes: bool = False,
+) -> tuple[KVState, dict[int, torch.Tensor] | None, Round]:
+    """``state`` with its global layers cut to ``room``: entries per layer on average, or
+    bytes (``in_bytes``), by ``policy`` (a registered scorer's name), each KV head keeping its
+    own entries with ``per_head``.
 
     Args:
         state: the memory's state (not modified).
-        target: the entries each global layer keeps (on average over them for the
-            policies of :data:`SHARED_POLICIES`).
+        scores: ``{layer: [kv_heads, n]}`` the memory keeps for an arrival policy (None:
+            scored now).
         protected: ``BoolTensor[len(state)]``, the tokens no round drops.
-        policy: one of :data:`POLICIES`.
 
     Raises:
-        InvalidInputError: the protected entries alone exceed ``target``.
+        InvalidInputError: the protected entries alone exceed ``room``.
     """
     t0 = time.perf_counter()
     before = global_entries(state)
-    chosen = state.counted_layers
-    per_layer = scores(policy, state, chosen)
-    keeps = {}
-    for i in chosen:
-        index = state.layers[i].token_index.cpu()
-        keep = (index >= 0) & protected[index.clamp_min(0)]
-        keep |= (index >= 0) & (index < SINK_TOKENS)
-        keep |= index == len(state) - 1  # the last input: its logits are run again below
-        keeps[i] = keep
-    n_kept = max(int(k.sum()) for k in keeps.values())  # every layer holds the protected part
-    if n_kept > target:
-        raise InvalidInputError(
-            f"the protected part holds {n_kept} entries, more than the {target} the budget "
-            "leaves: raise the budget, or protect less (recent=, protect=)"
-        )
-    if policy in SHARED_POLICIES:
-        _keep_best(keeps, per_layer, target)
-    else:
-        for i in chosen:
-            _keep_best({i: keeps[i]}, per_layer, target)
+    chosen = list(state.counted_layers)
+    scorer = make_scorer(policy)
+    ranked = scores if scores is not None else _scored_now(scorer, state, chosen)
+    if scorer.whole_words:
+        ranked = _word_max(ranked, state)
+    must = {i: protected_slots(state.layers[i], protected) for i in chosen}
+    held = {i: _slots(state.layers[i])[0] >= 0 for i in chosen}
+    cost = {i: (float(entry_bytes(state.layers[i])) if in_bytes else 1.0) for i in chosen}
+    total = room if in_bytes else room * len(chosen)
+    kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head)
     layers = list(state.layers)
+    new_scores = None if scores is None else {}
     for i in chosen:
-        layers[i] = layers[i].select(keeps[i].nonzero().flatten())
-    out = state.replace(layers=layers).with_step(
-        Step(
-            "compression",
-            "forget",
-            {"policy": policy, "target": int(target), "before": int(before)},
-            exact=False,
-        )
+        layers[i], s = _cut(state.layers[i], kept[i], None if scores is None else scores[i])
+        if new_scores is not None:
+            new_scores[i] = s
+    params = {"policy": policy, "room": float(room), "before": int(before)}
+    params["per_head"] = per_head
+    out = state.replace(layers=layers).with_step(Step("compression", "forget", params, exact=False))
+    done = Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
+    return out, new_scores, done
+
+
+def _scored_now(scorer: Scorer, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{layer: [kv_heads, n]}``: the scores of a policy that scores at each round (a shared
+    one's per head, for its largest over them; another's averaged over its heads)."""
+    got = scorer.score(state, list(layers))
+    if scorer.shared:
+        return {i: got[i][0].float().cpu() for i in layers}
+    return {i: got[i][0].float().mean(dim=0, keepdim=True).cpu() for i in layers}
+
+
+def _word_max(scores: dict[int, torch.Tensor], state: KVState) -> dict[int, torch.Tensor]:
+    """Each entry's score the largest of the entries of its word on its head (entries without
+    a token, a word each)."""
+    words = word_index(state.text, state.offsets)
+    out = {}
+    for i, s in scores.items():
+        index = _slots(state.layers[i])[0][: s.shape[0]]
+        n = index.shape[1]
+        other = -1 - torch.arange(n)[None].expand_as(index)
+        w = torch.where(index >= 0, words[index.clamp_min(0)], other)
+        w = torch.unique(w, return_inverse=True)[1]  # [heads, n], word ids shared by the heads
+        best = torch.full((s.shape[0], int(w.max()) + 1), float("-inf"))
+        best = best.scatter_reduce(1, w.expand_as(s), s.float(), "amax")
+        out[i] = best.gather(1, w.expand_as(s))
+    return out
+
+
+def _slots(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, positions)`` ``[kv_heads, n]``: the token each head's slot holds (``-1``: a
+    headwise layer's padding) and its position."""
+    if hasattr(layer, "head_index"):
+        return layer.head_index.cpu(), layer.head_positions.cpu()
+    heads = layer.kv_shape[1]
+    return layer.token_index.cpu()[None].expand(heads, -1), layer.positions.cpu()[None].expand(
+        heads, -1
     )
-    out = recompute_last(out)
-    return out, Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
 
 
-def _keep_best(
-    keeps: dict[int, torch.Tensor], scores: dict[int, torch.Tensor], target: int
-) -> None:
-    """Mark (in place) the best-scored entries of the layers of ``keeps`` together, so that
-    they hold ``target`` entries each on average: ``len(keeps) * target`` in all (one layer:
-    its own ``target``)."""
-    order = list(keeps)
-    flat = torch.cat([scores[i].float().masked_fill(keeps[i], float("-inf")) for i in order])
-    held = sum(int(keeps[i].sum()) for i in order)
-    room = min(len(order) * target, len(flat)) - held
-    if room <= 0:
-        return
-    chosen = torch.zeros(len(flat), dtype=torch.bool)
-    chosen[torch.topk(flat, room).indices] = True
-    start = 0
-    for i in order:
-        n = len(keeps[i])
-        keeps[i] |= chosen[start : start + n]
-        start += n
+def protected_slots(layer, protected: torch.Tensor) -> torch.Tensor:
+    """``[kv_heads, n]`` bool: the slots of ``layer`` that hold a protected token."""
+    index = _slots(layer)[0]
+    return (index >= 0) & protected[index.clamp_min(0)]
 
 
-@dataclass(frozen=True)
-class Budget:
-    """How much a memory may hold and how it forgets (``Memory(max_tokens=, max_bytes=,
-    forget=, recent=, protect=)``).
-
-    Attributes:
-        max_entries: the most entries a global layer holds on average (:func:`global_entries`).
-        policy: one of :data:`POLICIES`.
-        recent: the last messages never forgotten (the message being added is one of them).
-        protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
-            takes them); a span not (yet) in the text protects nothing.
-    """
-
-    max_entries: int
-    policy: str = DEFAULT_POLICY
-    recent: int = 2
-    protect: tuple = ()
-
-    def make_room(
-        self,
-        state: KVState,
-        protected_ranges: Sequence[tuple[int, int]],
-        n_new: int,
-        at_message: int,
-    ) -> tuple[KVState, Round | None]:
-        """``state`` with room for ``n_new`` more entries per global layer (on average over
-        them, :func:`global_entries`): unchanged when they fit, else forgotten down to
-        :data:`LOW_WATER` of the budget less ``n_new``.
-
-        ``protected_ranges``: token ranges ``[start, end)`` of ``state`` never forgotten (the
-        system message, the recent messages). Raises :class:`~kvedit.errors.InvalidInputError`
-        (before any work) when the protected part and the new entries alone exceed the budget.
-        """
-        protected = self.protected(state, protected_ranges)
-        protected[: min(SINK_TOKENS, len(state))] = True
-        if len(state):
-            protected[-1] = True
-        n_protected = int(protected.sum())
-        if n_protected + n_new > self.max_entries:
-            raise InvalidInputError(
-                f"the budget is {self.max_entries} entries; the protected part (system "
-                f"message, the last {self.recent} messages, protect= spans) holds "
-                f"{n_protected} and this message adds {n_new}: raise max_tokens/max_bytes, or "
-                "protect less"
-            )
-        if global_entries(state) + n_new <= self.max_entries:
-            return state, None
-        target = max(int(LOW_WATER * self.max_entries) - n_new, n_protected)
-        return forget(state, target, protected, self.policy, at_message=at_message)
-
-    def protected(
-        self, state: KVState, protected_ranges: Sequence[tuple[int, int]]
-    ) -> torch.Tensor:
-        """``BoolTensor[len(state)]``: the tokens no round drops."""
-        keep = torch.zeros(len(state), dtype=torch.bool)
-        for start, end in protected_ranges:
-            keep[start:end] = True
-        for span in self.protect:
-            try:
-                keep[state.token_indices(span)] = True
-            except SpanNotFoundError:
-                continue
-        return keep
+def _kept(ranked, must, held, cost, total: float, shared: bool, per_head: bool) -> dict:
+    """What each layer keeps (:func:`rank_keep`: over all layers for a shared policy, each layer
+    its equal share of ``total`` otherwise); ``must`` ``[kv_heads, n]`` per layer."""
+    if not per_head:  # a slot holds the same token on every head
+        must = {i: m.any(dim=0) for i, m in must.items()}
+    if shared:
+        return rank_keep(ranked, must, total, cost, per_head=per_head, held=held)
+    out = {}
+    share = total / len(ranked)
+    for i in ranked:
+        one = rank_keep(
+            {i: ranked[i]}, {i: must[i]}, share, {i: cost[i]}, per_head=per_head, held={i: held[i]}
+        )
+        out.update(one)
+    return out
 
 
-def budget_from(
-    state: KVState,
-    max_tokens: int | None,
-    max_bytes: int | None,
-    forget: str,
-    recent: int,
-    protect,
-) -> Budget | None:
-    """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
-    ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state."""
-    check_policy(forget, state)
-    recent = checks.count("recent", recent)
-    if max_tokens is not None and max_bytes is not None:
-        raise InvalidInputError("give max_tokens or max_bytes, not both")
-    if max_bytes is not None:
-        per_entry = entry_bytes_bf16(state)
-        max_tokens = checks.count("max_bytes", max_bytes, minimum=1) // per_entry
-        if max_tokens < 1:
-            raise InvalidInputError(
-                f"max_bytes={max_bytes} holds no entry: one takes {per_entry} bytes in bfloat16"
-            )
-    protect = () if protect is None else tuple(as_span_list(protect))
-    if max_tokens is None:
-        return None
-    max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    return Budget(max_tokens, forget, recent, protect)
+def _cut(layer, kept: torch.Tensor, scores: torch.Tensor | None):
+    """``(layer, scores)`` keeping ``kept`` (``[n]`` for every head, or ``[kv_heads, n]``)."""
+    if kept.ndim == 2:
+        out = keep_per_head(layer, kept)
+        return out, None if scores is None else _scores_after(layer, out, scores)
+    entries = kept.nonzero().flatten()
+    return layer.select(entries), None if scores is None else scores[:, entries]
+
+
+def _scores_after(old, new, scores: torch.Tensor) -> torch.Tensor:
+    """The scores ``[kv_heads, n_old]`` of ``old``'s slots, moved to ``new``'s (a per-head cut
+    of it): each head's slot takes the score of the same token's slot in ``old``
+    (``-inf`` on padding)."""
+    heads = scores.shape[0]
+    old_index, new_index = _slots(old)[0], _slots(new)[0]
+    size = int(max(int(old_index.max()), int(new_index.max()))) + 1
+    table = torch.full((heads, size + 1), float("-inf"))
+    rows = torch.arange(heads)[:, None].expand_as(old_index)
+    held = old_index >= 0
+    table[rows[held], old_index[held]] = scores[held].float()
+    out = table.gather(1, torch.where(new_index >= 0, new_index, size))
+    return out

@@ -1,9 +1,9 @@
-"""What a :class:`kvedit.Memory` under a budget never forgets, as token ranges of its
-transcript: :func:`protected_ranges`.
+"""The system messages a :class:`kvedit.Memory` under a budget never forgets, as token ranges of
+its transcript: :func:`protected_ranges`.
 
-The budget's rule (docs/memory.md): the system message, the last ``recent`` messages and the
-``protect`` spans (those the :class:`~kvedit.memory.forgetting.Budget` finds itself) are never
-forgotten. A system message is protected by its own turn's tokens and by the tokens of its text
+The budget's rule (docs/memory.md): the first tokens, the system message, the last
+``recent_tokens`` tokens and the ``protect`` spans are never forgotten (all but the system
+message the :class:`~kvedit.memory.budget.Budget` finds itself). A system message is protected by its own turn's tokens and by the tokens of its text
 wherever the template writes it (:func:`system_text_ranges`): Gemma-3's official template folds
 the system message into the first user turn, leaving the system turn one token (the BOS), so
 its turn alone would protect nothing of it. A template that does not write a system message's
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ..errors import TemplateError
 from ..spans import tokens_in_ranges
-from .forgetting import Budget
+from .budget import Budget
 from .records import Turn
 from .rendering import Message, Rendering
 
@@ -43,21 +43,12 @@ def system_text_ranges(messages: Sequence[Message], rendering: Rendering) -> lis
 
 
 def protected_ranges(
-    budget: Budget,
-    turns: Sequence[Turn],
-    messages: Sequence[Message],
-    rendering: Rendering,
-    recent_kept: int,
+    turns: Sequence[Turn], messages: Sequence[Message], rendering: Rendering
 ) -> list[tuple[int, int]]:
-    """The token ranges a forgetting round keeps: the system messages (their turns and their
-    texts), and the last ``budget.recent`` messages of which ``recent_kept`` are the ones
-    being added (not yet in ``turns``)."""
+    """The token ranges of the system messages (their turns and their texts), which a
+    forgetting round keeps."""
     ranges = [(t.start, t.end) for t in turns if t.role == "system"]
-    ranges += system_text_ranges(messages, rendering)
-    if budget.recent > recent_kept:
-        first = max(len(turns) - (budget.recent - recent_kept), 0)
-        ranges += [(t.start, t.end) for t in turns[first:]]
-    return ranges
+    return ranges + system_text_ranges(messages, rendering)
 
 
 def check_system_held(

@@ -2,9 +2,10 @@
 
 The entries of every message before the last ``recent`` ones are held KIVI-style in ``bits``
 bits (:func:`kvedit.compress.quantize`: keys per channel in groups of :data:`GROUP` entries,
-values per entry); the last ``recent`` messages and the last input stay exact. It is a second
-axis beside forgetting: it shrinks the bytes each entry takes, never the entries a budget
-counts (``max_tokens``/``max_bytes`` count entries, the bytes in bfloat16).
+values per entry); the last ``recent`` messages and the last input stay exact (under a budget,
+what each global layer still holds of them). It is a second axis beside forgetting: it shrinks
+the bytes each entry takes (``max_bytes`` counts the bytes held, packed ones included), never the
+entries ``max_tokens`` counts.
 
 When it runs (:func:`hold_older_quantized`): once the exact entries older than the recent
 messages reach :data:`REQUANTIZE_AFTER`, the older part is packed again. Packing again from the
@@ -73,12 +74,7 @@ def hold_older_quantized(
     old = exact_old_entries(state, exact_from)
     if old < (1 if forgot else REQUANTIZE_AFTER):
         return state
-    # every global layer holds the recent messages whole (never forgotten), and nothing after
-    # them: the same count of exact entries at each layer's end, whatever else a layer holds
-    tails = {int((state.layers[i].token_index >= exact_from).sum()) for i in state.global_layers}
-    if len(tails) != 1:
-        raise InvalidInputError(
-            f"the global layers hold the last {recent} messages in different counts {sorted(tails)}"
-            ": the memory's layers were altered"
-        )
-    return quantize(state, bits, residual=tails.pop(), group=GROUP)
+    # a forgetting round may have dropped some of the recent messages' entries on some layers:
+    # each layer's exact tail is what it holds of them
+    tails = [max(int((layer.token_index >= exact_from).sum()), 1) for layer in state.layers]
+    return quantize(state, bits, residual=tails, group=GROUP)

@@ -50,7 +50,9 @@ __all__ = [
     "PlainRenderer",
     "Renderer",
     "Rendering",
+    "check_append_only",
     "check_readable",
+    "common_prefix",
     "lone_surrogate",
     "renderer_for",
 ]
@@ -307,3 +309,33 @@ def renderer_for(prompt: str, tokenizer) -> Renderer:
     if not isinstance(prompt, str) or prompt not in RENDERERS:
         raise InvalidInputError(f"prompt must be one of {sorted(RENDERERS)}, not {prompt!r}")
     return RENDERERS[prompt](tokenizer)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def check_append_only(held: Rendering, new: Rendering, what: str, prompt: str, tokenizer) -> None:
+    """Refuse ``new`` unless the ids (and text) of ``held`` are a prefix of it and it adds
+    tokens (``what``: the message, question or answer being added).
+
+    Raises:
+        TemplateError: naming the prompt format, the token where the renderings part, and what
+            each holds there.
+    """
+    n = len(held.ids)
+    if new.ids[:n] != held.ids or not new.text.startswith(held.text):
+        at = common_prefix(held.ids, new.ids)
+        raise TemplateError(
+            f"the {prompt!r} prompt format is not append-only here: with the {what} "
+            f"added, the rendering differs from the {n} tokens already held at token {at} "
+            f"(held {tokenizer.decode(held.ids[at : at + 8])!r}, now "
+            f"{tokenizer.decode(new.ids[at : at + 8])!r}); the memory is unchanged"
+        )
+    if len(new.ids) == n:
+        raise TemplateError(f"the {what} renders to no new tokens; the memory is unchanged")

@@ -4,7 +4,7 @@ focus kept the edit (the steps a draft could skip)."""
 from __future__ import annotations
 
 from benchmarks.answer_prefix import prefixes, summary
-from kvedit.memory.answering import common_prefix
+from kvedit.memory.rendering import common_prefix
 
 
 def test_the_shared_prefix_is_counted_only_where_an_edit_was_kept(llama):

@@ -24,7 +24,6 @@ from kvedit.cli import main as cli_main
 from kvedit.errors import StorageError
 from kvedit.memory import conversation
 from kvedit.memory.conversation import Memory
-from kvedit.memory.forgetting import entry_bytes_bf16
 from kvedit.models import load_model
 from kvedit.states.files.write import save_state
 from kvedit.store.lock import WriterLock
@@ -294,10 +293,13 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
     first, *rest = out.splitlines()
     assert first == (
         f"[new memory {path}, prompt 'chat', holds at most 150 entries a global layer on average "
-        "(forgets by knorm, the last 2 messages kept)]"
+        "(forgets by knorm, the last 16 tokens kept)]"
     )
     costs = [line for line in rest if "tok reused" in line]
-    held = [int(re.search(r"\((\d+) of 150 entries held\)", c).group(1)) for c in costs]
+    found = [
+        re.search(r"\((\d+) of 150 entries held, question and answer on top\)", c) for c in costs
+    ]
+    held = [int(m.group(1)) for m in found]
     assert len(held) == 6 and max(held) <= 150
     forgot = [c for c in costs if ", forgot " in c]
     assert forgot and all(c.endswith(" s)]") and "(knorm, " in c for c in forgot)
@@ -310,10 +312,10 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
     assert status == 0, err
     n = len(forgot)
     assert out.splitlines()[0].endswith(
-        "holds at most 150 entries a global layer on average (forgets by knorm, the last 2 "
-        f"messages kept); it forgot in {n} rounds before]"
+        "holds at most 150 entries a global layer on average (forgets by knorm, the last 16 "
+        f"tokens kept); it forgot in {n} rounds before]"
     )
-    assert f"forgetting (budget 150 entries): {n} rounds ({n} by knorm), " in out
+    assert f"forgetting (budget 150 entries per layer): {n} rounds ({n} by knorm), " in out
     # another policy from here on: the start line and /explain tell the rounds apart
     more = "".join(f"and line {i}: the bridge is old\n" for i in range(3))
     status, out, err = _chat(
@@ -321,7 +323,7 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
     )
     assert status == 0, err
     assert out.splitlines()[0].endswith(
-        f"(forgets by window, the last 2 messages kept); it forgot in {n} rounds before]"
+        f"(forgets by window, the last 16 tokens kept); it forgot in {n} rounds before]"
     )
     m = len(Memory.load(path, *tiny).forgetting) - n
     assert m > 0 and f"({n} by knorm, {m} by window)" in out
@@ -329,16 +331,18 @@ def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, 
 
 def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
     path = tmp_path / "chat.kv"
-    status, out, err = _chat(monkeypatch, capsys, path, "", "--max-bytes", "96KiB")
-    assert status == 0, err
-    per_entry = entry_bytes_bf16(Memory(*tiny).state)
-    assert f"holds at most {96 * 1024 // per_entry:,} entries a global layer" in out
-    status, out, err = _chat(monkeypatch, capsys, path, "", "--max-bytes", "300")
-    assert (status, out) == (2, "")
-    assert err.strip() == (
-        f"kvedit chat: error: --max-bytes 300: max_bytes=300 holds no entry: one takes "
-        f"{per_entry} bytes in bfloat16"
+    lines = "".join(
+        f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(8)
     )
+    status, out, err = _chat(monkeypatch, capsys, path, lines, "--max-bytes", "96KiB")
+    assert status == 0, err
+    assert "holds at most 96.0 KiB" in out.splitlines()[0]
+    sizes = [float(x) for x in re.findall(r"tok \(budget 96\.0 KiB\), ([\d.]+) KiB", out)]
+    assert len(sizes) == 8 and max(sizes) <= 96.0  # what each turn line prints, bounded
+    assert Memory.load(path, *tiny).nbytes <= 96 * 1024
+    small = tmp_path / "small.kv"
+    status, out, err = _chat(monkeypatch, capsys, small, "hi\n", "--max-bytes", "300")
+    assert "raise max_bytes" in err
 
 
 def test_quantize_holds_older_messages_in_fewer_bits(monkeypatch, capsys, tmp_path, tiny):
@@ -358,10 +362,9 @@ def test_quantize_holds_older_messages_in_fewer_bits(monkeypatch, capsys, tmp_pa
     ("args", "says"),
     [
         (["--forget", "knorm"], "--forget without a budget: give --max-tokens or --max-bytes"),
-        (
-            ["--recent", "3", "--protect", "x"],
-            "--recent, --protect without a budget: give --max-tokens or --max-bytes",
-        ),
+        (["--protect", "x"], "--protect without a budget: give --max-tokens or --max-bytes"),
+        (["--recent-tokens", "3"], "--recent-tokens without a budget"),
+        (["--recent", "3"], "--recent says which messages --quantize holds exact"),
         (["--max-bytes", "3XB"], "argument --max-bytes: expected a size such as 2000000"),
         (["--max-bytes", "0.5"], "argument --max-bytes: must be at least one byte"),
         (["--max-tokens", "9", "--max-bytes", "9"], "not allowed with argument"),
@@ -393,7 +396,7 @@ def test_h2o_on_a_sliding_window_model_is_a_bad_option_and_the_file_is_left(
     assert status == 2 and out == ""
     (line,) = err.splitlines()
     assert line.startswith(
-        "kvedit chat: error: --max-tokens 50 --forget h2o: forget='h2o' cannot serve a model "
+        "kvedit chat: error: --max-tokens 50 --forget h2o: forget='h2o': cannot serve a model "
         "with sliding-window layers"
     )
     assert path.read_bytes() == before

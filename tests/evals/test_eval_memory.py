@@ -95,12 +95,25 @@ def test_specs_and_budgets_are_parsed_and_refused_clearly():
             memory.parse_budgets(bad)
 
 
-def test_a_policy_without_its_scorer_is_refused(monkeypatch):
+def test_the_methods_are_every_registered_scorer(monkeypatch):
+    """A policy is any registered scorer: one registered later is a method, one removed is
+    not."""
+    from dataclasses import dataclass
+
     from kvedit.compress import scorers
 
+    assert set(memory.memory_methods()) == {"reuse", "snapkv-first", *scorers.SCORERS}
     monkeypatch.delitem(scorers.SCORERS, "tova")
-    with pytest.raises(InvalidInputError, match="not registered.*not built yet"):
+    with pytest.raises(InvalidInputError, match="unknown memory method 'tova'"):
         memory.parse_memory_spec("tova")
+
+    @dataclass(frozen=True)
+    class Fresh(scorers.Scorer):
+        def score(self, state, layers):
+            return {i: state.layers[i].keys.float().norm(dim=-1) for i in layers}
+
+    monkeypatch.setitem(scorers.SCORERS, "fresh", Fresh)
+    assert memory.parse_memory_spec("fresh:budget=0.5").name == "fresh"
 
 
 # ------------------------------------------------------------------------------ forgetting
@@ -109,6 +122,25 @@ def test_a_policy_without_its_scorer_is_refused(monkeypatch):
 @pytest.fixture(scope="module")
 def conversation():
     return facts_examples(1, seed=0, n_messages=40)[0]
+
+
+def test_a_budget_in_bytes_bounds_what_the_memory_allocates(llama, conversation):
+    """``in_bytes=True``: the budget is that fraction of the bytes a memory forgetting nothing
+    allocates; every record's bytes are at most it, and each says what each layer held."""
+    model, tok = llama
+    reuse = memory.run_conversation(
+        model, tok, conversation, memory.parse_memory_spec("reuse"), 1.0, task="facts",
+        max_new_tokens=2,
+    )  # fmt: skip
+    method = memory.parse_memory_spec("kvzip:in_bytes=True")
+    records = memory.run_conversation(
+        model, tok, conversation, method, 0.3, task="facts", max_new_tokens=2
+    )
+    whole = reuse[0]["nbytes"]
+    for r in records:
+        assert r["max_entries"] is None and r["max_bytes"] == round(0.3 * whole)
+        assert r["nbytes"] <= r["max_bytes"]
+        assert len(r["entries_per_layer"]) == len(model.model.layers)  # tiny llama: all global
 
 
 def test_a_budget_below_one_forgets(llama, conversation):
@@ -302,7 +334,7 @@ def test_resume_keeps_whole_conversations_and_drops_a_cut_line(finished, tmp_pat
 # ------------------------------------------------------------------------------ hardening (#56)
 
 
-@pytest.mark.parametrize("recent", [1, 2, 3])
+@pytest.mark.parametrize("recent", [0, 16, 40])
 def test_entries_needed_is_what_the_memory_refuses_below(llama, conversation, recent):
     """The budget check before a run mirrors ``Memory``: at ``needed`` entries every message
     and question fits, one fewer is refused by the memory itself."""
@@ -312,7 +344,7 @@ def test_entries_needed_is_what_the_memory_refuses_below(llama, conversation, re
     needed, full = memory_specs.entries_needed(memory._renderer(tok), conversation, recent, 2)
     assert full == memory.full_entries(memory._renderer(tok), conversation) and needed < full
     for max_tokens, refused in ((needed, False), (needed - 1, True)):
-        mem = Memory(model, tok, max_tokens=max_tokens, forget="window", recent=recent)
+        mem = Memory(model, tok, max_tokens=max_tokens, forget="window", recent_tokens=recent)
         try:
             for role, content in conversation.messages:
                 mem.add(role, content)

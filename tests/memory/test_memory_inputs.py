@@ -10,15 +10,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import kvedit
 from kvedit.checks import MAX_CHARS_PER_TOKEN
 from kvedit.errors import InvalidInputError, InvalidTypeError, TemplateError
-from kvedit.memory.forgetting import Budget
-from kvedit.memory.protection import protected_ranges
-from kvedit.memory.records import Turn
-from kvedit.memory.rendering import Rendering
+from kvedit.memory.budget import never_forgotten
 from kvedit.states.room import chars_per_token
 
 CHAT = [
@@ -176,16 +172,13 @@ def test_a_template_that_does_not_write_the_system_message_verbatim_has_no_budge
     assert _state_of(mem) == before
 
 
-def test_recent_messages_are_protected_when_there_are_fewer_than_recent():
-    """recent=4 over two held turns and one being added: both held turns are kept (a
-    negative slice kept only the last one)."""
-    turns = [
-        Turn(0, "user", "a", 0, 5, "computed", 5),
-        Turn(1, "assistant", "b", 5, 9, "computed", 4),
-    ]
-    empty = Rendering([], "", torch.zeros(0, 2, dtype=torch.long), [])
-    ranges = protected_ranges(Budget(100, recent=4), turns, [], empty, recent_kept=1)
-    assert ranges == [(0, 5), (5, 9)]
+def test_never_forgotten_counts_each_protected_token_once():
+    """The sinks, the system message's range and the last recent tokens, overlapping or not,
+    each token counted once and never past the tokens there are."""
+    assert never_forgotten(100, [(4, 10)], 16) == 4 + 6 + 16
+    assert never_forgotten(100, [(2, 10), (8, 12)], 16) == 12 + 16
+    assert never_forgotten(10, [(0, 3)], 16) == 10  # all of a short conversation
+    assert never_forgotten(100, [], 0) == 4 + 1  # the last token, always
 
 
 def test_a_message_too_long_by_its_characters_is_refused_before_it_is_tokenized(

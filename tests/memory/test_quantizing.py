@@ -97,9 +97,9 @@ def test_bad_bits_are_refused(llama, bits):
         kvedit.Memory(*llama, quantize=bits)
 
 
-def test_layers_holding_the_recent_messages_unequally_are_refused(llama):
-    """The exact tail is counted per global layer: a state whose layers hold the last messages
-    in different counts is refused rather than quantized at the wrong cut."""
+def test_layers_holding_the_recent_messages_unequally_keep_each_its_own_exact(llama):
+    """The exact tail is counted per global layer: a layer holding fewer of the last messages'
+    entries (a forgetting round dropped some) keeps those exact, and no older entry."""
     import torch
 
     from kvedit.memory.quantizing import hold_older_quantized
@@ -110,9 +110,13 @@ def test_layers_holding_the_recent_messages_unequally_are_refused(llama):
         mem.add(role, content)
     state = mem.state
     starts = [t.start for t in mem.turns]
+    exact_from = starts[-2]
     layers = list(state.layers)
-    layers[0] = layers[0].select(torch.arange(len(layers[0]) - 1))  # one recent entry gone
-    altered = state.replace(layers=layers)
-    with pytest.raises(InvalidInputError, match="different counts"):
-        hold_older_quantized(altered, 4, starts, recent=2, forgot=True)
-    assert hold_older_quantized(state, 4, starts, recent=2, forgot=True) is not state
+    gone = (layers[0].token_index == exact_from).nonzero().flatten()
+    keep = torch.tensor([j for j in range(len(layers[0])) if j not in gone.tolist()])
+    layers[0] = layers[0].select(keep)  # one recent entry gone on layer 0
+    out = hold_older_quantized(state.replace(layers=layers), 4, starts, recent=2, forgot=True)
+    for layer in out.layers:
+        packed = layer.n_packed if layer.packed else 0
+        assert bool((layer.token_index[:packed] < exact_from).all())
+        assert bool((layer.token_index[packed:] >= exact_from).sum() > 0)

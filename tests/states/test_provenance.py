@@ -127,6 +127,7 @@ def test_every_public_transformation_is_listed():
         "merge_layers",
         "merge_plan",
         "protected_tokens",
+        "rank_keep",
         "register_scorer",
         "slerp",
     }

@@ -11,6 +11,7 @@
                  scores made as entries arrive compare (:mod:`.kvzip`)
 ``learned``      ``kvzip``'s scores predicted from each entry's own key and value by a map
                  fit once per model (KVzap's idea; :mod:`.learned`)
+``window``       recency: the newest entries first (:mod:`.window`)
 ===============  ============================================================================
 """
 
@@ -24,11 +25,13 @@ from .learned import Learned
 from .reconstruct import Reconstruct
 from .snapkv import SnapKV, pool_scores
 from .tova import TOVA
+from .window import Window
 
 __all__ = [
     "H2O",
     "SCORERS",
     "TOVA",
+    "Window",
     "KNorm",
     "KVzip",
     "Learned",

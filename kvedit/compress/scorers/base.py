@@ -9,6 +9,13 @@ budget cannot hold them all.
 
 ``budgets(scores, budget)`` splits a layer's budget over its heads; the default gives every head
 the same ``budget``, :class:`kvedit.compress.AdaKV` shares it by score mass.
+
+A scorer also says what a forgetting :class:`kvedit.Memory` (``forget=NAME``, any registered
+name) may do with it, as class attributes, so no list of names elsewhere has to know:
+``arrival`` (it scores entries once, when they arrive, :meth:`Scorer.score_tokens`, and the
+scores are kept: nothing is re-read), ``shared`` (its scores compare across layers, so one
+ranking shares the budget among them), ``whole_words`` (a word is kept or forgotten whole), and
+:meth:`Scorer.refuses` (why it cannot serve a state's model).
 """
 
 from __future__ import annotations
@@ -30,6 +37,24 @@ class Scorer:
 
     name: ClassVar[str] = "scorer"
     """The registered name (set by :func:`register_scorer`)."""
+
+    arrival: ClassVar[bool] = False
+    """Scores entries when they arrive (:meth:`score_tokens`), comparable with later ones."""
+    shared: ClassVar[bool] = False
+    """Its scores compare across layers: a memory ranks all global layers' entries together."""
+    whole_words: ClassVar[bool] = False
+    """A memory keeps or forgets a word whole (an entry's score its word's best)."""
+
+    def refuses(self, state: KVState) -> str | None:
+        """Why this scorer cannot score ``state``'s model (None when it can)."""
+        return None
+
+    def score_tokens(
+        self, state: KVState, start: int, end: int, layers: Sequence[int]
+    ) -> dict[int, torch.Tensor]:
+        """``{layer: [batch, kv_heads, m]}``: the scores of each layer's entries of tokens
+        ``[start, end)``, in the layer's order (``arrival`` scorers only)."""
+        raise NotImplementedError(f"scorer {self.name!r} scores whole states, not arrivals")
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """``{layer index: [batch, kv_heads, n] scores}`` for each of ``layers``."""

@@ -44,6 +44,15 @@ class H2O(Scorer):
         checks.count("window", self.window)
         checks.count("chunk", self.chunk, minimum=1)
 
+    def refuses(self, state: KVState) -> str | None:
+        if any(layer.window is not None for layer in state.layers):
+            return (
+                "cannot serve a model with sliding-window layers: it re-reads the whole text "
+                "over the cache, and those layers forget the tokens its scores re-read (use "
+                "learned, kvzip, reconstruct, snapkv, tova, knorm or window)"
+            )
+        return None
+
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         for i, layer in enumerate(state.layers):
             if layer.window is not None and len(layer) < len(state):

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from ... import checks
-from ...cache import LayerKV
+from ...cache import LayerKV, refuse_headwise
 from ...errors import InvalidInputError
 from ...states.observer import Observer
 from ...states.passes import appended_layers, run_model
@@ -85,7 +85,7 @@ class KVzip(Scorer):
     prompt: str | None = None
 
     arrival: ClassVar[bool] = True
-    """Scores entries when they arrive (:meth:`score_tokens`), comparable with later ones."""
+    shared: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         checks.count("chunk", self.chunk, minimum=1)
@@ -94,13 +94,31 @@ class KVzip(Scorer):
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """``{layer: [batch, kv_heads, n]}`` float32 for a whole state, chunk by chunk."""
+        refuse_headwise(state.layers, "kvzip's scoring of a whole state")
         out = {i: torch.zeros(*state.layers[i].kv_shape[:2], len(state.layers[i])) for i in layers}
-        for start in range(0, len(state), self.chunk):
-            end = min(len(state), start + self.chunk)
+        chunk = min(self.chunk, self._room(state))  # a re-read must fit the positions left
+        for start in range(0, len(state), chunk):
+            end = min(len(state), start + chunk)
             for i, s in self.score_tokens(state, start, end, layers).items():
                 held = _in_range(state.layers[i], start, end).cpu()
                 out[i][..., held] = s.cpu()
         return out
+
+    def _room(self, state: KVState) -> int:
+        """The most tokens one chunk's re-read may hold after the prompt (the positions left
+        after the state), at least 1."""
+        model, _ = state.require_model()
+        prompt = state.encode(REPEAT if self.prompt is None else self.prompt, "prompt")
+        limit = checks.positions_limit(model, state.max_positions)
+        if limit is None:
+            return self.chunk
+        room = limit - state.next_position - len(prompt)
+        if room < 1:
+            raise InvalidInputError(
+                f"kvzip: no position is left after the state's {state.next_position} for a "
+                f"re-read (the model attends to {limit})"
+            )
+        return room
 
     def score_tokens(
         self, state: KVState, start: int, end: int, layers: Sequence[int]

@@ -14,7 +14,7 @@ A fit is one safetensors file (:class:`Fitted`): per layer ``mean``/``scale`` (t
 standardization), ``weight`` ``[features, kv_heads]``, ``bias`` ``[kv_heads]``, and JSON metadata
 naming the model (:func:`kvedit.fingerprint.model_fingerprint`) and recording the fit
 (conversations, samples, held-out R², the command). ``kvedit memory fit-scorer --model M`` makes
-one (:mod:`kvedit.memory.fitting`); the fits of the bundled models ship in
+one (:mod:`kvedit.evals.fitting`); the fits of the bundled models ship in
 :data:`FITTED_DIR`. A fit is refused for any other model.
 """
 
@@ -35,13 +35,34 @@ from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError
 from ...states.state import KVState
 from .base import Scorer, register_scorer
 
-__all__ = ["FITTED_DIR", "FORMAT", "Fitted", "Learned", "entry_features", "fitted_for"]
+__all__ = [
+    "FITTED_DIR",
+    "FORMAT",
+    "USER_DIR",
+    "Fitted",
+    "Learned",
+    "entry_features",
+    "fit_folders",
+    "fitted_for",
+]
 
 FORMAT = "kvedit-learned-scorer/1"
 """The ``format`` in a fit's metadata."""
 
 FITTED_DIR = Path(__file__).resolve().parent / "fitted"
 """Where the fits of the bundled models ship (one ``.safetensors`` file each)."""
+
+USER_DIR = "scorers"
+"""The folder of :func:`kvedit.models.cache_dir` where ``kvedit memory fit-scorer`` writes a
+fit by default, searched after :data:`FITTED_DIR`."""
+
+
+def fit_folders() -> list[Path]:
+    """Where a fit is looked for, in order: the shipped ones, then the user's."""
+    from ...models import cache_dir
+
+    return [FITTED_DIR, cache_dir() / USER_DIR]
+
 
 MAX_FILE_BYTES = 64 * 2**20
 """The largest fit file read: a linear map per layer of a model up to ~70B is a few MB."""
@@ -51,19 +72,29 @@ _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def entry_features(state: KVState, layer: int, entries: torch.Tensor | None = None):
-    """``[m, features]`` float32: per entry of layer ``layer`` (all, or the indices
-    ``entries``), its key on every KV head with the rotation undone, then its value on every
-    KV head (batch row 0)."""
+    """``[m, features]`` float32: per entry of layer ``layer`` (all its slots, or the slot
+    indices ``entries``), its key on every KV head with the rotation undone, then its value on
+    every KV head (batch row 0). A headwise layer's slots hold other tokens on each head: each
+    head's key is un-rotated from its own position (a padding slot's features are zeros)."""
     from ...rope import movers
 
     model, _ = state.require_model()
     held: LayerKV = state.layers[layer]
     keys, values = held.dense_kv()
-    positions = held.positions
+    positions = getattr(held, "head_positions", None)
+    if positions is None:
+        positions = held.positions[None].expand(keys.shape[1], -1)
     if entries is not None:
         keys, values = keys[..., entries, :], values[..., entries, :]
-        positions = positions[entries.to(positions.device)]
-    keys = movers(model)[layer].move(keys.float(), -positions.to(keys.device))
+        positions = positions[:, entries.to(positions.device)]
+    mover = movers(model)[layer]
+    keys = torch.stack(
+        [
+            mover.move(keys[:, h : h + 1].float(), -positions[h].clamp_min(0).to(keys.device))[:, 0]
+            for h in range(keys.shape[1])
+        ],
+        dim=1,
+    )
     k = keys[0].transpose(0, 1).flatten(1)  # [m, kv_heads * head_dim]
     v = values[0].float().transpose(0, 1).flatten(1)
     return torch.cat([k, v], dim=1)
@@ -174,10 +205,16 @@ def fitted_for(model, path: str | os.PathLike | None = None) -> Fitted:
     found = _FOUND.setdefault(model, {})
     if key is not None and key in found:
         return found[key]
-    if path is None and None in found:
-        return found[None]
+    if path is None:
+        key = tuple(
+            (str(p), p.stat().st_mtime_ns)
+            for d in fit_folders()
+            for p in sorted(d.glob("*.safetensors"))
+        )
+    if key in found:
+        return found[key]
     fitted = _find(model, path)
-    found[key if path is not None else None] = fitted
+    found[key] = fitted
     return fitted
 
 
@@ -195,14 +232,15 @@ def _find(model, path) -> Fitted:
                 "`kvedit memory fit-scorer`"
             )
         return fitted
-    for candidate in sorted(FITTED_DIR.glob("*.safetensors")):
-        fitted = Fitted.load(candidate)
-        if fitted.meta.get("model") == mine:
-            return fitted
+    for folder in fit_folders():
+        for candidate in sorted(folder.glob("*.safetensors")):
+            fitted = Fitted.load(candidate)
+            if fitted.meta.get("model") == mine:
+                return fitted
     raise InvalidInputError(
         "no learned scorer is fit for this model (kvedit ships fits for its bundled models); "
-        "fit one with `kvedit memory fit-scorer --model ...` and pass its file "
-        "(Learned(path=...)), or use forget='kvzip'"
+        "fit one with `kvedit memory fit-scorer --model ...` (it is then found in "
+        f"{fit_folders()[1]}), or use forget='kvzip'"
     )
 
 
@@ -218,7 +256,14 @@ class Learned(Scorer):
     path: str | None = None
 
     arrival: ClassVar[bool] = True
-    """Scores entries when they arrive (:meth:`score_tokens`); no model pass."""
+    shared: ClassVar[bool] = True
+
+    def refuses(self, state: KVState) -> str | None:
+        try:
+            self.fitted(state)
+        except (InvalidInputError, CacheMismatchError, CorruptCacheError) as e:
+            return str(e)
+        return None
 
     def fitted(self, state: KVState) -> Fitted:
         """The fit this scorer uses for ``state``'s model (checked once per call)."""

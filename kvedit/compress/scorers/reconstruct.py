@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -64,6 +65,9 @@ class Reconstruct(Scorer):
 
     chunk: int = 256
     prompt: str | None = None
+
+    shared: ClassVar[bool] = True
+    whole_words: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         checks.count("chunk", self.chunk, minimum=1)

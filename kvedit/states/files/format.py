@@ -6,7 +6,9 @@ the tensors its cache-layer class writes (:mod:`kvedit.cache`), named ``layer.{i
 ``[n_i]``, optional ``bias`` ``[batch, heads, n_i]``; quantized: packed codes, scales, zero
 points and the exact residual; merged: norms, retained entries and the exact tail),
 ``shared.{key}.NAME`` for data layers share (a merged pair's directions, written once, named by
-the layers' ``shared`` param), and ``token_ids``, ``offsets``, ``position_ids``, ``last_logits``.
+the layers' ``shared`` param), ``attached.NAME`` for tensors the state's holder keeps beside it
+(a forgetting memory's entry scores), and ``token_ids``, ``offsets``, ``position_ids``,
+``last_logits``.
 The header's ``kvedit`` entry is JSON: format version, fingerprints, text, windows, each layer's
 kind and parameters, and the file's ``seal`` (:mod:`kvedit.states.files.seal`: one digest over
 the header and every tensor, and this installation's MAC of it).
@@ -28,7 +30,17 @@ import zlib
 
 import torch
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "SEALED_VERSION", "crc32_of"]
+__all__ = [
+    "ATTACHED",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "SEALED_VERSION",
+    "crc32_of",
+]
+
+ATTACHED = "attached."
+"""The prefix of the tensors a state's holder stores beside it (``save_file_version(attached=)``)."""
 
 FORMAT = "kvedit.kvstate"
 FORMAT_VERSION = 4

@@ -29,7 +29,7 @@ from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError, 
 from ...fingerprint import legacy_model_fingerprint, model_fingerprint, tokenizer_fingerprint
 from ...provenance import History, cast_step, dtype_name
 from ..state import KVState, LastInput
-from .format import FORMAT, READABLE_VERSIONS, SEALED_VERSION, crc32_of
+from .format import ATTACHED, FORMAT, READABLE_VERSIONS, SEALED_VERSION, crc32_of
 from .seal import VERIFIED, Seal, check_header, check_tensors, tensors_digest
 from .snapshot import FileSnapshot, read_snapshot
 
@@ -397,6 +397,7 @@ class AttachedFile:
     attachment: dict | None
     trusted: bool
     version: tuple | None
+    tensors: dict[str, torch.Tensor] | None = None
 
 
 def read_attached(
@@ -423,4 +424,7 @@ def read_attached(
     attachment = found.meta.get("attachment")
     if attachment is not None and not isinstance(attachment, dict):
         raise CorruptCacheError(f"{path}: the header's attachment is not a JSON object")
-    return AttachedFile(state, attachment, found.trusted, found.version)
+    attached = {
+        name[len(ATTACHED) :]: t for name, t in found.tensors.items() if name.startswith(ATTACHED)
+    }
+    return AttachedFile(state, attachment, found.trusted, found.version, attached)

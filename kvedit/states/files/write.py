@@ -21,10 +21,11 @@ from ...errors import InvalidInputError, InvalidTypeError
 from ...provenance import History, cast_step, dtype_name
 from ...version import __version__
 from ..view import StateView
-from .format import FORMAT, FORMAT_VERSION
+from .format import ATTACHED, FORMAT, FORMAT_VERSION
 from .seal import make_seal, tensors_digest
 
 __all__ = [
+    "ATTACHED",
     "SavedFile",
     "save_file_version",
     "save_state",
@@ -180,13 +181,20 @@ def save_file_version(
     dtype: torch.dtype | None = None,
     *,
     attachment: dict | None = None,
+    attached: dict[str, torch.Tensor] | None = None,
 ) -> SavedFile:
     """:func:`save_state`, returning the version of the file written too (:class:`SavedFile`),
-    for a writer that must later tell its own file from another writer's."""
+    for a writer that must later tell its own file from another writer's. ``attached``: tensors
+    of whoever holds the state (a memory's entry scores), stored as ``attached.NAME``, covered by
+    the seal, read back by :func:`~kvedit.states.files.read.read_attached`."""
     path = checks.path(path)
     dtype = checks.save_dtype(dtype)
     seen: set[torch.dtype] = set()
     tensors, params = _state_tensors_and_params(state, dtype, seen)
+    for name, t in (attached or {}).items():
+        if not isinstance(t, torch.Tensor) or not isinstance(name, str) or not name:
+            raise InvalidTypeError(f"attached tensor {name!r} must be a named torch.Tensor")
+        tensors[f"{ATTACHED}{name}"] = t.detach().to("cpu").contiguous()
     history = saved_history(state, seen, dtype)
     kv_dtype = dtype if dtype is not None else (min(seen, key=str) if seen else None)
     fields = state_metadata(state, params, history=history, kv_dtype=kv_dtype)

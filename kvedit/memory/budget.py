@@ -1,0 +1,290 @@
+"""A :class:`kvedit.Memory`'s budget: how much it may hold and when a round forgets
+(:class:`Budget`, made from ``Memory``'s keywords by :func:`budget_from`).
+
+The budget is counted when a question comes, as kvpress counts a compressed context:
+``max_tokens`` entries per global-attention layer on average (:func:`~kvedit.memory.forgetting.
+global_entries`), the question, the answer and the template's markup on top; or ``max_bytes``,
+the bytes the cache allocates (:attr:`KVState.nbytes`, every layer, padding included), never
+exceeded after any message or answer, room for the question and its answer included. A message
+that would take the memory past it first runs a round (:func:`kvedit.memory.forgetting.forget`)
+that drops just what the message needs; a policy that scores at each round forgets down to
+:data:`LOW_WATER` of the room. No round drops the first tokens, the system message, the last
+``recent_tokens`` tokens or the ``protect`` spans (:meth:`Budget.protected_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import checks
+from ..compress.scorers import Scorer, make_scorer
+from ..errors import InvalidInputError, SpanNotFoundError
+from ..spans import as_span_list
+from ..states.state import KVState
+from .forgetting import (
+    DEFAULT_POLICY,
+    FALLBACK_POLICY,
+    SINK_TOKENS,
+    Round,
+    check_policy,
+    default_policy,
+    entry_bytes,
+    forget,
+    global_entries,
+    protected_slots,
+)
+
+__all__ = [
+    "BYTE_STEP",
+    "BYTE_TRIES",
+    "LOW_WATER",
+    "RECENT_TOKENS",
+    "Budget",
+    "added_bytes",
+    "budget_from",
+    "never_forgotten",
+]
+
+LOW_WATER = 0.8
+"""What a policy that scores at each round (re-reading what the memory holds) forgets down to,
+as a fraction of the room the budget leaves: such a round costs in proportion to the memory, so
+it runs once every several messages rather than at each."""
+
+RECENT_TOKENS = 16
+"""The last tokens no round drops: what the next message's first tokens read (a template's
+turn markup, the end of the last message), counted in tokens so that at a tenth of a long
+conversation they remain a small part of the budget."""
+
+
+def never_forgotten(n_tokens: int, ranges: Sequence[tuple[int, int]], recent_tokens: int) -> int:
+    """How many of ``n_tokens`` tokens no round drops (without ``protect`` spans): the first
+    :data:`SINK_TOKENS`, the ``ranges`` (system messages), the last ``recent_tokens`` and the
+    last one."""
+    spans = [(0, SINK_TOKENS), (n_tokens - max(recent_tokens, 1), n_tokens), *ranges]
+    count, reach = 0, 0
+    for start, stop in sorted((max(a, 0), min(b, n_tokens)) for a, b in spans):
+        count += max(stop - max(start, reach), 0)
+        reach = max(reach, stop)
+    return count
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much a memory may hold and how it forgets (``Memory(max_tokens=, max_bytes=,
+    forget=, recent_tokens=, protect=, per_head=)``; module docstring).
+
+    Attributes:
+        max_entries: the most entries a global layer holds on average when a question comes
+            (None with ``max_bytes``).
+        max_bytes: the most bytes the cache allocates (None with ``max_entries``).
+        policy: a registered scorer's name.
+        recent_tokens: the last tokens no round drops.
+        protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
+            takes them); a span not (yet) in the text protects nothing.
+        per_head: each KV head keeps its own entries (an arrival policy only).
+    """
+
+    max_entries: int | None
+    max_bytes: int | None = None
+    policy: str = DEFAULT_POLICY
+    recent_tokens: int = RECENT_TOKENS
+    protect: tuple = ()
+    per_head: bool = False
+
+    @property
+    def scorer(self) -> Scorer:
+        return make_scorer(self.policy)
+
+    def describe(self) -> str:
+        """The budget in words (``"760 entries per layer"``, ``"2.0 MiB"``)."""
+        if self.max_bytes is not None:
+            return f"{self.max_bytes / 2**20:.2f} MiB"
+        return f"{self.max_entries} entries per layer"
+
+    def protected_tokens(
+        self, state: KVState, ranges: Sequence[tuple[int, int]], upto: int | None = None
+    ) -> torch.Tensor:
+        """``BoolTensor[len(state)]``: the tokens no round drops (module docstring); ``ranges``:
+        token ranges ``[start, end)`` of the system messages."""
+        n = len(state)
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[: min(SINK_TOKENS, n)] = True
+        keep[max(n - self.recent_tokens, 0) :] = True
+        if n:
+            keep[-1] = True
+        for start, end in ranges:
+            keep[start:end] = True
+        for span in self.protect:
+            try:
+                keep[state.token_indices(span)] = True
+            except SpanNotFoundError:
+                continue
+        return keep
+
+    def over(self, state: KVState, n_new: int, on_top: bool) -> bool:
+        """Whether ``n_new`` more tokens take ``state`` past the budget (``on_top``: a question
+        and its answer, which an entry budget does not count)."""
+        if self.max_bytes is not None:
+            return state.nbytes + added_bytes(state, n_new) > self.max_bytes
+        return global_entries(state) + (0 if on_top else n_new) > self.max_entries
+
+    def make_room(
+        self,
+        state: KVState,
+        scores: dict[int, torch.Tensor] | None,
+        ranges: Sequence[tuple[int, int]],
+        n_new: int,
+        at_message: int,
+        *,
+        on_top: bool = False,
+    ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round | None]:
+        """``(state, scores, round)`` with room for ``n_new`` more tokens: unchanged when they
+        fit, else forgotten to just fit (module docstring). ``scores``: the arrival scores the
+        memory keeps (None for other policies); ``ranges``: the system messages' tokens.
+
+        Raises:
+            InvalidInputError: the protected part and the new tokens alone exceed the budget
+                (before any work).
+        """
+        protected = self.protected_tokens(state, ranges)
+        if not self.over(state, n_new, on_top):
+            return state, scores, None
+        if self.max_bytes is not None:
+            return self._forget_bytes(state, scores, protected, n_new, at_message)
+        limit = self.max_entries - (0 if on_top else n_new)
+        needed = _protected_entries(state, protected)
+        if needed > limit:
+            raise InvalidInputError(
+                f"the budget is {self.max_entries} entries; the protected part (the first "
+                f"{SINK_TOKENS} tokens, system message, the last {self.recent_tokens} tokens, "
+                f"protect= spans) holds {needed} and this message adds "
+                f"{0 if on_top else n_new}: raise max_tokens/max_bytes, or protect less"
+            )
+        low = self._low_water()
+        return forget(
+            state,
+            scores,
+            protected,
+            self.policy,
+            max(low * limit, needed),
+            at_message,
+            per_head=self.per_head,
+        )
+
+    def _low_water(self) -> float:
+        """The fraction of the room a round forgets down to: 1 for an arrival policy (a round
+        only ranks kept scores), :data:`LOW_WATER` for one that scores at each round."""
+        return 1.0 if self.scorer.arrival else LOW_WATER
+
+    def _forget_bytes(self, state, scores, protected, n_new, at_message):
+        """:func:`forget` to ``max_bytes`` less the new tokens' bytes; again with less room
+        while what a round left allocates more (a headwise layer's padding), at most
+        :data:`BYTE_TRIES` times."""
+        room = self.max_bytes - added_bytes(state, n_new) - _fixed_bytes(state)
+        room *= self._low_water()
+        for _ in range(BYTE_TRIES):
+            if room < 0:
+                break
+            out = forget(
+                state,
+                scores,
+                protected,
+                self.policy,
+                room,
+                at_message,
+                per_head=self.per_head,
+                in_bytes=True,
+            )
+            excess = out[0].nbytes + added_bytes(out[0], n_new) - self.max_bytes
+            if excess <= 0:
+                return out
+            room -= max(excess, BYTE_STEP * room)
+        raise InvalidInputError(
+            f"the budget is {self.describe()}; the protected part (the first {SINK_TOKENS} "
+            f"tokens, system message, the last {self.recent_tokens} tokens, protect= spans) and "
+            f"this message's {n_new} tokens alone take more: raise max_bytes, or protect less"
+        )
+
+
+BYTE_TRIES = 8
+"""Rounds a byte budget runs at most to fit (each fits the padding the last one left)."""
+
+BYTE_STEP = 0.02
+"""The least a retried round lowers its room by, as a fraction of it: a few bytes over may buy
+back no entry (an entry costs more), and a head's padding follows the longest head."""
+
+
+def added_bytes(state: KVState, n_new: int) -> int:
+    """Bytes ``n_new`` more tokens add to ``state``'s cache: an entry on every layer (a
+    sliding-window layer only until its window is full), in each layer's dtype."""
+    total = 0
+    for layer in state.layers:
+        more = n_new if layer.window is None else max(min(n_new, layer.window - len(layer)), 0)
+        total += more * entry_bytes(layer)
+    return total
+
+
+def _fixed_bytes(state: KVState) -> int:
+    """Bytes of the layers no round forgets (sliding-window ones)."""
+    counted = set(state.counted_layers)
+    return sum(layer.nbytes for i, layer in enumerate(state.layers) if i not in counted)
+
+
+def _protected_entries(state: KVState, protected: torch.Tensor) -> int:
+    """The protected tokens' entries a global layer holds at most (per KV head, on average)."""
+    most = 0.0
+    for i in state.counted_layers:
+        slots = protected_slots(state.layers[i], protected)
+        most = max(most, float(slots.sum()) / max(slots.shape[0], 1))
+    return -int(-most // 1)
+
+
+def budget_from(
+    state: KVState,
+    max_tokens: int | None,
+    max_bytes: int | None,
+    forget: str | None,
+    recent_tokens: int,
+    protect,
+    per_head: bool | None = None,
+    quantize: int | None = None,
+) -> Budget | None:
+    """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
+    ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
+    ``per_head`` None: per head where the policy scores arrivals, the model has more than one
+    KV head and ``quantize`` is off (it holds the same entries on every head); ``forget`` None:
+    :func:`default_policy`."""
+    if forget is None and max_tokens is None and max_bytes is None:
+        forget = FALLBACK_POLICY  # no budget: nothing is forgotten, the arguments still checked
+    elif forget is None:
+        forget = default_policy(state)
+    scorer = check_policy(forget, state)
+    recent_tokens = checks.count("recent_tokens", recent_tokens)
+    if max_tokens is not None and max_bytes is not None:
+        raise InvalidInputError("give max_tokens or max_bytes, not both")
+    if per_head is not None:
+        per_head = checks.flag("per_head", per_head)
+    several = any(state.layers[i].kv_shape[1] > 1 for i in state.counted_layers)
+    if per_head and not scorer.arrival:
+        raise InvalidInputError(
+            f"per_head=True needs a policy that scores entries when they arrive (kvzip, "
+            f"learned); {forget!r} scores at each round"
+        )
+    if per_head and quantize is not None:
+        raise InvalidInputError(
+            "quantize= holds the older messages packed, the same entries on every KV head: "
+            "give per_head=False with it"
+        )
+    if per_head is None:
+        per_head = scorer.arrival and several and quantize is None
+    protect = () if protect is None else tuple(as_span_list(protect))
+    if max_bytes is not None:
+        max_bytes = checks.count("max_bytes", max_bytes, minimum=1)
+        return Budget(None, max_bytes, forget, recent_tokens, protect, per_head)
+    if max_tokens is None:
+        return None
+    max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
+    return Budget(max_tokens, None, forget, recent_tokens, protect, per_head)
