@@ -39,6 +39,9 @@ Accuracy:
 * ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
 * ``memory_table``: one table from several ``kvedit eval memory`` runs, each method against
   ``reuse`` (no model).
+* ``forget_diagnosis``: the memory's conversations compressed once after the last message, by
+  score (``reconstruct``, ``kvzip``, per-message ``arrival``, ``learned``) and by how the budget
+  is shared (per layer, across layers, across layers and KV heads).
 * ``kvpress_peer``: kvpress's KVzipPress and SnapKVPress on ``kvedit eval memory``'s
   ``nq-shared`` conversations at the same budgets (kvpress venv).
 * ``litm_engines``: one lost-in-the-middle run answered by kvedit and by vLLM (vLLM venv).

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 
 from benchmarks.common import parser, read_run
-from kvedit.memory.answering import common_prefix
+from kvedit.memory.rendering import common_prefix
 from kvedit.models import load_model
 
 

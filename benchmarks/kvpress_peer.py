@@ -63,8 +63,16 @@ from typing import Any
 
 FORMAT = "kvedit-kvpress-peer/1"
 """The ``format`` of the exported conversations file."""
-PRESSES = {"kvzip": "KVzipPress", "snapkv": "SnapKVPress"}
-"""``--presses`` names and the kvpress classes they run."""
+PRESSES = {
+    "kvzip": "KVzipPress",
+    "snapkv": "SnapKVPress",
+    "kvzip-layerwise": "KVzipPress+layerwise",
+    "kvzip-uniform": "KVzipPress+uniform-heads",
+}
+"""``--presses`` names and the presses they run (the records' ``press``): kvpress's classes, and
+two variants of ``KVzipPress`` for the forgetting diagnosis: ``layerwise=True`` (every layer
+removes the same fraction), and one choice for every KV head (an entry's score its largest over
+the heads before the ranking, so a layer keeps the same tokens on every head)."""
 NO_PRESS = "none"
 """The ``press`` of ``--baseline`` records: kvpress's protocol with no press, at budget 1."""
 DEFAULT_OUT = Path("runs") / "kvpress-peer"
@@ -187,7 +195,8 @@ def export(args: argparse.Namespace) -> int:
         str(Path(name).resolve()) if name and (Path(name) / "config.json").exists() else None
     )
     del model
-    renderer = renderer_for("chat", tokenizer)
+    prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"  # the memory's
+    renderer = renderer_for(prompt, tokenizer)
     items = []
     for conv in conversations:
         messages = [Message(role, content) for role, content in conv.messages]
@@ -228,7 +237,8 @@ def export(args: argparse.Namespace) -> int:
         "task": args.task,
         "model": args.model,
         "model_dir": model_dir,
-        "prompt": "chat",
+        "prompt": prompt,
+        "stops": list(renderer.stops),
         "seed": args.seed,
         "size": args.size,
         "questions": args.questions,
@@ -274,6 +284,19 @@ def kept_fraction(model, cache, context_length: int) -> float:
     return kept / total
 
 
+def kept_per_layer(model, cache, context_length: int) -> list[float]:
+    """Per layer, the context entries the press left per KV head, on average over the heads
+    (what kvedit's records call ``entries_per_layer``)."""
+    heads = model.config.num_key_value_heads
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        length = min(cache.get_seq_length(i), context_length)
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        gone = 0 if masked is None else int(masked[0].numel())
+        out.append(round((heads * length - gone) / heads, 2))
+    return out
+
+
 def tail_ids(tokenizer, messages: list[dict], context_text: str, question: bool) -> list[int]:
     """The ids the chat template adds after ``context_text`` for ``messages`` (the context's
     messages and those asked since), with the generation prompt when ``question``."""
@@ -281,6 +304,26 @@ def tail_ids(tokenizer, messages: list[dict], context_text: str, question: bool)
     if not text.startswith(context_text):
         raise SystemExit("the chat template rewrites the context: --keep cannot append")
     return list(tokenizer(text[len(context_text) :], add_special_tokens=False)["input_ids"])
+
+
+def make_press(kvpress, press_name: str, budget: float):
+    """The press a record's ``press`` names (:data:`PRESSES`) at ``budget``."""
+    name, _, variant = press_name.partition("+")
+    ratio = compression_ratio(budget)
+    if variant == "layerwise":
+        return kvpress.KVzipPress(compression_ratio=ratio, layerwise=True)
+    if variant == "uniform-heads":
+
+        class UniformHeads(kvpress.KVzipPress):
+            """KVzip's scores, each entry's the largest over its layer's KV heads."""
+
+            def compress_post(self, model):
+                best = self.score_val.amax(dim=2, keepdim=True)  # [layers, batch, 1, n]
+                self.score_val = best.expand_as(self.score_val).contiguous()
+                super().compress_post(model)
+
+        return UniformHeads(compression_ratio=ratio)
+    return getattr(kvpress, name)(compression_ratio=ratio)
 
 
 def run_pass(
@@ -292,14 +335,13 @@ def run_pass(
     from transformers import DynamicCache
 
     model, tokenizer = pipe.model, pipe.tokenizer
+    stops = conv.get("stops", [])
     ctx = torch.tensor([conv["context_ids"]])
     n = ctx.shape[1]
     for layer in model.model.layers:  # a previous KVzip pass's mask must not linger
         layer.self_attn.masked_key_indices = None
     cache = DynamicCache()
-    press = None
-    if press_name != NO_PRESS:
-        press = getattr(kvpress, press_name)(compression_ratio=compression_ratio(budget))
+    press = None if press_name == NO_PRESS else make_press(kvpress, press_name, budget)
     t0 = time.perf_counter()
     with torch.inference_mode():
         if press is None:
@@ -309,6 +351,7 @@ def run_pass(
                 model.model(input_ids=ctx, past_key_values=cache)
     compress_seconds = time.perf_counter() - t0
     kept = kept_fraction(model, cache, n)
+    per_layer = kept_per_layer(model, cache, n)
     messages = [{"role": r, "content": c} for r, c in conv["messages"]]
     kept_ids: list[int] = []  # ids kept after the context (--keep), at positions n, n + 1...
     records = []
@@ -334,6 +377,8 @@ def run_pass(
                 max_new_tokens=max_new_tokens,
             )
         pipe._remove_answer_from_cache(cache, lengths)  # kvpress's own step
+        for stop in stops:  # the memory's own stops (the plain format's next label)
+            answer = answer.split(stop)[0]
         text = answer.strip()
         if keep:  # the question and the answer as kvedit's memory keeps them
             messages = [*asked, {"role": "assistant", "content": text or " "}]
@@ -363,6 +408,7 @@ def run_pass(
                 "compress_seconds": round(compress_seconds, 4),
                 "full_entries": conv["full_entries"],
                 "kept_fraction": round(kept, 4),
+                "entries_per_layer": per_layer,
             }
         )
     return records
@@ -380,6 +426,10 @@ def run(args: argparse.Namespace) -> int:
     data = json.loads(Path(args.conversations).read_text())
     if data.get("format") != FORMAT:
         raise SystemExit(f"{args.conversations}: not a file of `export` ({FORMAT})")
+    if args.keep and data.get("prompt", "chat") != "chat":
+        raise SystemExit("--keep needs the chat format (the plain format has no chat template)")
+    for conv in data["conversations"]:
+        conv["stops"] = data.get("stops", [])
     convs = data["conversations"][: args.limit] if args.limit else data["conversations"]
     budgets = parse_budgets(args.budgets)
     names = [s.strip() for s in args.presses.split(",") if s.strip()]
@@ -481,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="answer them with kvpress (.venv-kvpress)")
     r.add_argument("--conversations", default=str(DEFAULT_OUT / "conversations.json"))
     r.add_argument("--budgets", default="0.25,0.1", help="fractions of the context kept")
-    r.add_argument("--presses", default=",".join(PRESSES), help="kvzip, snapkv")
+    r.add_argument("--presses", default="kvzip,snapkv", help=", ".join(PRESSES))
     r.add_argument("--baseline", action="store_true", help="also no press (budget 1)")
     r.add_argument("--keep", action="store_true", help="keep each question and answer")
     r.add_argument("--limit", type=int, default=0, help="the first N conversations (0: all)")

@@ -1,16 +1,16 @@
-"""A ``kvedit.Memory`` kept under a byte budget over a long conversation: the bytes it holds
-after every message (never above the budget), its forgetting rounds, and their cost amortized
+"""A ``kvedit.Memory`` kept under a byte budget over a long conversation: the bytes it allocates
+after every message (never above the budget), its forgetting rounds, and what forgetting costs
 per message against each message's own cost.
 
 The conversation is the ``facts`` task's (:func:`kvedit.evals.tasks.memory_facts.facts_examples`,
-``--messages`` after the system message). The budget is ``--budget`` of the whole
-conversation's global-layer entries, given to the memory as ``max_bytes`` (those entries'
-bytes in bfloat16, :func:`kvedit.memory.forgetting.entry_bytes_bf16`). For each policy (and
-each ``--quantize`` value, 0 meaning none), every message is added with ``Memory.add`` and
-timed; the rounds it ran (``Memory.forgetting``) give the forgetting seconds, the rest of the
-add is the message's own cost. After every message the held entries' bfloat16 bytes are checked
-against the budget, and the bytes the memory really holds (``Memory.nbytes``: the model's dtype,
-packed where quantized) are recorded.
+``--messages`` after the system message). The budget is ``--budget`` of the bytes a memory that
+forgets nothing allocates for the whole conversation (``Memory.nbytes``: every layer, the
+model's dtype), given as ``max_bytes``. For each policy (and each ``--quantize`` value, 0 meaning
+none), every message is added with ``Memory.add`` and timed; forgetting's cost is the rounds it
+ran (``Memory.forgetting``) plus what an arrival policy spent scoring the message
+(``Memory.scoring_seconds``); the rest of the add is the message's own cost. After every
+message the bytes the memory allocates (``Memory.nbytes``, packed where quantized, padding
+included) are checked against the budget.
 
 Usage: ``python -m benchmarks.memory_budget --messages 200 --budget 0.25 --threads 1
 --out runs/memory_budget.json``
@@ -27,10 +27,8 @@ import torch
 
 from benchmarks.common import add_model, command_line, markdown_table, parser, write_json
 from kvedit import Memory
-from kvedit.evals.memory import full_entries
 from kvedit.evals.tasks.memory_facts import facts_examples
-from kvedit.memory.forgetting import entry_bytes_bf16, global_entries
-from kvedit.memory.rendering import renderer_for
+from kvedit.memory.forgetting import global_entries
 from kvedit.models import load_model
 
 
@@ -38,21 +36,20 @@ def run_policy(model, tok, messages, max_bytes: int, policy: str, bits: int | No
     """Add every message to a memory with ``max_bytes`` and ``policy`` (and ``quantize=bits``);
     per-message timings and bytes, and the summary."""
     mem = Memory(model, tok, max_bytes=max_bytes, forget=policy, quantize=bits)
-    per_entry = entry_bytes_bf16(mem.state)
     rows = []
     for role, content in messages:
-        rounds = len(mem.forgetting)
+        rounds, scored = len(mem.forgetting), mem.scoring_seconds
         t0 = time.perf_counter()
         mem.add(role, content)
         seconds = time.perf_counter() - t0
         forgot = math.fsum(r.seconds for r in mem.forgetting[rounds:])
+        forgot += mem.scoring_seconds - scored
         rows.append(
             {
                 "seconds": seconds,
                 "forget_seconds": forgot,
                 "own_seconds": seconds - forgot,
                 "entries": global_entries(mem.state),
-                "bf16_bytes": global_entries(mem.state) * per_entry,
                 "nbytes": mem.nbytes,
             }
         )
@@ -64,10 +61,9 @@ def run_policy(model, tok, messages, max_bytes: int, policy: str, bits: int | No
         "quantize": bits,
         "messages": n,
         "max_bytes": max_bytes,
-        "max_entries": mem.budget.max_entries,
+        "per_head": mem.budget.per_head,
         "rounds": len(mem.forgetting),
-        "peak_bf16_bytes": max(r["bf16_bytes"] for r in rows),
-        "over_budget": sum(r["bf16_bytes"] > max_bytes for r in rows),
+        "over_budget": sum(r["nbytes"] > max_bytes for r in rows),
         "peak_nbytes": max(r["nbytes"] for r in rows),
         "final_nbytes": rows[-1]["nbytes"],
         "forget_seconds": round(forget, 3),
@@ -87,9 +83,8 @@ def table(results: Sequence[dict]) -> list[str]:
         "policy",
         "quantize",
         "rounds",
-        "peak bf16 MiB / budget",
+        "peak held MiB / budget",
         "over budget",
-        "peak held MiB",
         "forget s/msg",
         "own s/msg",
         "forget / own",
@@ -99,9 +94,8 @@ def table(results: Sequence[dict]) -> list[str]:
             r["policy"],
             r["quantize"] or "-",
             r["rounds"],
-            f"{r['peak_bf16_bytes'] / 2**20:.2f} / {r['max_bytes'] / 2**20:.2f}",
+            f"{r['peak_nbytes'] / 2**20:.2f} / {r['max_bytes'] / 2**20:.2f}",
             r["over_budget"],
-            f"{r['peak_nbytes'] / 2**20:.2f}",
             f"{r['forget_per_message']:.4f}",
             f"{r['own_per_message']:.4f}",
             f"{100 * r['forget_over_own']:.1f}%",
@@ -115,10 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     add_model(p)
     p.add_argument("--messages", type=int, default=200, help="messages after the system (200)")
-    p.add_argument("--budget", type=float, default=0.25, help="fraction of the entries (0.25)")
-    p.add_argument(
-        "--policies", default="window,knorm,tova,snapkv,reconstruct", help="comma-separated"
-    )
+    p.add_argument("--budget", type=float, default=0.25, help="fraction of the bytes (0.25)")
+    p.add_argument("--policies", default="learned,kvzip,window", help="comma-separated")
     p.add_argument("--quantize", default="0,4", help="bits, 0 for none (0,4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (torch's default)")
@@ -128,10 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     conv = facts_examples(1, args.seed, n_messages=args.messages, n_facts=15)[0]
-    renderer = renderer_for("chat" if getattr(tok, "chat_template", None) else "plain", tok)
-    entries = full_entries(renderer, conv)
-    per_entry = entry_bytes_bf16(Memory(model, tok).state)
-    max_bytes = round(args.budget * entries) * per_entry
+    whole = Memory(model, tok)
+    for role, content in conv.messages:
+        whole.add(role, content)
+    max_bytes = round(args.budget * whole.nbytes)
     results = []
     for policy in args.policies.split(","):
         for bits in (int(b) for b in args.quantize.split(",")):
@@ -149,8 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         {
             "command": command_line(__file__, argv),
             "model": args.model,
-            "full_entries": entries,
-            "entry_bytes_bf16": per_entry,
+            "full_nbytes": whole.nbytes,
+            "tokens": len(whole.state),
             "results": results,
             "table": lines,
         },

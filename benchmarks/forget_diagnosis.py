@@ -1,0 +1,332 @@
+"""Why a memory forgets what it should keep: the same conversations compressed once after the
+last message, with several scores and several ways to share the budget, against the memory's
+rounds (issue "Forgetting that holds at a tenth", §1).
+
+For each ``facts`` conversation (as ``kvedit eval memory`` builds it for the same ``--seed``,
+``--size``, ``--questions``, ``--n-examples``), a :class:`kvedit.Memory` with no budget holds
+every message (an exact capture of the transcript, ``n`` tokens). Then, for each budget ``b``,
+the context is cut to ``round(b * n)`` entries per global layer on average (the budget counted
+as kvpress counts it: what the context holds when the question is asked; the question and the
+answer come on top), keeping always the first :data:`SINKS` tokens, the system message and the
+last token. Each question is answered over the cut context alone (``remember=False``), greedy,
+``--max-new-tokens``.
+
+Scores (``--scores``), each ``[kv_heads, n]`` per global layer, higher kept first:
+
+* ``reconstruct``: kvedit's ``Reconstruct`` scorer (the memory's policy today) run once on the
+  whole transcript: the largest attention an entry gets while the model re-reads the text after
+  a repeat prompt, normalized over the whole cache.
+* ``kvzip``: KVzip's scoring as kvpress runs it: the text re-read in chunks of
+  :data:`KVZIP_CHUNK` tokens after the repeat prompt, an entry's score its largest attention from
+  its chunk's re-read, normalized over the sinks, the chunk and the re-read itself (not the
+  whole cache).
+* ``arrival``: the same chunk-local scores with each *message* as its chunk, computed when the
+  message arrives (over the memory as it then is), never recomputed: what a memory can keep.
+* ``learned``: ``kvzip``'s scores predicted from each entry's own key and value
+  (:class:`kvedit.compress.Learned`, the fit ``--fit`` or the one shipped for the model): the
+  same whether computed when an entry arrives or at the end.
+
+Allocations (``--allocations``), each keeping ``round(b * n) * layers`` entries in all:
+
+* ``layer``: every global layer keeps the same count, the same tokens on every KV head (an
+  entry's score its largest over the heads);
+* ``layers``: the count shared among the global layers (one ranking of (layer, token)), the
+  same tokens on every KV head: the memory's ``reconstruct`` today (``+words``: an entry's score
+  the largest of its word's, as today);
+* ``heads``: one ranking of (layer, KV head, token): a head keeps what it needs (KVzip's and
+  kvpress's ``KVzipPress`` default). Realized here as a per-head mask (accuracy only).
+
+The memory's rounds as they are (the fourth row of the diagnosis) are ``kvedit eval memory
+--methods reconstruct`` on the same conversations.
+
+Usage: ``python -m benchmarks.forget_diagnosis --seed 1 --n-examples 6 --out
+runs/forget-diagnosis/smollm2-s1.jsonl``; ``--summarize FILE ...`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import add_model, markdown_table, parser, read_partial
+from kvedit.compress.masking import masked_union
+from kvedit.compress.scorers import Reconstruct
+from kvedit.evals.memory_specs import build_conversations
+from kvedit.evals.metrics import best_subspan_em
+from kvedit.spans import word_index
+from kvedit.states.observer import Observer
+from kvedit.states.passes import recompute_last, run_model
+from kvedit.states.state import KVState
+
+SINKS = 4
+"""Leading tokens always kept (attention sinks, as kvpress's ``n_sink``)."""
+KVZIP_CHUNK = 2048
+"""kvpress's ``KVzipPress`` chunk: the re-read's unit, and its scores' normalization."""
+REPEAT = "\n\nRepeat the previous context exactly.\n"
+"""The repeat prompt before a re-read (KVzip's)."""
+SCORES = ("reconstruct", "kvzip", "arrival", "learned")
+ALLOCATIONS = ("layer", "layers", "layers+words", "heads")
+
+
+class _ChunkMax(Observer):
+    """Per layer ``[heads, b - a]``: the largest attention the re-read queries (after the first
+    ``skip``) give the chunk's entries ``[a, b)``, renormalized over the sinks, the chunk and
+    the queries' own keys when ``local``."""
+
+    def __init__(self, layers, skip: int, a: int, b: int, n: int, local: bool):
+        super().__init__(layers)
+        self.skip, self.a, self.b, self.n, self.local = skip, a, b, n, local
+
+    def observe(self, layer_idx: int, probs: torch.Tensor) -> None:
+        p = probs[0, :, self.skip :].float()  # [heads, q, k]
+        part = p[..., self.a : self.b]
+        if self.local:
+            denom = p[..., : min(SINKS, self.a)].sum(-1) + part.sum(-1) + p[..., self.n :].sum(-1)
+            part = part / denom[..., None]
+        self.probs[layer_idx] = part.amax(dim=1)
+
+
+def chunk_scores(
+    state: KVState, chunks: Sequence[tuple[int, int]], *, local: bool = True
+) -> dict[int, torch.Tensor]:
+    """``{layer: [kv_heads, n]}``: each chunk ``[a, b)`` of ``state``'s tokens re-read after
+    :data:`REPEAT` on top of the whole state, its entries scored by :class:`_ChunkMax`."""
+    model, tok = state.require_model()
+    n = len(state)
+    out = {i: torch.zeros(state.layers[i].kv_shape[1], n) for i in state.global_layers}
+    prompt = tok.encode(REPEAT, add_special_tokens=False)
+    ids = state.token_ids.tolist()
+    for a, b in chunks:
+        run = prompt + ids[a:b]
+        observer = _ChunkMax(state.layers, len(prompt), a, b, n, local)
+        positions = torch.arange(state.next_position, state.next_position + len(run))
+        run_model(model, state.layers, torch.tensor([run]), positions[None], 1, plan=observer)
+        for i in out:
+            got = observer.probs[i]
+            kv = out[i].shape[0]
+            out[i][:, a:b] = got.reshape(kv, -1, b - a).amax(dim=1)
+    return out
+
+
+def allocate(
+    scores: dict[int, torch.Tensor], protected: torch.Tensor, per_layer: int, how: str
+) -> dict[int, torch.Tensor]:
+    """``{layer: [kv_heads, n] bool}``: what each head keeps, ``per_layer`` entries per layer
+    on average (module docstring's allocations; ``protected`` ``[n]`` always kept)."""
+    layers = list(scores)
+    heads, n = scores[layers[0]].shape
+    inf = float("inf")
+    if how == "heads":
+        flat = torch.cat([scores[i].masked_fill(protected, inf).flatten() for i in layers])
+        kept = _top(flat, per_layer * len(layers) * heads)
+        return {
+            i: kept[j * n * heads : (j + 1) * n * heads].reshape(heads, n)
+            for j, i in enumerate(layers)
+        }
+    rows = {i: scores[i].amax(dim=0).masked_fill(protected, inf) for i in layers}
+    if how == "layer":
+        return {i: _top(rows[i], per_layer)[None].expand(heads, n) for i in layers}
+    kept = _top(torch.cat([rows[i] for i in layers]), per_layer * len(layers))
+    return {i: kept[j * n : (j + 1) * n][None].expand(heads, n) for j, i in enumerate(layers)}
+
+
+def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
+    kept = torch.zeros(len(flat), dtype=torch.bool)
+    kept[flat.topk(min(k, len(flat))).indices] = True
+    return kept
+
+
+def word_max(scores: dict[int, torch.Tensor], state: KVState) -> dict[int, torch.Tensor]:
+    """Each entry's score the largest of its word's entries (the memory's rule today)."""
+    words = word_index(state.text, state.offsets)
+    w = torch.unique(words, return_inverse=True)[1]
+    out = {}
+    for i, s in scores.items():
+        best = torch.full((s.shape[0], int(w.max()) + 1), float("-inf"))
+        best = best.scatter_reduce(1, w[None].expand_as(s), s, "amax")
+        out[i] = best[:, w]
+    return out
+
+
+def cut(state: KVState, kept: dict[int, torch.Tensor]) -> KVState:
+    """``state`` with each global layer's heads masked to ``kept`` (a per-head selection)."""
+    layers = list(state.layers)
+    for i, k in kept.items():
+        layers[i] = masked_union(layers[i], k[None].contiguous())
+    return recompute_last(state.replace(layers=layers))
+
+
+def run_conversation(
+    model, tok, conv, budgets, scores, allocations, max_new_tokens, fit=None
+) -> list[dict]:
+    """Records (one per question, score, allocation and budget) of one conversation."""
+    from kvedit.memory.answering import decode
+    from kvedit.memory.conversation import Memory
+    from kvedit.memory.rendering import Message
+    from kvedit.states.capturing import extend_ids
+
+    memory = Memory(model, tok)
+    arrival: dict[int, torch.Tensor] = {}
+    t_arrival = 0.0
+    for role, content in conv.messages:
+        turn = memory.add(role, content)
+        if "arrival" in scores:
+            t0 = time.perf_counter()
+            got = chunk_scores(memory.state, [(turn.start, turn.end)])
+            for i, s in got.items():
+                old = arrival.get(i)
+                arrival[i] = s if old is None else torch.cat([old, s[:, old.shape[1] :]], dim=1)
+            t_arrival += time.perf_counter() - t0
+    state = memory.state
+    n = len(state)
+    made: dict[str, dict[int, torch.Tensor]] = {}
+    seconds: dict[str, float] = {"arrival": t_arrival}
+    for name in scores:
+        t0 = time.perf_counter()
+        if name == "reconstruct":
+            got = Reconstruct().score(state, list(state.global_layers))
+            made[name] = {i: s[0].float() for i, s in got.items()}
+        elif name == "learned":
+            from kvedit.compress.scorers.learned import Learned
+
+            got = Learned(path=fit).score(state, list(state.global_layers))
+            made[name] = {i: s[0].float() for i, s in got.items()}
+        elif name == "kvzip":
+            made[name] = chunk_scores(
+                state, [(a, min(a + KVZIP_CHUNK, n)) for a in range(0, n, KVZIP_CHUNK)]
+            )
+        else:
+            made[name] = arrival
+        seconds.setdefault(name, time.perf_counter() - t0)
+    protected = torch.zeros(n, dtype=torch.bool)
+    protected[:SINKS] = True
+    protected[-1] = True
+    system = [t for t in memory.turns if t.role == "system"]
+    for t in system:
+        protected[t.start : t.end] = True
+
+    def answers(cut_state: KVState) -> list[tuple[str, bool]]:
+        out = []
+        for probe in conv.probes:
+            asked = [*memory.messages, Message("user", probe.question)]
+            p = memory.renderer.render(asked, generation_prompt=True)
+            prompt = extend_ids(cut_state, p.ids[n:], p.offsets[n:], p.text)
+            text = decode(prompt, max_new_tokens, memory.renderer.stops).text.strip()
+            out.append((text, best_subspan_em(text, probe.answers)))
+        return out
+
+    records = []
+
+    def add(variant: str, budget: float, got: list, kept: int) -> None:
+        for k, (probe, (text, ok)) in enumerate(zip(conv.probes, got, strict=True)):
+            records.append(
+                {
+                    "id": f"{conv.id}-q{k}",
+                    "example": conv.id,
+                    "method": variant,
+                    "variant": variant,
+                    "budget": budget,
+                    "bucket": probe.bucket,
+                    "question": probe.question,
+                    "prediction": text,
+                    "correct": ok,
+                    "tokens": n,
+                    "kept_per_layer": kept,
+                    "score_seconds": round(seconds.get(variant.split("/")[0], 0.0), 3),
+                }
+            )
+
+    add("reuse", 1.0, answers(state), n)
+    for budget in budgets:
+        per_layer = max(round(budget * n), int(protected.sum()))
+        for name in scores:
+            for how in allocations:
+                s = made[name]
+                if how == "layers+words":
+                    s, how_ = word_max(s, state), "layers"
+                else:
+                    how_ = how
+                kept = allocate(s, protected, per_layer, how_)
+                add(f"{name}/{how}", budget, answers(cut(state, kept)), per_layer)
+    return records
+
+
+def summarize(records: Sequence[dict]) -> str:
+    """A markdown table: mean accuracy per variant and budget, per bucket, and of reuse."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["variant"], float(r["budget"])), []).append(r)
+    reuse = groups.get(("reuse", 1.0), [])
+    base = sum(r["correct"] for r in reuse) / max(len(reuse), 1)
+    rows = []
+    for (variant, budget), rs in sorted(groups.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+        mean = sum(r["correct"] for r in rs) / len(rs)
+        per = []
+        for bucket in ("early", "middle", "late"):
+            b = [r["correct"] for r in rs if r["bucket"] == bucket]
+            per.append(f"{sum(b) / len(b):.3f}" if b else "-")
+        ratio = f"{mean / base:.2f}" if base else "-"
+        rows.append([variant, f"{budget:g}", *per, f"{mean:.3f}", ratio, str(len(rs))])
+    head = ["scores/allocation", "budget", "early", "middle", "late", "mean", "of reuse", "n"]
+    return "\n".join(markdown_table(head, rows))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    add_model(p)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--n-examples", type=int, default=6)
+    p.add_argument("--size", type=int, default=90)
+    p.add_argument("--questions", type=int, default=9)
+    p.add_argument("--budgets", default="0.25,0.1")
+    p.add_argument("--scores", default=",".join(SCORES))
+    p.add_argument("--allocations", default=",".join(ALLOCATIONS))
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--fit", default=None, help="the learned scorer's fit (default: shipped)")
+    p.add_argument("--first", type=int, default=0, help="skip the first N conversations")
+    p.add_argument("--out", type=Path, default=Path("runs/forget-diagnosis/records.jsonl"))
+    p.add_argument("--summarize", type=Path, nargs="*", help="print the table of these files")
+    args = p.parse_args(argv)
+    if args.summarize:
+        records = [r for path in args.summarize for r in read_partial(path)]
+        print(summarize(records))
+        return 0
+    from kvedit.models import load_model
+
+    scores = [s for s in args.scores.split(",") if s]
+    allocations = [a for a in args.allocations.split(",") if a]
+    bad = [s for s in scores if s not in SCORES] + [a for a in allocations if a not in ALLOCATIONS]
+    if bad:
+        p.error(f"unknown --scores/--allocations {bad}: choose from {SCORES} and {ALLOCATIONS}")
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    conversations = build_conversations(
+        "facts", args.n_examples, args.seed, args.size, args.questions
+    )
+    model, tok = load_model(args.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["example"] for r in read_partial(args.out)} if args.out.exists() else set()
+    for conv in conversations[args.first :]:
+        if conv.id in done:
+            continue
+        t0 = time.perf_counter()
+        records = run_conversation(
+            model, tok, conv, budgets, scores, allocations, args.max_new_tokens, args.fit
+        )
+        for r in records:
+            r["model"] = args.model
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        print(f"{conv.id}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(summarize(read_partial(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
