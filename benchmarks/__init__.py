@@ -28,14 +28,8 @@ Accuracy:
 * ``blend_curve``: accuracy and speed-up of ``kvedit.blend``'s rules across recompute fractions.
 * ``focus_scale``: focus at 20 to 300 passages, and on questions no passage answers (the
   wordings of its records: ``focus_wordings``).
-* ``focus_recheck``: an eval run's ``auto`` answered again by today's focus only where the rule
-  for a passage holding all of a question's words may change an abstention.
 * ``focus_abstain``: attention shares of relevant and unrelated questions, per abstain threshold.
 * ``focus_no_harm``: #28's no-harm, hit-rate and ceiling table from eval runs (no model).
-* ``answer_prefix``: the tokens focus's edited answer shares with the unedited one where the
-  edit was kept (what drafting it from the unedited answer could skip).
-* ``guard_words``: the support guard's verdicts on eval runs' answers under the prompt's own
-  words and under the word list they replaced (tokenizer only).
 * ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
 * ``memory_table``: one table from several ``kvedit eval memory`` runs, each method against
   ``reuse`` (no model).
@@ -48,6 +42,8 @@ Accuracy:
 
 Tools:
 
+* ``tuning``: one-off tuning measurements whose findings the reports hold (``focus_recheck``,
+  ``guard_words``, ``answer_prefix``; ``benchmarks/tuning/README.md``).
 * ``make_custom_records``: writes a records dataset the suite has never seen, for ``--data``.
 * ``compare_predictions``: whether two runs of ``smoke_predictions.sh`` answered identically.
 * ``common``: what the benchmarks share (options, timing, peak memory, atomic output files).

@@ -1,9 +1,9 @@
-"""``benchmarks.answer_prefix``: the tokens an edited answer shares with the unedited one, where
+"""``benchmarks.tuning.answer_prefix``: the tokens an edited answer shares with the unedited one, where
 focus kept the edit (the steps a draft could skip)."""
 
 from __future__ import annotations
 
-from benchmarks.answer_prefix import prefixes, summary
+from benchmarks.tuning.answer_prefix import prefixes, summary
 from kvedit.memory.rendering import common_prefix
 
 

@@ -37,19 +37,26 @@ print(json.dumps(out))
 """
 
 
-def commands() -> list[str]:
-    return sorted(p.stem for p in FOLDER.glob("*.py") if p.stem not in NOT_COMMANDS)
+def commands(folder: Path = FOLDER, prefix: str = "") -> list[str]:
+    """The benchmarks of ``folder`` (``prefix``: their package below ``benchmarks``)."""
+    return sorted(prefix + p.stem for p in folder.glob("*.py") if p.stem not in NOT_COMMANDS)
+
+
+def tuning() -> list[str]:
+    """The tuning tools (``benchmarks/tuning/``)."""
+    return commands(FOLDER / "tuning", "tuning.")
 
 
 def description(name: str) -> str:
     """The first paragraph of the module's docstring, its whitespace collapsed."""
-    doc = ast.get_docstring(ast.parse((FOLDER / f"{name}.py").read_text())) or ""
+    path = FOLDER / f"{name.replace('.', '/')}.py"
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     return " ".join(doc.split("\n\n")[0].split())
 
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, list]:
-    names = [f"benchmarks.{name}" for name in commands()]
+    names = [f"benchmarks.{name}" for name in commands() + tuning()]
     env = {**os.environ, "COLUMNS": "1000"}  # argparse wraps at hyphens ("flash-\nattn")
     done = subprocess.run(
         [sys.executable, "-c", _RUN_ALL, *names],
@@ -71,9 +78,15 @@ def test_the_suite_lists_the_benchmarks_it_has():
     readme = (FOLDER / "README.md").read_text()
     missing = [name for name in commands() if f"benchmarks.{name}" not in readme]
     assert not missing, f"benchmarks/README.md has no command for {missing}"
+    assert tuning(), "benchmarks/tuning/ holds the tuning tools"
+    doc = (FOLDER / "tuning" / "__init__.py").read_text()
+    readme = (FOLDER / "tuning" / "README.md").read_text()
+    for name in tuning():
+        short = name.split(".", 1)[1]
+        assert f"``{short}``" in doc and f"benchmarks.{name}" in readme, name
 
 
-@pytest.mark.parametrize("name", commands())
+@pytest.mark.parametrize("name", commands() + tuning())
 def test_each_benchmark_prints_its_help(name, helps):
     code, text = helps[f"benchmarks.{name}"]
     assert code == 0, text[-2000:]

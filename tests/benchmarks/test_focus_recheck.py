@@ -1,4 +1,4 @@
-"""``benchmarks.focus_recheck``: an eval run's ``auto`` answered again only where the rule for
+"""``benchmarks.tuning.focus_recheck``: an eval run's ``auto`` answered again only where the rule for
 the passage holding all of a question's words may change an abstention; the rest is the run's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import focus_recheck
+from benchmarks.tuning import focus_recheck
 from kvedit.evals.litm import evaluate
 
 DOORS = [

@@ -1,9 +1,9 @@
-"""``benchmarks.guard_words``: the support guard's verdict replayed on a run's answers under the
+"""``benchmarks.tuning.guard_words``: the support guard's verdict replayed on a run's answers under the
 prompt's own words and under the word list they replaced."""
 
 from __future__ import annotations
 
-from benchmarks.guard_words import replay
+from benchmarks.tuning.guard_words import replay
 from kvedit.evals.litm import build_examples
 
 
@@ -43,7 +43,7 @@ def test_a_stopped_runs_partial_records_stand_for_its_results(tmp_path):
 
     import pytest
 
-    from benchmarks.guard_words import read_records
+    from benchmarks.tuning.guard_words import read_records
 
     records = [{"id": "a", "method": "none"}, {"id": "a", "method": "auto", "chosen": []}]
     partial = tmp_path / "partial.jsonl"

@@ -16,7 +16,7 @@ spec has today but for ``all_words``.
 
 Usage::
 
-    python -m benchmarks.focus_recheck runs/nq20-seed0 --task nq --n-docs 20 --seed 0 \\
+    python -m benchmarks.tuning.focus_recheck runs/nq20-seed0 --task nq --n-docs 20 --seed 0 \\
         --trials 30 --out runs/nq20-seed0-recheck
 
 Writes ``--out``/``results.json`` (a run ``benchmarks.focus_no_harm`` reads; ``extra.recheck``

@@ -12,8 +12,8 @@ answered.
 
 Usage::
 
-    python -m benchmarks.guard_words runs/nq10-seed0/results.json --task nq --seed 0 --trials 100
-    python -m benchmarks.guard_words runs/lockers-seed7/results.json --data reports/litm/lockers-seed7.jsonl.gz
+    python -m benchmarks.tuning.guard_words runs/nq10-seed0/results.json --task nq --seed 0 --trials 100
+    python -m benchmarks.tuning.guard_words runs/lockers-seed7/results.json --data reports/litm/lockers-seed7.jsonl.gz
 
 ``--prefix-tokens 8,16`` also replays the guard on the first 8 (16) tokens of the unedited answer
 only, under the prompt's own words, and counts the questions whose verdict that changes: how

@@ -11,7 +11,7 @@ length.
 
 Usage::
 
-    python -m benchmarks.answer_prefix runs/nq10-seed0/results.json
+    python -m benchmarks.tuning.answer_prefix runs/nq10-seed0/results.json
 
 Loads the run's model's tokenizer only; runs no model.
 """
