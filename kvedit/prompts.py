@@ -1,5 +1,6 @@
-"""Prompt formats: a user message in the tokenizer's chat template, and that prompt cut where the
-question starts (to capture the context and ask on top of it).
+"""Prompt formats: the two ways a user message becomes a prompt (:data:`PROMPT_FORMATS`: the
+tokenizer's chat template, or the message and :data:`ANSWER_CUE` for a base model), and that
+prompt cut where the question starts (to capture the context and ask on top of it).
 
 The convention: a user message that asks about a context is ``context + QUESTION_SEPARATOR +
 question`` (``"...\\n\\nQuestion: ..."``), and the prompt is cut at :data:`QUESTION_MARK`, the
@@ -13,10 +14,13 @@ from . import checks
 from .errors import SpanNotFoundError
 
 __all__ = [
+    "ANSWER_CUE",
+    "PROMPT_FORMATS",
     "QUESTION_LABEL",
     "QUESTION_MARK",
     "QUESTION_SEPARATOR",
     "chat_prefix",
+    "plain_answer",
     "split_user_message",
     "templated_prompt",
 ]
@@ -28,6 +32,32 @@ QUESTION_SEPARATOR = "\n\n" + QUESTION_LABEL
 QUESTION_MARK = QUESTION_SEPARATOR.rstrip(" ")
 """Where a prompt is cut to capture its context (:func:`chat_prefix`): ``"\\n\\nQuestion:"``.
 A context holding it cannot be cut there, so callers refuse such a context."""
+
+PROMPT_FORMATS = ("chat", "plain")
+"""How a user message becomes the prompt (the evaluation suite's
+:func:`kvedit.evals.methods.context.split_prompt`, vLLM's
+:func:`kvedit.integrations.vllm.contexts.publish_context`):
+
+- ``"chat"``: the tokenizer's chat template, one user turn and the generation prompt (for
+  instruct models; a tokenizer without a chat template is an error, never a silent fallback);
+- ``"plain"``: the user message followed by :data:`ANSWER_CUE` (for base models).
+
+Which one a run uses by default is the model's, :func:`kvedit.models.default_prompt`."""
+
+ANSWER_CUE = "\nAnswer:"
+"""What the ``"plain"`` format puts after the user message, so a base model continues
+``"Question: ...\\nAnswer:"`` with the answer."""
+
+
+def plain_answer(text: str) -> str:
+    """The answer a ``"plain"`` prompt gets: the generation's first non-empty line.
+
+    A base model answers after :data:`ANSWER_CUE`, then goes on writing more questions and
+    answers of its own (``" 6451\nQuestion: ...\nAnswer: 3044"``); the metrics would read the
+    numbers it invented as part of the answer. Greedy decoding makes this the same as stopping
+    at the first newline."""
+    stripped = text.lstrip()
+    return text[: len(text) - len(stripped)] + stripped.split("\n", 1)[0]
 
 
 def templated_prompt(tokenizer, user_message: str) -> str:

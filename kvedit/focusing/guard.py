@@ -327,7 +327,7 @@ class SupportGuard:
             the support (:data:`COMMON_SHARE`; 1 leaves none out).
         read: the part of an answer the caller reads (``None``: all of it). A base model
             asked in a plain prompt runs on past its answer into the next question; the
-            eval reads only its first line (:func:`kvedit.evals.prompts.plain_answer`), and
+            eval reads only its first line (:func:`kvedit.prompts.plain_answer`), and
             so must the guard.
     """
 

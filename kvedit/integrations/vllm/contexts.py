@@ -37,10 +37,9 @@ from typing import Any
 
 from ... import ops
 from ...errors import InvalidInputError
-from ...evals.prompts import ANSWER_CUE, PROMPT_FORMATS
 from ...focusing.choice import DEFAULT_GUARD, focus, focus_text
 from ...focusing.guard import Guard, check_guard
-from ...prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
+from ...prompts import ANSWER_CUE, PROMPT_FORMATS, QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ...states.capturing import capture
 from ...states.decoding import eos_ids
 from .publishing import kv_transfer_params, publish_stock
