@@ -41,6 +41,7 @@ from .. import checks
 from ..cache.packed import BITS
 from ..errors import CorruptCacheError, KVEditError
 from ..spans import as_span_list
+from .budget import span_from_json
 from .forgetting import Round, policies
 from .records import MAX_MESSAGES, SOURCES, Turn
 from .rendering import RENDERERS, ROLES, Message, Rendering, lone_surrogate, renderer_for
@@ -137,7 +138,7 @@ def _messages(value) -> list[Message]:
         content = m["content"]
         if not isinstance(content, str) or not content or lone_surrogate(content) is not None:
             raise _Bad(f"messages[{i}].content", f"is {checks.describe(content)}, not a text")
-        out.append(Message(m["role"], content))
+        out.append(Message.from_json(m))
     return out
 
 
@@ -160,7 +161,7 @@ def _turn(i: int, value, message: Message, start: int, end: int) -> Turn:
     _int(f"{field}.nbytes", t.get("nbytes", 0), maximum=2**62)
     if not isinstance(t.get("note", ""), str):
         raise _Bad(f"{field}.note", f"is {checks.describe(t['note'])}, not a text")
-    return Turn(**t)
+    return Turn.from_json(t)
 
 
 def _round(i: int, value, bounds: Sequence[int], last: int) -> Round:
@@ -179,26 +180,29 @@ def _round(i: int, value, bounds: Sequence[int], last: int) -> Round:
         or seconds < 0
     ):
         raise _Bad(f"{field}.seconds", f"is {seconds!r}, not a finite number of seconds")
-    return Round(at, r["policy"], before, r["after"], float(seconds))
+    return Round.from_json(r)
 
 
 def _span(field: str, item):
-    """A span written by :func:`kvedit.memory.files.budget_keywords`."""
+    """A span written by :func:`kvedit.memory.budget.span_to_json`, checked."""
     if isinstance(item, dict) and set(item) == {"text"} and isinstance(item["text"], str):
-        return item["text"]
+        return span_from_json(item)
     if (
         isinstance(item, dict)
         and set(item) == {"pattern", "flags"}
         and isinstance(item["pattern"], str)
     ):
+        _int(f"{field}.flags", item["flags"])
         try:
-            return re.compile(item["pattern"], _int(f"{field}.flags", item["flags"]))
+            return span_from_json(item)
         except (re.error, ValueError, OverflowError) as e:
             raise _Bad(field, f"is not a pattern ({e})") from None
     if isinstance(item, dict) and set(item) == {"chars"}:
         chars = _list(f"{field}.chars", item["chars"])
         if len(chars) == 2:
-            return (_int(f"{field}.chars", chars[0]), _int(f"{field}.chars", chars[1]))
+            _int(f"{field}.chars", chars[0])
+            _int(f"{field}.chars", chars[1])
+            return span_from_json(item)
     raise _Bad(field, f"is {checks.describe(item)}, not a span")
 
 

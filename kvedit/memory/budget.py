@@ -14,7 +14,8 @@ that drops just what the message needs; a policy that scores at each round forge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,8 @@ __all__ = [
     "added_bytes",
     "budget_from",
     "never_forgotten",
+    "span_from_json",
+    "span_to_json",
 ]
 
 LOW_WATER = 0.8
@@ -69,6 +72,27 @@ def never_forgotten(n_tokens: int, ranges: Sequence[tuple[int, int]], recent_tok
         count += max(stop - max(start, reach), 0)
         reach = max(reach, stop)
     return count
+
+
+def span_to_json(span) -> dict:
+    """A ``protect`` span as a memory file holds it: ``{"text"}`` (a substring),
+    ``{"pattern", "flags"}`` (a compiled regex) or ``{"chars"}`` (a ``(start, end)`` range)."""
+    if isinstance(span, str):
+        return {"text": span}
+    if isinstance(span, re.Pattern):
+        return {"pattern": span.pattern, "flags": span.flags}
+    start, end = span
+    return {"chars": [int(start), int(end)]}
+
+
+def span_from_json(item: Mapping):
+    """The span :func:`span_to_json` wrote (not checked; a ``re.error`` for a bad pattern)."""
+    if "text" in item:
+        return item["text"]
+    if "pattern" in item:
+        return re.compile(item["pattern"], item["flags"])
+    start, end = item["chars"]
+    return (start, end)
 
 
 @dataclass(frozen=True)
@@ -97,6 +121,33 @@ class Budget:
     @property
     def scorer(self) -> Scorer:
         return make_scorer(self.policy)
+
+    def to_json(self) -> dict:
+        """The budget as a memory file's ``budget`` holds it: the ``Memory`` keywords that give
+        it again (``max_tokens``, ``max_bytes``, ``forget``, ``recent_tokens``, ``per_head``,
+        ``protect``: each span as :func:`span_to_json` writes it)."""
+        return {
+            "max_tokens": self.max_entries,
+            "max_bytes": self.max_bytes,
+            "forget": self.policy,
+            "recent_tokens": self.recent_tokens,
+            "per_head": self.per_head,
+            "protect": [span_to_json(span) for span in self.protect],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Budget:
+        """The budget :meth:`to_json` wrote (not checked: a file's budget is checked first,
+        :mod:`kvedit.memory.attached`, and a memory makes its budget from the checked keywords
+        with :func:`budget_from`)."""
+        return cls(
+            data["max_tokens"],
+            data["max_bytes"],
+            data["forget"],
+            data["recent_tokens"],
+            tuple(span_from_json(item) for item in data["protect"]),
+            data["per_head"],
+        )
 
     def describe(self) -> str:
         """The budget in words (``"760 entries per layer"``, ``"2.0 MiB"``)."""

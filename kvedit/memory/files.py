@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -75,26 +74,10 @@ class MemoryFile:
 
 def budget_keywords(budget: Budget | None, recent: int, quantize: int | None) -> dict:
     """The ``Memory`` keywords that give a memory ``budget``, ``recent`` and ``quantize``
-    again (JSON-ready: a ``protect`` span as ``{"text"}``, ``{"pattern", "flags"}`` or
-    ``{"chars"}``)."""
+    again (JSON-ready: :meth:`Budget.to_json <kvedit.memory.budget.Budget.to_json>`, with
+    ``recent`` and ``quantize`` beside it)."""
     keywords: dict = {"max_tokens": None, "recent": recent, "quantize": quantize}
-    if budget is not None:
-        keywords["max_tokens"] = budget.max_entries
-        keywords["max_bytes"] = budget.max_bytes
-        keywords["forget"] = budget.policy
-        keywords["recent_tokens"] = budget.recent_tokens
-        keywords["per_head"] = budget.per_head
-        keywords["protect"] = [_span_json(span) for span in budget.protect]
-    return keywords
-
-
-def _span_json(span) -> dict:
-    if isinstance(span, str):
-        return {"text": span}
-    if isinstance(span, re.Pattern):
-        return {"pattern": span.pattern, "flags": span.flags}
-    start, end = span
-    return {"chars": [int(start), int(end)]}
+    return keywords if budget is None else {**keywords, **budget.to_json()}
 
 
 def memory_attachment(
@@ -113,9 +96,9 @@ def memory_attachment(
         "kind": ATTACHMENT_KIND,
         "version": ATTACHMENT_VERSION,
         "prompt": prompt,
-        "messages": [m.as_dict() for m in messages],
+        "messages": [m.to_json() for m in messages],
         "turns": [t.to_json() for t in turns],
-        "rounds": [dataclasses.asdict(r) for r in rounds],
+        "rounds": [r.to_json() for r in rounds],
         "budget": keywords,
     }
     if scores is not None:

@@ -31,8 +31,8 @@ capture) and a :class:`Round`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -95,6 +95,22 @@ class Round:
     before: int
     after: int
     seconds: float
+
+    def to_json(self) -> dict:
+        """The round as a memory file's ``rounds`` hold it (JSON-ready: its fields by name)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Round:
+        """The round :meth:`to_json` wrote (not checked: a file's rounds are checked first,
+        :mod:`kvedit.memory.attached`)."""
+        return cls(
+            data["at_message"],
+            data["policy"],
+            data["before"],
+            data["after"],
+            float(data["seconds"]),
+        )
 
 
 def layer_entries(state: KVState, i: int) -> float:

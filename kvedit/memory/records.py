@@ -1,8 +1,10 @@
-"""What a :class:`kvedit.Memory` records of each message (:class:`Turn`), and how many messages
-it holds at most (:data:`MAX_MESSAGES`)."""
+"""What a :class:`kvedit.Memory` records of each message (:class:`Turn`: ``to_json`` and
+``from_json``, as a memory file's ``turns`` hold it), and how many messages it holds at most
+(:data:`MAX_MESSAGES`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
 __all__ = ["MAX_MESSAGES", "SOURCES", "Turn"]
@@ -52,7 +54,14 @@ class Turn:
         return self.end - self.start
 
     def to_json(self) -> dict:
+        """The turn as a memory file's ``turns`` hold it (JSON-ready: its fields by name)."""
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Turn:
+        """The turn :meth:`to_json` wrote (not checked: a file's turns are checked first,
+        :mod:`kvedit.memory.attached`)."""
+        return cls(**data)
 
     def with_nbytes(self, nbytes: int) -> Turn:
         """The same turn holding ``nbytes``."""

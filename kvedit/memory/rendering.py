@@ -30,7 +30,7 @@ turn and refuses a template that rewrites earlier text.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,8 +75,18 @@ class Message:
     role: str
     content: str
 
-    def as_dict(self) -> dict[str, str]:
+    def to_json(self) -> dict[str, str]:
+        """``{"role", "content"}``: the message as a memory file's ``messages`` hold it and a
+        chat template reads it."""
         return {"role": self.role, "content": self.content}
+
+    as_dict = to_json  # the name benchmarks/memory_speed.py still calls it by
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Message:
+        """The message :meth:`to_json` wrote (not checked: a file's messages are checked
+        first, :mod:`kvedit.memory.attached`)."""
+        return cls(data["role"], data["content"])
 
 
 @dataclass(frozen=True)
@@ -192,7 +202,7 @@ class ChatRenderer(Renderer):
             return Rendering([], "", torch.zeros(0, 2, dtype=torch.long), [])
         try:
             text = self.tokenizer.apply_chat_template(
-                [m.as_dict() for m in messages],
+                [m.to_json() for m in messages],
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
             )

@@ -206,7 +206,7 @@ class DiskTier:
     def read_record(self, key: str) -> EntryMeta | None:
         """The record of ``key``, or None if it is missing or malformed."""
         try:
-            meta = EntryMeta.from_json((self.entries / f"{key}.json").read_text())
+            meta = EntryMeta.from_json(json.loads((self.entries / f"{key}.json").read_text()))
         except (FileNotFoundError, ValueError, UnicodeDecodeError):
             return None
         return meta if meta.key == key else None
@@ -218,7 +218,7 @@ class DiskTier:
 
     def write_record(self, meta: EntryMeta) -> None:
         """Write an entry's record (lock held): the entry exists from now on."""
-        atomic_write(self.entries / f"{meta.key}.json", meta.to_json())
+        atomic_write(self.entries / f"{meta.key}.json", json.dumps(meta.to_json(), sort_keys=True))
         self.invalidate()
 
     def write_state(self, state: KVState, meta: EntryMeta) -> EntryMeta:

@@ -10,8 +10,7 @@ history and their tensors), and
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -89,20 +88,22 @@ class EntryMeta:
         """``[h_0, h_1, ..., h_m]``: the chain hashes this entry is indexed under."""
         return [chain_root(self.model_fingerprint, self.tokenizer_fingerprint), *self.chunk_hashes]
 
-    def to_json(self) -> str:
-        """The record as ``KEY.json`` holds it."""
-        return json.dumps({"format": f"{STORE_FORMAT}.entry", **asdict(self)}, sort_keys=True)
+    def to_json(self) -> dict:
+        """The record as ``KEY.json`` holds it (JSON-ready: ``format`` and the fields by
+        name; :class:`~kvedit.store.disk.DiskTier` writes it with sorted keys)."""
+        return {"format": f"{STORE_FORMAT}.entry", **asdict(self)}
 
     @classmethod
-    def from_json(cls, text: str) -> EntryMeta:
-        """Parse a record; raises ValueError on anything malformed."""
+    def from_json(cls, data: Mapping) -> EntryMeta:
+        """The record :meth:`to_json` wrote, checked; raises ValueError on anything malformed
+        (not a mapping, another ``format``, a missing or unknown field, a bad key or count)."""
         try:
-            data = json.loads(text)
+            data = dict(data)
             if data.pop("format") != f"{STORE_FORMAT}.entry":
                 raise ValueError("not a kvedit store entry record")
             data["chunk_hashes"] = tuple(data["chunk_hashes"])
             meta = cls(**data)
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
+        except (KeyError, TypeError) as e:
             raise ValueError(f"malformed entry record: {e}") from e
         if not is_key(meta.key) or meta.n_tokens <= 0:
             raise ValueError("malformed entry record")
