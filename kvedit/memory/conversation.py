@@ -2,14 +2,15 @@
 
 Each :meth:`Memory.add` renders the whole conversation (:mod:`kvedit.memory.rendering`),
 checks that the ids the cache holds are a prefix of the new rendering's ids (and its text a
-prefix of the new text), and runs only the new ids through the model. So the cache is at
-every turn what a fresh :func:`kvedit.capture_tokens` of the rendering's ids would hold: the
-same ids, the same digest, logits equal up to float rounding. :meth:`Memory.ask` decodes an
-answer and commits it the same way, keeping the decoded tokens' K/V
-(:mod:`kvedit.memory.answering`). Without a budget nothing is forgotten, so the memory's state
-is a plain capture of its transcript: :class:`kvedit.KVStore` takes it and :func:`kvedit.reuse`
-finds it as a prefix. Under a budget (:mod:`kvedit.memory.forgetting`) each message that would
-take it past the budget first forgets, and the state records each round.
+prefix of the new text), and runs only the new ids through the model; :meth:`Memory.ask`
+decodes an answer and commits it the same way, keeping the decoded tokens' K/V
+(:mod:`kvedit.memory.answering`). Without a budget nor ``quantize`` the cache is at every turn
+what a fresh :func:`kvedit.capture_tokens` of the rendering's ids would hold (the same ids, the
+same digest, logits equal up to float rounding): a plain capture of the transcript, which
+:class:`kvedit.KVStore` takes and :func:`kvedit.reuse` finds as a prefix. Under a budget
+(:mod:`kvedit.memory.forgetting`) each message that would take it past the budget first
+forgets; with ``quantize`` the older messages are held in low bits
+(:mod:`kvedit.memory.quantizing`); the state's history records each round and each packing.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class Memory:
         self.recent = checks.count("recent", recent)
         """The last messages ``quantize`` holds exact."""
         self.last_focus: Focus | None = None
-        """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus (None before)."""
+        """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus that succeeded (None
+        before, or when no message held a passage)."""
         self._files: dict[str, tuple | None] = {}  # file -> the version loaded or saved last
         self.scoring_seconds = 0.0
         """Seconds an arrival policy spent scoring the messages as they came (this process)."""
@@ -344,12 +346,14 @@ class Memory:
         self._state.check_room(n_p - n, max_new_tokens, what="question")
         # room for the question, the answer and its end-of-turn markup
         held, scores, rounds = self._room(n_p - n + max_new_tokens + ANSWER_MARKUP, on_top=True)
-        focused = guard is not None and self._focused(held, question, p, guard)
-        prompt_from = self.last_focus.state if focused else held
-        prompt = extend_ids(prompt_from, p.ids[n:], p.offsets[n:], p.text)
+        found = None if guard is None else self._focused(held, question, p, guard)
+        focused = found is not None and bool(found.chosen) and found.kept
+        prompt = extend_ids(found.state if focused else held, p.ids[n:], p.offsets[n:], p.text)
         decoded = decode(prompt, max_new_tokens, stops, **vars(sampling))
         text = decoded.text.strip()
+        last_focus = self.last_focus if guard is None else found  # kept once the ask succeeds
         if not remember:
+            self.last_focus = last_focus
             return text
         if not text:  # an empty answer is still a whole message
             text = decoded.text or " "
@@ -360,6 +364,7 @@ class Memory:
         turns = answer_turns(message, answer, len(self._messages), (n, n_q, n_p), full, done)
         scores = self._arrived(done.state, scores, n, len(full.ids))
         self._keep(done.state, [message, answer], full, turns, rounds, scores)
+        self.last_focus = last_focus
         return answer.content.strip()
 
     def _stops(self, stop: Sequence[str] | None) -> tuple[str, ...]:
@@ -369,22 +374,17 @@ class Memory:
             raise InvalidInputError(f"stop must be a list of non-empty strings, not {stop!r}")
         return (*self.renderer.stops, *stop)
 
-    def _focused(self, held: KVState, question: str, p: Rendering, guard: Guard | None) -> bool:
-        """Run focus over ``held`` (the memory's state) for ``question``; whether it kept an
-        edit."""
+    def _focused(
+        self, held: KVState, question: str, p: Rendering, guard: Guard | None
+    ) -> Focus | None:
+        """Run focus over ``held`` (the memory's state) for ``question``: its :class:`Focus`
+        (None when no message holds a passage). The memory is not changed: :meth:`ask` keeps
+        it in :attr:`last_focus` once it succeeds."""
         passages = [r for r in self._rendering.contents if r is not None]
         if not passages:
-            self.last_focus = None
-            return False
+            return None
         n_text = len(self._rendering.text)
-        self.last_focus = focus(
-            held,
-            p.text[n_text:],
-            passages,
-            query=question,
-            guard=guard,
-        )
-        return bool(self.last_focus.chosen) and self.last_focus.kept
+        return focus(held, p.text[n_text:], passages, query=question, guard=guard)
 
     def explain(self) -> str:
         """Per message: role, tokens, computed / kept / loaded, bytes; the memory's size; the

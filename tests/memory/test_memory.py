@@ -223,6 +223,32 @@ def test_remember_false_leaves_the_memory_as_it_was(llama):
     assert _state_of(mem) == before
 
 
+def test_a_failed_ask_with_focus_leaves_last_focus_as_it_was(llama, monkeypatch):
+    """Focus runs before the answer is decoded; an ask that fails after it (here: decoding)
+    leaves :attr:`Memory.last_focus` as it was, as the rest of the memory."""
+    import kvedit.memory.conversation as conversation
+
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system="You are terse.")
+    mem.add("user", "My locker code is 4821.")
+    mem.add("assistant", "Noted.")
+    mem.add("user", "My badge number is 77.")
+    mem.ask("What is my locker code?", max_new_tokens=2, focus=True, remember=False)
+    earlier = mem.last_focus
+    assert earlier is not None
+    before = _state_of(mem)
+
+    def fails(*args, **kw):
+        raise RuntimeError("decoding failed")
+
+    monkeypatch.setattr(conversation, "decode", fails)
+    for remember in (True, False):
+        with pytest.raises(RuntimeError, match="decoding failed"):
+            mem.ask("And my badge number?", max_new_tokens=2, focus=True, remember=remember)
+        assert mem.last_focus is earlier
+    assert _state_of(mem) == before
+
+
 def test_decode_stops_before_a_stop_string(llama):
     model, tok = llama
     state = kvedit.capture(model, tok, "Alice's secret number is 4821. Bob's")
