@@ -36,7 +36,7 @@ def state(llama):
 @pytest.fixture
 def no_scoring(monkeypatch):
     """Make any scoring fail the test: a refusal must come before it."""
-    monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("scored before refusing"))
+    monkeypatch.setattr(choice, "chosen", lambda *a, **k: pytest.fail("scored before refusing"))
 
 
 # ---------------------------------------------------------------------------- guards

@@ -25,31 +25,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from .. import checks, ops
 from ..cache import refuse_headwise
-from ..errors import InvalidInputError, InvalidTypeError
+from ..errors import InvalidInputError
 from ..prompts import QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ..states.capturing import capture
 from ..states.decoding import Answer
 from ..states.state import KVState
-from .edits import check_edit, checked_edit
+from .edits import checked_edit
 from .guard import (
     SUPPORT_THRESHOLD,
-    AgreementVerdict,
     Guard,
-    SupportGuard,
-    SupportVerdict,
-    Verdict,
-    check_guard,
     check_verdict,
     evidence_and_others,
 )
+from .options import DEFAULT_GUARD, FocusOptions, asked, focus_options, query_name
 from .passages import Range, outside_passages, split_passages
-from .primed import Continued, PrimedState
+from .primed import PrimedState
+from .result import Focus
 
 __all__ = [
     "ABSTAIN_THRESHOLD",
@@ -61,11 +57,13 @@ __all__ = [
     "adaptive_strengths",
     "best_covered",
     "choose",
+    "chosen",
     "content_free_question",
     "content_question",
     "echo_passages",
     "focus",
     "focus_text",
+    "focused",
     "guarded",
     "passage_scores",
     "passage_shares",
@@ -84,149 +82,20 @@ from .scoring import (
     content_question,
     default_query,
     echo_passages,
+    part_of,
     passage_scores,
     passage_shares,
     question_shares,
     robust_z,
     sole_holder,
     stands_out,
+    with_content,
 )
-
-DEFAULT_GUARD = SupportGuard()
-"""The answer guard :func:`focus` applies by default (:class:`kvedit.focusing.guard.SupportGuard` at
-:data:`SUPPORT_THRESHOLD`): no edit where the unedited answer already comes from the chosen
-passage."""
-
-
-@dataclass(frozen=True)
-class Focus:
-    """What :func:`focus` did (frozen: setting an attribute raises; :func:`guarded` returns a
-    new one).
-
-    Attributes:
-        state: the state that answers: the edited one, or the input state itself when
-            nothing was edited (:func:`choose`) or the guard dropped the edit.
-        passages: ``(start, end)`` character ranges of the passages in ``state.text``.
-        scores: one relevance score per passage (higher: the question points at it more).
-        chosen: indices into ``passages`` of the emphasized passages, best first; empty when
-            focus abstained (no passage stands out: :func:`stands_out`, and none alone holds all
-            of the question's shared distinctive words: :func:`sole_holder`), and then nothing
-            was edited.
-        strengths: the bias (nats) each layer's chosen passages got (or would get); all 0
-            when nothing is chosen.
-        question: the continuation :meth:`generate` asks.
-        verdict: the guard's decision (``None`` without a guard): a
-            :class:`~kvedit.focusing.guard.Verdict`, of the guard's own subclass for the
-            library's guards (:class:`~kvedit.focusing.guard.SupportVerdict`, ...).
-        reason: why nothing was chosen (``""`` when something was).
-        echoes: indices of the passages that only restate the question (never chosen).
-        best: the best-scored eligible passage, chosen or not (``None`` without candidates).
-        eligible: the passages focus may choose: the candidates (not echoes) that hold the
-            most of the question's distinctive words (:func:`best_covered`; all candidates
-            when none holds any).
-        query: the asking part of :attr:`question` (its words are left out of a guard's
-            reading of the answer; ``None``: the whole question).
-        by_words: the passage was chosen because it alone holds all of the question's
-            distinctive words, each of which other passages hold too (:func:`sole_holder`),
-            with a positive score that does not stand out.
-        continued: the scoring pass of :attr:`question` over the unedited state
-            (:class:`~kvedit.focusing.primed.Continued`), while that state answers (``None``
-            once an edit answers): the guard's unedited answer and :meth:`generate` start
-            from it instead of running the question again. It holds the question's K/V only.
-    """
-
-    state: KVState
-    passages: list[Range]
-    scores: list[float]
-    chosen: list[int]
-    strengths: list[float]
-    question: str
-    verdict: Verdict | None = None
-    reason: str = ""
-    echoes: list[int] = field(default_factory=list)
-    best: int | None = None
-    eligible: list[int] = field(default_factory=list)
-    query: str | None = None
-    continued: Continued | None = field(default=None, repr=False, compare=False)
-    by_words: bool = False
-
-    @property
-    def kept(self) -> bool:
-        """Whether the edit stands (``True`` when no guard was asked)."""
-        return self.verdict is None or self.verdict.kept
-
-    def explain(self, width: int = 40) -> str:
-        """A table: passage index, its first ``width`` characters, score, ``*`` if chosen
-        (``echo`` if it only restates the question); then, when nothing was chosen, why."""
-        lines = [f"{'#':>3}  {'passage':<{width}}  {'score':>7}  chosen"]
-        for i, ((a, b), score) in enumerate(zip(self.passages, self.scores, strict=True)):
-            text = " ".join(self.state.text[a:b].split())
-            if len(text) > width:
-                text = text[: width - 3] + "..."
-            mark = "*" if i in self.chosen else ("echo" if i in self.echoes else "")
-            lines.append(f"{i:>3}  {text:<{width}}  {score:>7.3f}  {mark}")
-        if not self.chosen:
-            lines.append(f"no edit: {self.reason or 'no passage chosen'}")
-        elif self.by_words:
-            lines.append(
-                f"chosen #{self.chosen[0]}: the only passage holding all of the question's "
-                "distinctive words (its score does not stand out)"
-            )
-        v = self.verdict
-        if v is not None:
-            lines.append(f"edit {'kept' if v.kept else 'dropped'}: {_verdict_said(v)}")
-        return "\n".join(lines)
-
-    def generate(self, max_new_tokens: int = 32, **kw) -> str:
-        """Continue :attr:`state` with :attr:`question` (see :meth:`KVState.generate`).
-
-        A greedy call no longer than the guard's answer reuses that answer (the same tokens);
-        a greedy call from the unedited state starts after the scoring pass of the question
-        (:attr:`continued`).
-        """
-        max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
-        known = None if self.verdict is None or kw else self.verdict.answer
-        if known is not None and (max_new_tokens <= len(known.token_ids) or known.finished):
-            ids = known.token_ids[:max_new_tokens]
-            return self.state.tokenizer.decode(ids, skip_special_tokens=True)
-        c = self.continued
-        if c is not None and not kw and c.matches(self.state, self.question):
-            return c.answer(max_new_tokens).text
-        return self.state.generate(self.question, max_new_tokens, **kw)
-
-
-_AGREEMENT_SAID = {
-    "agree": "same answer with and without it",
-    "edit": "the edit's answer won",
-    "original": "the unedited answer won",
-}
-
-
-def _verdict_said(v: Verdict) -> str:
-    """Why the guard decided as it did, for :meth:`Focus.explain` (a reason no known guard
-    gives is shown as is)."""
-    if isinstance(v, SupportVerdict):
-        return f"{v.support:.0%} of the unedited answer's telling words are in the passage"
-    said = _AGREEMENT_SAID.get(v.reason, v.reason)
-    if isinstance(v, AgreementVerdict) and v.step is not None:
-        said += f" at answer token {v.step}, margin {v.margin:.2f}"
-    return said
 
 
 def _layer_indices(state: KVState, layers) -> list[int] | None:
     chosen = checks.layers(layers, len(state.layers))
     return None if chosen is None else list(chosen)
-
-
-def _check_sizing(target: float | None, max_strength: float) -> tuple[float | None, float]:
-    if target is not None:
-        target = checks.real("target", target)
-        if not 0.0 < target < 1.0:
-            raise InvalidInputError(f"target share must be in (0, 1), not {target!r}")
-    max_strength = checks.strength("max_strength", max_strength)
-    if target is not None and max_strength < 0:
-        raise InvalidInputError(f"max_strength must be >= 0 with a target, not {max_strength}")
-    return target, max_strength
 
 
 def choose(
@@ -253,19 +122,42 @@ def choose(
     distinctive word); the question's is kept (:attr:`Focus.continued`), so an answer from the
     unedited state does not run it again.
     """
+    options = focus_options(
+        top_k=top_k,
+        target=target,
+        max_strength=max_strength,
+        smoothing=smoothing,
+        threshold=threshold,
+        all_words=all_words,
+        guard=None,
+    )
+    question, query = asked(question, query)
+    return chosen(state, question, query, passages, options, layers=layers, region=region)
+
+
+def chosen(
+    state: KVState,
+    question: str,
+    query: str | None,
+    passages,
+    options: FocusOptions,
+    *,
+    layers: Sequence[int] | None = None,
+    region: Range | None = None,
+) -> Focus:
+    """:func:`choose` of arguments checked at the entry (:mod:`kvedit.focusing.options`:
+    :func:`~kvedit.focusing.options.asked`, :func:`~kvedit.focusing.options.focus_options`);
+    what needs the state is checked here: the default query, that the query is part of the
+    question, the passages, ``top_k`` against their number, the layers."""
     refuse_headwise(state.layers, "focus")
-    target, max_strength = _check_sizing(target, max_strength)
-    smoothing = checks.real("smoothing", smoothing)
-    if not 0.0 < smoothing <= 1.0:
-        raise InvalidInputError(f"smoothing must be in (0, 1], not {smoothing!r}")
-    threshold = None if threshold is None else checks.real("threshold", threshold)
-    all_words = checks.flag("all_words", all_words)
-    question = checks.text("question", question, allow_empty=False)
     if query is None:
-        query = default_query(state, question)
-    query = content_question("question" if query.strip() == question.strip() else "query", query)
+        query = default_query(state, question)  # a str, from the checked question
+        query = with_content(query_name(question, query), query)
+    query = part_of(question, query)
     spans = split_passages(state, passages, region)
-    top_k = checks.count("top_k", top_k, minimum=1, maximum=len(spans))
+    top_k, smoothing, threshold = options.top_k, options.smoothing, options.threshold
+    if top_k > len(spans):
+        raise InvalidInputError(f"top_k must be <= {len(spans)}, not {top_k}")
     layer_idx = _layer_indices(state, layers)
     real, calib, continued = question_shares(state, question, spans, query=query)
     scores = passage_scores(real, calib, layer_idx, smoothing)
@@ -277,11 +169,12 @@ def choose(
     ranked = stands_out(scores, candidates, None, eligible)
     chosen = stands_out(scores, candidates, threshold, eligible)[:top_k]
     by_words = False
-    if not chosen and all_words and threshold is not None:
+    if not chosen and options.all_words and threshold is not None:
         sole = sole_holder(query, texts, candidates)
         if sole is not None and float(scores[sole]) > 0:
             chosen, by_words = [sole], True
     reason = "" if chosen else abstain_reason(scores, candidates, eligible, threshold, real, calib)
+    target, max_strength = options.target, options.max_strength
     if not chosen:
         strengths = [0.0] * len(state.layers)
     elif target is None:
@@ -400,37 +293,44 @@ def focus(
     ``unedited``) and, where the edit answers, the edited answer (one question pass and its
     decode steps).
     """
-    check_edit(edit)
-    guard = check_guard(guard)
-    found = choose(
-        state,
-        question,
-        passages,
+    options = focus_options(
         top_k=top_k,
         target=target,
         max_strength=max_strength,
-        layers=layers,
-        query=query,
-        region=region,
         smoothing=smoothing,
         threshold=threshold,
         all_words=all_words,
+        guard=guard,
+        edit=edit,
+        unedited=unedited,
     )
-    if unedited is not None:
-        if not isinstance(unedited, Answer):
-            raise InvalidTypeError(
-                f"unedited must be a kvedit Answer (KVState.answer), not {checks.describe(unedited)}"
-            )
-        continued = dataclasses.replace(found.continued, known=unedited)
+    question, query = asked(question, query)
+    return focused(state, question, query, passages, options, layers=layers, region=region)
+
+
+def focused(
+    state: KVState,
+    question: str,
+    query: str | None,
+    passages,
+    options: FocusOptions,
+    *,
+    layers: Sequence[int] | None = None,
+    region: Range | None = None,
+) -> Focus:
+    """:func:`focus` of arguments checked at the entry (as :func:`chosen` takes them)."""
+    found = chosen(state, question, query, passages, options, layers=layers, region=region)
+    if options.unedited is not None:
+        continued = dataclasses.replace(found.continued, known=options.unedited)
         found = dataclasses.replace(found, continued=continued)
     if not found.chosen:  # abstained: nothing to edit, nothing to guard
         return found
     spans = [found.passages[i] for i in found.chosen]
-    if edit is None:
+    if options.edit is None:
         edited = ops.emphasize(state, spans, found.strengths)  # one recompute of the last token
     else:
-        edited = checked_edit(edit, state, spans)
-    return guarded(found, edited, guard)
+        edited = checked_edit(options.edit, state, spans)
+    return guarded(found, edited, options.guard)
 
 
 def guarded(found: Focus, edited: KVState, guard: Guard | None) -> Focus:
@@ -486,15 +386,17 @@ def focus_text(
     """
     context = checks.text("context", context, allow_empty=False)
     question = content_question("question", question)
-    check_guard(kw.get("guard"))  # before the capture
     if QUESTION_MARK in context:
         raise InvalidInputError(
             f"context must not contain {QUESTION_MARK!r}: the prompt is cut there"
         )
+    passages, layers = kw.pop("passages", None), kw.pop("layers", None)
+    options = focus_options(**kw)  # before the capture
     prefix, continuation = chat_prefix(
         tokenizer, context + QUESTION_SEPARATOR + question, QUESTION_MARK
     )
     state = capture(model, tokenizer, prefix, max_positions=max_positions)
     start = prefix.rfind(context.strip())
     region = (start, start + len(context.strip())) if start >= 0 else None
-    return focus(state, continuation, query=question, region=region, **kw)
+    # the continuation is the templated question: a non-empty str; the question was checked
+    return focused(state, continuation, question, passages, options, layers=layers, region=region)

@@ -130,16 +130,29 @@ def sole_holder(question: str, texts: Sequence[str], candidates: torch.Tensor) -
     return sole if all(h - every for h in held) else None
 
 
-def content_question(name: str, question: str) -> str:
-    """``question`` if it has a word character; an :class:`InvalidInputError` otherwise
-    (whitespace or punctuation asks nothing)."""
-    question = checks.text(name, question, allow_empty=False)
+def content_question(name: str, question) -> str:
+    """``question`` if it is a ``str`` (:func:`kvedit.checks.text`) with content
+    (:func:`with_content`); an :class:`InvalidInputError` otherwise."""
+    return with_content(name, checks.text(name, question, allow_empty=False))
+
+
+def with_content(name: str, question: str) -> str:
+    """``question`` (a ``str``) if it has a word character; an :class:`InvalidInputError`
+    otherwise (whitespace or punctuation asks nothing)."""
     if not re.search(r"\w", question):
         raise InvalidInputError(
             f"{name} {question!r} has no content (only whitespace or punctuation): nothing to "
             "focus on"
         )
     return question
+
+
+def part_of(question: str, query: str) -> str:
+    """``query``, refused (:class:`InvalidInputError`) unless it is a non-empty part of
+    ``question``: the calibration replaces it there."""
+    if not query or query not in question:
+        raise InvalidInputError(f"query {query!r} is not part of the question {question!r}")
+    return query
 
 
 def echo_passages(question: str, texts: Sequence[str]) -> list[int]:
@@ -278,23 +291,17 @@ def passage_shares(
     the chat template) replaced by its :func:`content_free_question`. When the query has no
     distinctive word (its calibration is ``"?"``) nothing in it points at a passage: ``calib``
     is then ``real`` (every score 0), and the second pass is saved."""
+    query = part_of(question, default_query(state, question) if query is None else query)
     real, calib, _ = question_shares(state, question, passages, query=query)
     return real, calib
 
 
 def question_shares(
-    state: KVState,
-    question: str,
-    passages: Sequence[Range],
-    *,
-    query: str | None = None,
+    state: KVState, question: str, passages: Sequence[Range], *, query: str
 ) -> tuple[torch.Tensor, torch.Tensor, Continued]:
-    """:func:`passage_shares`, and the pass of ``question`` over ``state`` kept
+    """:func:`passage_shares` of a ``query`` already checked to be part of ``question``
+    (:func:`part_of`, at the public entry), and the pass of ``question`` over ``state`` kept
     (:class:`~kvedit.focusing.primed.Continued`: the first pass of the state's answer)."""
-    if query is None:
-        query = default_query(state, question)
-    if not query or query not in question:
-        raise InvalidInputError(f"query {query!r} is not part of the question {question!r}")
     texts = [state.text[a:b] for a, b in passages]
     free = content_free_question(query, texts)
     share, continued = continued_share(state, question, list(passages))
