@@ -69,6 +69,7 @@ __all__ = [
     "passage_shares",
     "robust_z",
     "stands_out",
+    "text_focused",
 ]
 
 from .scoring import (
@@ -392,6 +393,24 @@ def focus_text(
         )
     passages, layers = kw.pop("passages", None), kw.pop("layers", None)
     options = focus_options(**kw)  # before the capture
+    return text_focused(
+        model, tokenizer, context, question, options, passages, layers, max_positions
+    )
+
+
+def text_focused(
+    model,
+    tokenizer,
+    context: str,
+    question: str,
+    options: FocusOptions,
+    passages=None,
+    layers: Sequence[int] | None = None,
+    max_positions: int | None = None,
+) -> Focus:
+    """:func:`focus_text` of arguments checked at the entry: ``context`` a ``str`` without
+    :data:`~kvedit.prompts.QUESTION_MARK`, ``question`` one with content
+    (:func:`content_question`), ``options`` :func:`~kvedit.focusing.options.focus_options`'."""
     prefix, continuation = chat_prefix(
         tokenizer, context + QUESTION_SEPARATOR + question, QUESTION_MARK
     )

@@ -66,6 +66,26 @@ def test_focus_text_checks_the_context_the_question_and_the_guard_once(llama, co
     assert counted == [("text", "context"), ("text", "question"), ("call_refusal", "guard")]
 
 
+@pytest.mark.parametrize("prompt", ["chat", "plain"])
+def test_publish_checks_the_guard_and_the_question_once(llama, counted, tmp_path, prompt):
+    """``kvedit publish --focus``: the guard refused before the capture, and not again."""
+    from kvedit.integrations.vllm.contexts import publish_context
+
+    model, tok = llama
+    publish_context(
+        model,
+        tok,
+        CONTEXT,
+        tmp_path,
+        focus_on=QUESTION,
+        guard=SupportGuard(),
+        prompt=prompt,
+        approximate=True,
+    )
+    name = "question" if prompt == "chat" else "query"
+    assert counted == [("call_refusal", "guard"), ("text", name)]
+
+
 def test_the_refusals_at_the_entry_are_as_before(state, llama):
     """What a caller sees of a bad question or query did not change."""
     with pytest.raises(InvalidTypeError, match="question must be a str, not"):

@@ -37,8 +37,9 @@ from typing import Any
 
 from ... import ops
 from ...errors import InvalidInputError
-from ...focusing.choice import DEFAULT_GUARD, focus, focus_text
-from ...focusing.guard import Guard, check_guard
+from ...focusing.choice import DEFAULT_GUARD, content_question, focused, text_focused
+from ...focusing.guard import Guard
+from ...focusing.options import focus_options, query_name
 from ...prompts import ANSWER_CUE, PROMPT_FORMATS, QUESTION_MARK, QUESTION_SEPARATOR, chat_prefix
 from ...states.capturing import capture
 from ...states.decoding import eos_ids
@@ -180,18 +181,21 @@ def publish_context(
         )
     if focus_on is not None and question is not None and focus_on != question:
         raise InvalidInputError("--focus and --question name different questions")
-    check_guard(guard)
+    options = focus_options(guard=guard)  # the guard, checked once
     question = focus_on if focus_on is not None else question
     prefix, continuation = _prefix(tokenizer, context, question or PLACEHOLDER, prompt)
     chosen: list[str] = []
     if focus_on is not None and prompt == "chat":
-        found = focus_text(
-            model, tokenizer, context, focus_on, guard=guard, max_positions=max_positions
+        asked_for = content_question("question", focus_on)
+        found = text_focused(
+            model, tokenizer, context, asked_for, options, max_positions=max_positions
         )
         state = found.state
     elif focus_on is not None:
+        # focus_on is a str (_prefix joined it), so query_name can read it
+        query = content_question(query_name(continuation, focus_on), focus_on)
         state = capture(model, tokenizer, prefix, max_positions=max_positions)
-        found = focus(state, continuation, region=(0, len(context)), query=focus_on, guard=guard)
+        found = focused(state, continuation, query, None, options, region=(0, len(context)))
         state = found.state
     else:
         state = capture(model, tokenizer, prefix, max_positions=max_positions)

@@ -135,7 +135,7 @@ def test_publish_refuses_a_guard_without_decide_before_capturing(example, tmp_pa
 
     _, context = example
     monkeypatch.setattr(contexts, "capture", lambda *a, **k: pytest.fail("captured"))
-    monkeypatch.setattr(contexts, "focus_text", lambda *a, **k: pytest.fail("focused"))
+    monkeypatch.setattr(contexts, "text_focused", lambda *a, **k: pytest.fail("focused"))
     with pytest.raises(InvalidTypeError, match="guard must have a decide"):
         publish_context(None, None, context, tmp_path, focus_on="Who?", guard="none")
     assert not list(tmp_path.iterdir())
