@@ -1,8 +1,9 @@
 """kvedit: edit a language model's KV cache to change what it pays attention to.
 
 Everything a user needs is reachable from ``import kvedit``: the names below, and the
-subpackages ``kvedit.integrations`` (vLLM, imported without vLLM), ``kvedit.ops`` (cache edits), ``kvedit.compress`` (selection, quantization,
-merging), ``kvedit.errors``, ``kvedit.store``, ``kvedit.project`` and ``kvedit.testing``.
+subpackages ``kvedit.integrations`` (vLLM, imported without vLLM), ``kvedit.ops`` (cache
+edits), ``kvedit.compress`` (selection, quantization, merging), ``kvedit.errors``,
+``kvedit.store``, ``kvedit.project`` and ``kvedit.testing``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The ``kvedit`` command line: ``kvedit demo``, ``kvedit eval litm``, ``kvedit app``,
+"""The ``kvedit`` command line: ``kvedit demo``, ``kvedit eval litm``, ``kvedit eval memory``,
+``kvedit eval project``, ``kvedit app``, ``kvedit chat``, ``kvedit memory fit-scorer``,
 ``kvedit publish`` and ``kvedit serve`` (vLLM).
 
 Errors are one line on stderr, ``kvedit <command>: error: <message>``, and the exit status says
@@ -6,8 +7,11 @@ what kind they were (:data:`EXIT_USAGE`, :data:`EXIT_FAILURE`); ``--debug`` (or 
 variable ``KVEDIT_DEBUG=1``) also prints the traceback. :func:`main` returns the status and
 never raises; :func:`run` is the same command line without that handling (it raises).
 One module per concern: :mod:`.main` (the parser, run, main), :mod:`.status` (exit statuses
-and the error line), :mod:`.arguments` (argument types, input files), :mod:`.litm`,
-:mod:`.app`, :mod:`.serving`.
+and the error line), :mod:`.arguments` (argument types, input files, the ``--out`` lock),
+:mod:`.litm`, :mod:`.memory` (``eval memory``), :mod:`.app`, :mod:`.chat` and
+:mod:`.chat_file` (``chat`` and its memory file), :mod:`.scorer` (``memory fit-scorer``),
+:mod:`.serving` (``publish``, ``serve``); ``eval project``'s parser is
+:mod:`kvedit.evals.project`'s.
 """
 
 from __future__ import annotations

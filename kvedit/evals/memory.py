@@ -7,46 +7,52 @@ a long chat, each asked with ``remember=False``) and ``nq-shared``
 mode, the questions asked one after another and kept). Each question has a bucket, the third of
 the conversation its answer sits in (``early``, ``middle``, ``late``).
 
-Methods are specs in the ``name:key=value`` grammar (:func:`parse_memory_spec`):
+Methods are specs in the ``name:key=value`` grammar (:func:`parse_memory_spec`; the names:
+:func:`memory_methods`):
 
 ================  ==============================================================================
 ``reuse``         the memory keeps everything (budget 1.0 only)
-``window``        ``Memory(forget="window")``: the newest entries kept (with sinks, system
-                  message, the last ``recent`` messages)
-``knorm``         ``Memory(forget="knorm")``, and likewise ``tova``, ``snapkv``, ``h2o`` and
-``reconstruct``   ``reconstruct`` (refused while its scorer is not registered)
+a policy          ``Memory(forget=NAME)`` for every registered scorer
+                  (:func:`kvedit.memory.forgetting.policies`: ``window``, the newest entries kept;
+                  ``knorm``, ``tova``, ``snapkv``, ``h2o``, ``reconstruct``, ``kvzip``,
+                  ``learned``...), forgetting what the memory does not protect (the first tokens,
+                  the system message, the last ``recent_tokens`` tokens)
 ``snapkv-first``  the whole conversation kept, compressed once with
                   ``kvedit.compress.select(state, SnapKV(query=first question), budget)`` when the
                   first question is asked, that state then reused for every question
 ================  ==============================================================================
 
 Parameters: ``budget`` (in (0, 1]: the method runs at that budget only; without it, at every
-``--budgets`` value), ``recent`` (the memory's ``recent``; default 2 for ``facts``, 1 for
-``nq-shared`` so that one document message fits the smallest budgets) and ``quantize`` (2, 4
-or 8: ``Memory(quantize=)``, the messages before the last ``recent`` held in that many bits;
-for ``snapkv-first``, the compressed state quantized but for its last input,
+``--budgets`` value); ``recent``, ``recent_tokens`` and ``per_head`` (the memory's keywords;
+its defaults where not given); ``in_bytes`` (the budget counts bytes: ``max_bytes`` that
+fraction of what a memory forgetting nothing allocates, instead of ``max_tokens``); and
+``quantize`` (2, 4 or 8: ``Memory(quantize=)``, the messages before the last ``recent`` held in
+that many bits; for ``snapkv-first``, the compressed state quantized but for its last input,
 :func:`kvedit.compress.quantize`). A method with ``quantize`` runs at budget 1.0 too (nothing
 forgotten, the older messages quantized), so it is not ``reuse`` there.
 
 The budget is a fraction of the conversation's global-layer entries when the first question is
 asked (:func:`full_entries`, the rendering's tokens): the memory is made with
-``max_tokens = round(budget * entries)`` from its first message, so it forgets as the
-conversation grows. At budget 1.0 every method is ``reuse`` (nothing is forgotten): it is
-computed once and its records say ``"as": "reuse"``. Re-reading the whole transcript at every
-turn answers exactly as ``reuse``; it is only timed, on the first few turns of the first
-conversation (``extra.reread``).
+``max_tokens = max(1, round(budget * entries))`` from its first message, so it forgets as the
+conversation grows. At budget 1.0 every method without ``quantize`` is ``reuse`` (nothing is
+forgotten): it is computed once and its records say ``"as": "reuse"``. Re-reading the whole
+transcript at every turn answers exactly as ``reuse``; it is only timed, on the first few turns
+of the first conversation (``extra.reread``).
 
 Records (one per question, method and budget): ``id``, ``example``, ``digest``, ``method``,
-``budget``, ``bucket``, ``question``, ``answers``, ``prediction``, ``correct``, ``seconds`` (the
-answer, with any forgetting it makes), ``max_entries`` (the budget in entries, None at 1.0; for
-``snapkv-first`` the entries each KV head keeps), ``entries`` (the global-layer entries the
-memory held when the question was asked; for ``snapkv-first`` the union of the entries any head
-keeps, :mod:`kvedit.compress.selection`, so above ``max_entries`` when heads disagree), ``full_entries``, ``rounds``
-and ``forget_seconds`` (the forgetting rounds the memory kept so far, and their seconds) and
-``build_seconds`` (adding the messages, rounds included) and ``nbytes`` (the bytes the memory
-held when the question was asked). A question asked with
-``remember=False`` may forget to make room for itself; that round is not kept (the memory is
-left as it was), so its cost is in ``seconds`` only.
+``budget``, ``bucket``, ``where`` (the index of what the question asks about), ``question``,
+``answers``, ``prediction``, ``correct``, ``seconds`` (the answer, with any forgetting it
+makes), ``max_entries`` (the budget in entries, None at 1.0 and with ``in_bytes``; for
+``snapkv-first`` the entries each KV head keeps), ``max_bytes`` (the memory's byte budget, None
+without one), ``entries`` (the global-layer entries the memory held when the question was
+asked; for ``snapkv-first`` the union of the entries any head keeps,
+:mod:`kvedit.compress.selection`, so above ``max_entries`` when heads disagree),
+``entries_per_layer`` (each global layer's, per KV head on average), ``nbytes`` (the bytes
+the memory held), ``full_entries``, ``rounds`` and ``forget_seconds`` (the forgetting rounds the
+memory kept so far, and their seconds) and ``build_seconds`` (adding the messages, rounds
+included).
+A question asked with ``remember=False`` may forget to make room for itself; that round is not
+kept (the memory is left as it was), so its cost is in ``seconds`` only.
 """
 
 from __future__ import annotations
