@@ -24,6 +24,7 @@ from .errors import (
     UnknownModelError,
     UnsupportedModelError,
 )
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,13 @@ class ModelSpec:
             )
 
 
-MODELS: dict[str, ModelSpec] = {}
+MODELS: Registry[ModelSpec] = Registry("model", error=UnknownModelError)
+"""Registered name -> :class:`ModelSpec` (a :class:`kvedit.registry.Registry`)."""
 
 
 def register_model(spec: ModelSpec) -> ModelSpec:
-    """Add ``spec`` to the registry (later registrations replace earlier ones)."""
-    MODELS[spec.name] = spec
-    return spec
+    """Add ``spec`` to :data:`MODELS` (later registrations replace earlier ones)."""
+    return MODELS.register(spec.name, spec, replace=True)
 
 
 def _package_dir(package: str, pip: str) -> Path:
@@ -315,7 +316,9 @@ def load_model(
         elif path.is_dir():
             folder, gguf = path, None
         else:
-            known = ", ".join(sorted(MODELS) + ["tiny-llama", "tiny-qwen2", "tiny-gemma3"])
+            from .testing import TINY_ARCHS
+
+            known = ", ".join([*MODELS.names(), *(f"tiny-{arch}" for arch in TINY_ARCHS)])
             raise UnknownModelError(
                 f"unknown model {name!r}: not a registered name ({known}), a directory, or a .gguf file"
             )

@@ -13,6 +13,7 @@ RANKS = {
     "errors": 0,
     "compat": 0,
     "version": 0,
+    "registry": 0.5,  # imports only errors; cache registers with it
     "atomic": 1,
     "cache": 1,
     "triton": 1,

@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 from ..errors import CorruptCacheError
+from ..registry import Registry
 
-LAYER_CLASSES: dict[str, type] = {}
+LAYER_CLASSES: Registry[type] = Registry("cache layer kind", error=CorruptCacheError)
+"""Stored ``kind`` -> layer class (a :class:`kvedit.registry.Registry`; an unknown kind in a
+file is a :class:`~kvedit.errors.CorruptCacheError`)."""
 
 
 def register_layer(cls: type) -> type:
     """Class decorator: make ``cls`` (a :class:`~kvedit.cache.LayerKV` subclass with a unique
-    ``kind``) known to storage and the store."""
+    ``kind``) known to storage and the store.
+
+    Raises:
+        TypeError: ``cls`` has no ``kind`` of its own.
+        InvalidInputError: its ``kind`` is taken by another class.
+    """
     kind = cls.__dict__.get("kind")
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"{cls.__name__} needs a class attribute kind: str")
-    LAYER_CLASSES[kind] = cls
-    return cls
+    return LAYER_CLASSES.register(kind, cls)
 
 
 def layer_class(kind: str) -> type:
     """The class registered under ``kind``; CorruptCacheError for an unknown one."""
-    try:
-        return LAYER_CLASSES[kind]
-    except KeyError:
-        raise CorruptCacheError(
-            f"unknown cache layer kind {kind!r} (known: {sorted(LAYER_CLASSES)})"
-        ) from None
+    return LAYER_CLASSES.lookup(kind)

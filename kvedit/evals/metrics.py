@@ -22,6 +22,8 @@ from decimal import Decimal
 
 import numpy as np
 
+from kvedit.registry import Registry
+
 __all__ = [
     "METRICS",
     "best_subspan_em",
@@ -99,11 +101,11 @@ def first_number_match(prediction: str, answers: Sequence[str]) -> float:
     return 1.0 if all(number == numbers[0] for number in numbers) else 0.0
 
 
-METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
-    "subspan_em": best_subspan_em,
-    "first_number": first_number_match,
-}
-"""Metric name -> ``metric(prediction, answers) -> float`` (1.0 correct, 0.0 wrong)."""
+METRICS: Registry[Callable[[str, Sequence[str]], float]] = Registry("metric")
+"""Metric name -> ``metric(prediction, answers) -> float`` (1.0 correct, 0.0 wrong; a
+:class:`kvedit.registry.Registry`)."""
+METRICS.register("subspan_em", best_subspan_em)
+METRICS.register("first_number", first_number_match)
 
 
 def bootstrap_ci(

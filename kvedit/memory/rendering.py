@@ -38,6 +38,7 @@ import torch
 from jinja2 import TemplateError as JinjaError
 
 from ..errors import InvalidInputError, TemplateError, UnsupportedModelError
+from ..registry import Registry
 from ..spans import zero_width_specials
 
 __all__ = [
@@ -302,11 +303,11 @@ class PlainRenderer(Renderer):
         return Rendering(ids, text, offsets_all, contents, generation_prompt)
 
 
-RENDERERS: dict[str, Callable[[object], Renderer]] = {
-    ChatRenderer.name: ChatRenderer,
-    PlainRenderer.name: PlainRenderer,
-}
-"""The prompt formats by name (``Memory(prompt=NAME)``); register another here."""
+RENDERERS: Registry[Callable[[object], Renderer]] = Registry("prompt format")
+"""The prompt formats by name (``Memory(prompt=NAME)``; a :class:`kvedit.registry.Registry`):
+``RENDERERS.register(name, cls)`` adds another."""
+RENDERERS.register(ChatRenderer.name, ChatRenderer)
+RENDERERS.register(PlainRenderer.name, PlainRenderer)
 
 
 def renderer_for(prompt: str, tokenizer) -> Renderer:
@@ -316,7 +317,7 @@ def renderer_for(prompt: str, tokenizer) -> Renderer:
         InvalidInputError: no renderer of that name.
         UnsupportedModelError: ``"chat"`` for a tokenizer without a chat template.
     """
-    if not isinstance(prompt, str) or prompt not in RENDERERS:
+    if prompt not in RENDERERS:
         raise InvalidInputError(f"prompt must be one of {sorted(RENDERERS)}, not {prompt!r}")
     return RENDERERS[prompt](tokenizer)
 

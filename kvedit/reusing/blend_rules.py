@@ -53,6 +53,7 @@ from .. import checks
 from ..cache import LayerKV
 from ..errors import InvalidInputError, UnsupportedModelError
 from ..provenance import Step, token_ranges
+from ..registry import Registry
 
 __all__ = [
     "BLEND_RULES",
@@ -98,7 +99,17 @@ def select_tokens(deviation: torch.Tensor, count: int, forced: torch.Tensor) -> 
 
 # -------------------------------------------------------------------- the rules
 
+BLEND_RULES: Registry[type] = Registry("blend rule")
+"""Keyword of :func:`kvedit.blend` -> the rule class its value builds (a
+:class:`kvedit.registry.Registry`; each class registers under its ``keyword``)."""
 
+
+def _register_rule(cls: type) -> type:
+    """Class decorator: register a rule class under its ``keyword`` in :data:`BLEND_RULES`."""
+    return BLEND_RULES.register(cls.keyword, cls)
+
+
+@_register_rule
 @dataclass(frozen=True)
 class Gradual:
     """CacheBlend's gradual filtering: the deviation layer recomputes ``factor`` times the
@@ -134,6 +145,7 @@ class Gradual:
         return counts
 
 
+@_register_rule
 @dataclass(frozen=True)
 class Leading:
     """EPIC's LegoLink: the first ``tokens`` tokens of every part after part 0 are always
@@ -161,6 +173,7 @@ class Leading:
         return torch.cat(runs) if runs else torch.empty(0, dtype=torch.long)
 
 
+@_register_rule
 @dataclass(frozen=True)
 class Rescale:
     """APE-style rescaling: every reused entry of a passage gets ``ln(factor)`` nats of stored
@@ -208,10 +221,6 @@ class Rescale:
         """The history step of a rescale that biased ``tokens`` (none at ``recompute=1``)."""
         params = {"factor": self.factor, "nats": self.nats, "tokens": token_ranges(tokens)}
         return Step("edit", "rescale", params)
-
-
-BLEND_RULES: dict[str, type] = {rule.keyword: rule for rule in (Gradual, Leading, Rescale)}
-"""Keyword of :func:`kvedit.blend` -> the rule class its value builds."""
 
 
 # -------------------------------------------------------------------- gradual narrowing

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from ...errors import InvalidInputError
+from ...registry import Registry
 from ...states.state import KVState
 
 __all__ = ["SCORERS", "Scorer", "make_scorer", "register_scorer"]
@@ -69,27 +70,26 @@ class Scorer:
         return torch.full((b, heads), budget, dtype=torch.long, device=scores.device)
 
 
-SCORERS: dict[str, type[Scorer]] = {}
-"""Scorer name -> scorer class."""
+SCORERS: Registry[type[Scorer]] = Registry("scorer")
+"""Scorer name -> scorer class (a :class:`kvedit.registry.Registry`)."""
 
 ScorerType = TypeVar("ScorerType", bound=type[Scorer])
 
 
 def register_scorer(name: str) -> Callable[[ScorerType], ScorerType]:
     """Class decorator registering a :class:`Scorer` subclass (a dataclass whose fields all
-    have defaults) under ``name``; registering the same class again is allowed."""
+    have defaults) under ``name`` in :data:`SCORERS`; registering the same class again is
+    allowed.
+
+    Raises:
+        InvalidInputError: ``name`` is not an identifier, or is taken by another class.
+    """
     if not isinstance(name, str) or not name.isidentifier():
         raise InvalidInputError(f"bad scorer name {name!r}")
 
     def decorator(cls: ScorerType) -> ScorerType:
-        old = SCORERS.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (
-            cls.__module__,
-            cls.__qualname__,
-        ):
-            raise InvalidInputError(f"scorer {name!r} is already registered")
+        SCORERS.register(name, cls)
         cls.name = name
-        SCORERS[name] = cls
         return cls
 
     return decorator
@@ -101,9 +101,7 @@ def make_scorer(name: str, **params: Any) -> Scorer:
     Raises:
         InvalidInputError: an unknown name or parameter, or a value the scorer refuses.
     """
-    cls = SCORERS.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise InvalidInputError(f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
+    cls = SCORERS.lookup(name)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(params) - fields)
     if unknown:

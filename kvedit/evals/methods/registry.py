@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvedit.errors import InvalidInputError, InvalidTypeError
 from kvedit.evals.methods.params import NoParams, from_text, to_dict
+from kvedit.registry import Registry
 
 if TYPE_CHECKING:
     from kvedit.evals.methods.context import ExampleContext
@@ -95,8 +96,8 @@ class Method:
         return f"<method {self.spec!r}: {self.params!r}>"
 
 
-METHODS: dict[str, type[Method]] = {}
-"""Method name -> method class."""
+METHODS: Registry[type[Method]] = Registry("method")
+"""Method name -> method class (a :class:`kvedit.registry.Registry`)."""
 
 MethodType = TypeVar("MethodType", bound=type[Method])
 
@@ -126,14 +127,8 @@ def register_method(name: str) -> Callable[[MethodType], MethodType]:
         ]
         if required:
             raise InvalidInputError(f"method {name!r}: parameter(s) {required} need defaults")
-        old = METHODS.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (
-            cls.__module__,
-            cls.__qualname__,
-        ):
-            raise InvalidInputError(f"method {name!r} is already registered")
+        METHODS.register(name, cls)
         cls.name = name
-        METHODS[name] = cls
         return cls
 
     return decorator
@@ -165,15 +160,13 @@ def parse_spec(spec: str) -> Method:
             of the wrong type or out of range.
     """
     name, *parts = spec.strip().split(":")
-    if name not in METHODS:
-        raise InvalidInputError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}")
+    cls = METHODS.lookup(name)
     texts = {}
     for part in parts:
         if "=" not in part:
             raise InvalidInputError(f"bad method spec {spec!r}: expected key=value after ':'")
         key, value = part.split("=", 1)
         texts[key.strip()] = value.strip()
-    cls = METHODS[name]
     method = cls(from_text(cls.Params, texts, name))
     method.spec = spec.strip()
     return method

@@ -11,13 +11,15 @@ from typing import TypeVar
 
 from kvedit.errors import InvalidInputError
 from kvedit.evals.schema import Example
+from kvedit.registry import Registry
 
 __all__ = ["TASKS", "TaskFn", "check_positions", "register_task"]
 
 TaskFn = TypeVar("TaskFn", bound=Callable[..., list[Example]])
 
-TASKS: dict[str, Callable[..., list[Example]]] = {}
-"""Task name -> function returning that task's examples (keyword arguments vary by task)."""
+TASKS: Registry[Callable[..., list[Example]]] = Registry("task")
+"""Task name -> function returning that task's examples (keyword arguments vary by task; a
+:class:`kvedit.registry.Registry`)."""
 
 
 def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
@@ -26,20 +28,10 @@ def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
     Registering a function again under its own name (as a module reload does) is allowed.
 
     Raises:
-        ValueError: ``name`` is already registered to another function.
+        InvalidInputError: ``name`` is already registered to another function (a
+            ``ValueError``).
     """
-
-    def decorator(fn: TaskFn) -> TaskFn:
-        old = TASKS.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (
-            fn.__module__,
-            fn.__qualname__,
-        ):
-            raise InvalidInputError(f"task {name!r} is already registered")
-        TASKS[name] = fn
-        return fn
-
-    return decorator
+    return TASKS.decorator(name)
 
 
 def check_positions(positions: Sequence[int], n_documents: int) -> tuple[int, ...]:
