@@ -3,7 +3,8 @@ passage than a content-free copy of the question does (scale-free smoothing), wh
 stand out (a robust z-score against the others; :data:`ABSTAIN_THRESHOLD`), which may be
 chosen (those holding the most of the question's distinctive words; the one holding all of them,
 when each is shared: :func:`sole_holder`), echoes of the question, why nothing was chosen, and
-the per-layer bias that lifts a passage's share to a target.
+the per-layer bias that lifts a passage's share to a target; and the checks a question and its
+query get once, at focus's entry (:func:`content_question`, :func:`part_of`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,11 @@ against the rendering of the file's messages, and anything else is a
 - ``rounds``: ``at_message`` a message's index (in order), ``before >= after >= 0`` entries,
   ``before`` at most the tokens held then, ``seconds`` finite and non-negative, ``policy`` a
   string;
-- ``budget``: the ``Memory`` keywords it keeps, each of its type and range.
+- ``budget``: the ``Memory`` keywords it keeps (:data:`BUDGET_KEYWORDS`), each of its type and
+  range;
+- ``scores``: the arrival policy that scored the entries (a registered one) and the layers whose
+  scores the file holds (checked against the state's global layers by
+  :func:`kvedit.memory.files.read_memory`).
 
 The boundaries are found by rendering every prefix of the conversation again (what building it
 did, message after message: quadratic in the messages for a chat template) for a file this

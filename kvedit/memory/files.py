@@ -1,8 +1,10 @@
 """A :class:`kvedit.Memory` in a file: one sealed state file (:mod:`kvedit.states.files`) whose
 header carries the conversation as its ``attachment``: the prompt format, the messages, their
-:class:`~kvedit.memory.records.Turn` records, the forgetting rounds and the ``Memory`` keywords
-of its budget and quantizing (``budget``: ``max_tokens``, ``forget``, ``recent``, ``protect``,
-``quantize``; a file written before they were kept has none). The seal covers it, and the
+:class:`~kvedit.memory.records.Turn` records, the forgetting rounds (each record's ``to_json``),
+the ``Memory`` keywords of its budget and quantizing (``budget``:
+:data:`~kvedit.memory.attached.BUDGET_KEYWORDS`; a file written before they were kept has none)
+and, under an arrival policy, which layers' entry scores it holds (``scores``; the scores
+themselves are tensors beside the state's, ``scores.{layer}``). The seal covers it, and the
 loader checks every field (:mod:`kvedit.memory.attached`): the messages rendered again must give
 the file's ids.
 

@@ -3,7 +3,8 @@ its transcript: :func:`protected_ranges`.
 
 The budget's rule (docs/memory.md): the first tokens, the system message, the last
 ``recent_tokens`` tokens and the ``protect`` spans are never forgotten (all but the system
-message the :class:`~kvedit.memory.budget.Budget` finds itself). A system message is protected by its own turn's tokens and by the tokens of its text
+message the :class:`~kvedit.memory.budget.Budget` finds itself). A system message is protected
+by its own turn's tokens and by the tokens of its text
 wherever the template writes it (:func:`system_text_ranges`): Gemma-3's official template folds
 the system message into the first user turn, leaving the system turn one token (the BOS), so
 its turn alone would protect nothing of it. A template that does not write a system message's

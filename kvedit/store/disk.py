@@ -4,7 +4,7 @@ Disk layout and safety::
 
     root/store.json          format version and chunk size
     root/.lock               the write lock (kvedit.store.lock) serialising writers
-    root/entries/KEY.kv      the state: safetensors, JSON header, CRC-32 (kvedit.states.files)
+    root/entries/KEY.kv      the state: safetensors, JSON header, seal (kvedit.states.files)
     root/entries/KEY.json    the entry's index record: token count, chunk hashes, pin, expiry
 
 Both files are written by :func:`kvedit.atomic.atomic_write` (a temporary name
@@ -21,9 +21,9 @@ scan (a lookup, :meth:`~kvedit.KVStore.stats`) removes those of this machine's d
 (records and leftovers included) counts against ``max_bytes`` and shows in
 :meth:`~kvedit.KVStore.stats`. A store whose directory was deleted recreates it on the next
 write. The index is rebuilt from the ``.json`` records whenever the directory changes. A
-corrupt entry fails its checksum (:class:`~kvedit.errors.CorruptCacheError`) when read, and is
-dropped, never served. Nothing is ever pickled. A state file records its history (format 3); :class:`~kvedit.KVStore` serves an
-entry only when that history is a plain capture.
+corrupt entry fails its seal (:class:`~kvedit.errors.CorruptCacheError`) when read, and is
+dropped, never served. Nothing is ever pickled. A state file records its history (since format
+3); :class:`~kvedit.KVStore` serves an entry only when that history is a plain capture.
 """
 
 from __future__ import annotations
@@ -277,7 +277,8 @@ class DiskTier:
         tokenizer: PreTrainedTokenizerBase,
     ) -> DiskRead:
         """The state of ``key`` bound to ``model``/``tokenizer``, once its file has passed its
-        checksum and its token ids and fingerprints ``fps`` give ``key``; takes no lock."""
+        seal (or an older format's CRC-32) and its token ids and fingerprints ``fps`` give
+        ``key``; takes no lock."""
         path = self.kv_path(key)
         try:
             seen = path.stat()

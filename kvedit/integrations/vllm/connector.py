@@ -29,7 +29,8 @@ finished request's ``RequestOutput.kv_transfer_params["kvedit"]`` says what happ
 (``{"served": n, "published": n, "file": ..., "digest": ...}`` or ``{"refused": reason,
 "detail": ..., "digest": ...}``); vLLM 0.32 returns none for a request that ended with an error.
 
-**Worker side.** :meth:`KVEditConnector.start_load_kv` reads the file (CRC verified), and writes
+**Worker side.** :meth:`KVEditConnector.start_load_kv` reads the file (its seal verified:
+the digests of its header and tensors, :mod:`kvedit.states.files.seal`), and writes
 each layer's rows ``[tokens, kv_heads, head_dim]`` into the request's slots through the
 attention backend's own ``do_kv_cache_update`` (so the code is independent of the cache
 layout, which differs by backend and instruction set), per KV-cache group (sliding-window

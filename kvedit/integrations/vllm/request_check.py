@@ -5,8 +5,8 @@ vLLM ends a request whose KV load failed with HTTP 500 and the message "Internal
 ``kvedit serve`` adds this ASGI middleware (vLLM's documented ``--middleware`` option) in front
 of the completion routes. Before vLLM sees a request it makes the connector's decision
 (:func:`~kvedit.integrations.vllm.admission.admit`) on the request's body, verifies the file it
-would be served from (header and CRC, one tensor at a time; once per file version), and
-answers a refusal itself: an error status (:data:`~kvedit.integrations.vllm.admission.STATUS`:
+would be served from (its seal: the header's and the tensors' digests, one tensor at a time;
+once per file version), and answers a refusal itself: an error status (:data:`~kvedit.integrations.vllm.admission.STATUS`:
 400 a malformed or incomplete request, 404 an unknown digest, 409 another model's file, 500 a
 corrupt or vanished file) and OpenAI's error body, its message naming the reason and the file
 or digest, plus ``"kvedit": {"refused": reason, "detail": ..., "digest": ...}``. A request it
@@ -171,7 +171,7 @@ class RequestCheck:
         return None if problem is None else Refusal(*problem, n, str(path), digest)
 
     def _problem(self, path: Path) -> tuple[str, str] | None:
-        """``(reason, detail)`` when the file at ``path`` fails its CRC or is another model's.
+        """``(reason, detail)`` when the file at ``path`` fails its seal or is another model's.
 
         Raises:
             FileNotFoundError: it vanished.
