@@ -190,11 +190,10 @@ def entries_needed(
 ) -> tuple[int, int]:
     """``(needed, full)``: the entries a :class:`kvedit.Memory` with ``recent_tokens`` must be
     allowed to hold for ``conversation`` (``max_tokens`` below it is refused by the memory,
-    after the model loads), and :func:`full_entries`. As ``Memory`` makes room: for each message
-    added, what it never forgets of the messages before
-    (:func:`kvedit.memory.budget.never_forgotten`) and the message's tokens; a question and
-    its answer come on top of the budget. ``max_new_tokens`` is not needed by an entry budget
-    (kept for the callers' signature)."""
+    after the model loads), and :func:`full_entries`. As ``Memory`` fits its budget after
+    each message: what it never forgets once the message is added
+    (:func:`kvedit.memory.budget.never_forgotten`); a question and its answer come on top.
+    ``max_new_tokens`` is not needed by an entry budget (kept for the callers' signature)."""
     from kvedit.memory.budget import never_forgotten
     from kvedit.memory.rendering import Message
 
@@ -205,13 +204,10 @@ def entries_needed(
         ends.append(len(rendering.ids))
     system = [(ends[j], ends[j + 1]) for j, m in enumerate(messages) if m.role == "system"]
     needed = max(
-        never_forgotten(ends[k], [r for r in system if r[1] <= ends[k]], recent_tokens)
-        + ends[k + 1]
-        - ends[k]
+        never_forgotten(ends[k + 1], [r for r in system if r[1] <= ends[k + 1]], recent_tokens)
         for k in range(len(messages))
     )
-    held = never_forgotten(ends[-1], system, recent_tokens)
-    return max(needed, held), ends[-1]
+    return needed, ends[-1]
 
 
 def check_budgets_fit(
@@ -243,7 +239,6 @@ def check_budgets_fit(
                 raise InvalidInputError(
                     f"{method.spec} at budget {budget:g}: its memory would hold {held:,} of "
                     f"{conv.id}'s {full:,} entries, fewer than the {needed:,} it never forgets "
-                    f"(the first tokens, the system message, the last {recent} tokens, with "
-                    f"the message being added); give a "
+                    f"(the first tokens, the system message, the last {recent} tokens); give a "
                     f"budget of at least {math.ceil(1000 * needed / full) / 1000:g}"
                 )

@@ -174,7 +174,7 @@ def _round(i: int, value, bounds: Sequence[int], last: int) -> Round:
     at = _int(f"{field}.at_message", r["at_message"], minimum=last, maximum=len(bounds) - 2)
     if not isinstance(r["policy"], str) or not r["policy"]:
         raise _Bad(f"{field}.policy", f"is {checks.describe(r['policy'])}, not a policy name")
-    before = _int(f"{field}.before", r["before"], maximum=bounds[at])
+    before = _int(f"{field}.before", r["before"], maximum=bounds[at + 1])  # ran after it
     _int(f"{field}.after", r["after"], maximum=before)
     seconds = r["seconds"]
     if (

@@ -175,54 +175,44 @@ class Budget:
                 continue
         return keep
 
-    def over(self, state: KVState, n_new: int, on_top: bool) -> bool:
-        """Whether ``n_new`` more tokens take ``state`` past the budget (``on_top``: a question
-        and its answer, which an entry budget does not count)."""
+    def over(self, state: KVState) -> bool:
+        """Whether ``state`` holds more than the budget allows."""
         if self.max_bytes is not None:
-            return state.nbytes + added_bytes(state, n_new) > self.max_bytes
-        return global_entries(state) + (0 if on_top else n_new) > self.max_entries
+            return state.nbytes > self.max_bytes
+        return global_entries(state) > self.max_entries
 
-    def make_room(
+    def fit(
         self,
         state: KVState,
         scores: dict[int, torch.Tensor] | None,
         ranges: Sequence[tuple[int, int]],
-        n_new: int,
         at_message: int,
-        *,
-        on_top: bool = False,
     ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round | None]:
-        """``(state, scores, round)`` with room for ``n_new`` more tokens: unchanged when they
-        fit, else forgotten to just fit (module docstring). ``scores``: the arrival scores the
-        memory keeps (None for other policies); ``ranges``: the system messages' tokens.
+        """``(state, scores, round)`` of a state a message (or a kept answer) was just added
+        to: unchanged within the budget, else forgotten to fit it. The new entries are ranked
+        with the older ones: a round never drops a better entry to admit a worse new one.
+        ``scores``: the arrival scores the memory keeps (None for other policies); ``ranges``:
+        the system messages' tokens.
 
         Raises:
-            InvalidInputError: the protected part and the new tokens alone exceed the budget
-                (before any work).
+            InvalidInputError: the protected part alone exceeds the budget (before the memory
+                keeps anything).
         """
-        protected = self.protected_tokens(state, ranges)
-        if not self.over(state, n_new, on_top):
+        if not self.over(state):
             return state, scores, None
+        protected = self.protected_tokens(state, ranges)
         if self.max_bytes is not None:
-            return self._forget_bytes(state, scores, protected, n_new, at_message)
-        limit = self.max_entries - (0 if on_top else n_new)
+            return self._forget_bytes(state, scores, protected, at_message)
         needed = _protected_entries(state, protected)
-        if needed > limit:
+        if needed > self.max_entries:
             raise InvalidInputError(
                 f"the budget is {self.max_entries} entries; the protected part (the first "
                 f"{SINK_TOKENS} tokens, system message, the last {self.recent_tokens} tokens, "
-                f"protect= spans) holds {needed} and this message adds "
-                f"{0 if on_top else n_new}: raise max_tokens/max_bytes, or protect less"
+                f"protect= spans) holds {needed}: raise max_tokens/max_bytes, or protect less"
             )
-        low = self._low_water()
+        room = max(self._low_water() * self.max_entries, needed)
         return forget(
-            state,
-            scores,
-            protected,
-            self.policy,
-            max(low * limit, needed),
-            at_message,
-            per_head=self.per_head,
+            state, scores, protected, self.policy, room, at_message, per_head=self.per_head
         )
 
     def _low_water(self) -> float:
@@ -230,33 +220,38 @@ class Budget:
         only ranks kept scores), :data:`LOW_WATER` for one that scores at each round."""
         return 1.0 if self.scorer.arrival else LOW_WATER
 
-    def _forget_bytes(self, state, scores, protected, n_new, at_message):
-        """:func:`forget` to ``max_bytes`` less the new tokens' bytes; again with less room
-        while what a round left allocates more (a headwise layer's padding), at most
+    def _forget_bytes(self, state, scores, protected, at_message):
+        """:func:`forget` to ``max_bytes`` (less the layers no round forgets); again with less
+        room while what a round left allocates more (a headwise layer's padding), at most
         :data:`BYTE_TRIES` times."""
-        room = self.max_bytes - added_bytes(state, n_new) - _fixed_bytes(state)
-        room *= self._low_water()
+        fixed = _fixed_bytes(state)
+        room = (self.max_bytes - fixed) * self._low_water()
         for _ in range(BYTE_TRIES):
             if room < 0:
                 break
-            out = forget(
-                state,
-                scores,
-                protected,
-                self.policy,
-                room,
-                at_message,
-                per_head=self.per_head,
-                in_bytes=True,
-            )
-            excess = out[0].nbytes + added_bytes(out[0], n_new) - self.max_bytes
-            if excess <= 0:
+            try:
+                out = forget(
+                    state,
+                    scores,
+                    protected,
+                    self.policy,
+                    room,
+                    at_message,
+                    per_head=self.per_head,
+                    in_bytes=True,
+                )
+            except InvalidInputError:  # the protected entries alone cost more than the room
+                break
+            used = out[0].nbytes - fixed
+            if out[0].nbytes <= self.max_bytes:
                 return out
-            room -= max(excess, BYTE_STEP * room)
+            # what the round left allocates more than its room (a per-head layer's padding):
+            # scale the room down by that ratio, and by at least BYTE_STEP
+            room = min(room * (room / max(used, 1.0)), room * (1 - BYTE_STEP))
         raise InvalidInputError(
             f"the budget is {self.describe()}; the protected part (the first {SINK_TOKENS} "
-            f"tokens, system message, the last {self.recent_tokens} tokens, protect= spans) and "
-            f"this message's {n_new} tokens alone take more: raise max_bytes, or protect less"
+            f"tokens, system message, the last {self.recent_tokens} tokens, protect= spans) "
+            "alone takes more: raise max_bytes, or protect less"
         )
 
 
@@ -306,7 +301,8 @@ def budget_from(
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
     ``per_head`` None: per head where the policy scores arrivals, the model has more than one
-    KV head and ``quantize`` is off (it holds the same entries on every head); ``forget`` None:
+    KV head, ``quantize`` is off (it holds the same entries on every head) and the budget counts
+    entries (a byte budget would pay for the padding of heads holding unequal counts); ``forget`` None:
     :func:`default_policy`."""
     if forget is None and max_tokens is None and max_bytes is None:
         forget = FALLBACK_POLICY  # no budget: nothing is forgotten, the arguments still checked
@@ -329,8 +325,8 @@ def budget_from(
             "quantize= holds the older messages packed, the same entries on every KV head: "
             "give per_head=False with it"
         )
-    if per_head is None:
-        per_head = scorer.arrival and several and quantize is None
+    if per_head is None:  # a byte budget would pay for the padding of unequal heads
+        per_head = scorer.arrival and several and quantize is None and max_bytes is None
     protect = () if protect is None else tuple(as_span_list(protect))
     if max_bytes is not None:
         max_bytes = checks.count("max_bytes", max_bytes, minimum=1)

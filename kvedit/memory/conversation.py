@@ -8,8 +8,8 @@ decodes an answer and commits it the same way, keeping the decoded tokens' K/V
 what a fresh :func:`kvedit.capture_tokens` of the rendering's ids would hold (the same ids, the
 same digest, logits equal up to float rounding): a plain capture of the transcript, which
 :class:`kvedit.KVStore` takes and :func:`kvedit.reuse` finds as a prefix. Under a budget
-(:mod:`kvedit.memory.forgetting`) each message that would take it past the budget first
-forgets; with ``quantize`` the older messages are held in low bits
+(:mod:`kvedit.memory.budget`) each message (and each kept answer) that takes it past the budget
+is followed by a forgetting round, the new entries ranked with the old; with ``quantize`` the older messages are held in low bits
 (:mod:`kvedit.memory.quantizing`); the state's history records each round and each packing.
 """
 
@@ -58,11 +58,7 @@ from .rendering import (
     renderer_for,
 )
 
-__all__ = ["ANSWER_MARKUP", "MAX_MESSAGES", "Memory"]
-
-ANSWER_MARKUP = 16
-"""Room kept for an answer's end-of-turn markup (its template's closing tokens) when a memory
-with a budget makes room for a question."""
+__all__ = ["MAX_MESSAGES", "Memory"]
 
 
 class Memory:
@@ -78,9 +74,10 @@ class Memory:
 
     Forgetting (:mod:`kvedit.memory.forgetting`): with ``max_tokens`` (the entries a
     global-attention layer holds, on average, when a question comes; the question and its
-    answer on top) or ``max_bytes`` (the bytes the cache allocates, never exceeded), a message
-    that would take the memory past its budget first makes it forget just what the message
-    needs, with the ``forget`` policy (any registered scorer; None:
+    answer on top) or ``max_bytes`` (the bytes the cache allocates, never exceeded after a
+    message), a message (or a kept answer) that takes the memory past its budget is followed
+    by a round that forgets what is over it, the new entries ranked with the old, with the
+    ``forget`` policy (any registered scorer; None:
     :data:`~kvedit.memory.forgetting.DEFAULT_POLICY` where a fit exists for the model, else
     :data:`~kvedit.memory.forgetting.FALLBACK_POLICY`); the first tokens, the system message,
     the last ``recent_tokens`` tokens and the ``protect`` spans are never forgotten.
@@ -200,11 +197,11 @@ class Memory:
         check_system_held(self.budget, self.prompt, self._messages, rendering)
         n = len(self._state)
         self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
-        held, scores, rounds = self._room(len(rendering.ids) - n)
-        state = extend_ids(held, rendering.ids[n:], rendering.offsets[n:], rendering.text)
+        state = extend_ids(self._state, rendering.ids[n:], rendering.offsets[n:], rendering.text)
         end = len(rendering.ids)
-        scores = self._arrived(state, scores, n, end)
+        scores = self._arrived(state, self._held.scores, n, end)
         turn = Turn(len(self._messages), role, message.content, n, end, "computed", end - n)
+        state, scores, rounds = self._fit(state, scores, [message], rendering, [turn])
         self._keep(state, [message], rendering, [turn], rounds, scores)
         return turn
 
@@ -216,16 +213,22 @@ class Memory:
             self.scoring_seconds += time.perf_counter() - t0
         return out
 
-    def _room(self, n_new: int, on_top: bool = False) -> tuple[KVState, Scores | None, list[Round]]:
-        """``(state, scores, rounds)`` with room for ``n_new`` entries under the budget
-        (forgetting if need be; the memory itself is changed only when the message is kept).
-        ``on_top``: a question and its answer (an entry budget does not count them)."""
+    def _fit(
+        self,
+        state: KVState,
+        scores: Scores | None,
+        messages: list[Message],
+        rendering: Rendering,
+        turns: list[Turn],
+    ) -> tuple[KVState, Scores | None, list[Round]]:
+        """``(state, scores, rounds)``: ``state`` (the memory with ``messages`` just added, as
+        ``rendering`` renders them all) fitted to the budget, forgetting if need be; the memory
+        itself is changed only when the message is kept."""
         if self.budget is None:
-            return self._state, None, []
-        ranges = protected_ranges(self._turns, self._messages, self._rendering)
-        state, scores, done = self.budget.make_room(
-            self._state, self._held.scores, ranges, n_new, len(self._messages), on_top=on_top
-        )
+            return state, None, []
+        ranges = protected_ranges([*self._turns, *turns], [*self._messages, *messages], rendering)
+        at = turns[-1].index
+        state, scores, done = self.budget.fit(state, scores, ranges, at)
         return state, scores, [] if done is None else [done]
 
     def _message(self, role: str, content: str) -> Message:
@@ -312,9 +315,8 @@ class Memory:
         still a whole message. With ``remember`` (the default) the question and the answer
         are added to the memory, the answer's decoded K/V kept (:mod:`kvedit.memory.answering`);
         otherwise the memory is left as it was. Under a budget (``max_tokens``/``max_bytes``)
-        the answer is read from what a remembered ask would keep: a forgetting round that
-        makes room for the question and the answer runs either way, and without ``remember``
-        it is dropped with them.
+        the question and the answer come on top of what the memory holds; a remembered answer
+        is then followed by a forgetting round if the memory is over its budget.
 
         ``focus``: ``True`` (with :data:`kvedit.DEFAULT_GUARD`) or a guard emphasizes the
         messages the question points at (:func:`kvedit.focus`, the messages' contents as
@@ -344,8 +346,7 @@ class Memory:
         self._check_prefix(q, p, "generation prompt")
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
         self._state.check_room(n_p - n, max_new_tokens, what="question")
-        # room for the question, the answer and its end-of-turn markup
-        held, scores, rounds = self._room(n_p - n + max_new_tokens + ANSWER_MARKUP, on_top=True)
+        held = self._state  # the question and the answer come on top of the budget
         found = None if guard is None else self._focused(held, question, p, guard)
         focused = found is not None and bool(found.chosen) and found.kept
         prompt = extend_ids(found.state if focused else held, p.ids[n:], p.offsets[n:], p.text)
@@ -362,8 +363,9 @@ class Memory:
         self._check_prefix(p, full, "answer")
         done = commit(held, prompt, decoded, full, focused=focused)
         turns = answer_turns(message, answer, len(self._messages), (n, n_q, n_p), full, done)
-        scores = self._arrived(done.state, scores, n, len(full.ids))
-        self._keep(done.state, [message, answer], full, turns, rounds, scores)
+        scores = self._arrived(done.state, self._held.scores, n, len(full.ids))
+        state, scores, rounds = self._fit(done.state, scores, [message, answer], full, turns)
+        self._keep(state, [message, answer], full, turns, rounds, scores)
         self.last_focus = last_focus
         return answer.content.strip()
 
