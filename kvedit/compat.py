@@ -1,7 +1,8 @@
-"""The few places where transformers 5.x releases differ for what kvedit uses.
+"""The few places where transformers 5.x releases differ for what kvedit uses, and the one
+reading of a model's config multimodal wrappers need (:func:`text_config`).
 
 transformers 5.24 renamed the ``past_key_values`` argument of ``forward`` to ``cache`` and
-announced the removal of the old name for 5.40 (kvedit pins ``<5.40``).
+announced the removal of the old name for 5.40 (kvedit pins ``<5.40``): :func:`cache_kwarg`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ parameters and whether it is exact. ``KVState.history`` holds it; ops append to 
 :func:`content_digest` names what a state holds: a stable hash of the model fingerprint, the
 token ids and the history (origin kind and steps, not where a file was read from). Two states
 with the same digest were built the same way from the same ids by the same model, so they attend
-identically. A file's CRC-32 stays what it is, an integrity check of its bytes.
+identically. A file's seal (a CRC-32 before format 4, :mod:`kvedit.states.files.format`) is
+something else: a check of its bytes, and with this installation's key of who wrote them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""kvedit's runtime: one attention seam (:mod:`.seam`), bias plans (:mod:`.plans`), running (:mod:`.running`), installed once per model, and the gate in front of it.
+"""kvedit's runtime: one attention seam (:mod:`.seam`), bias plans (:mod:`.plans`), running
+(:mod:`.running`), installed once per model, and the gate in front of it (:mod:`.gate`).
 
 **The seam.** :func:`prepare` switches a model, once, to the ``"kvedit"`` attention and mask
 functions (registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``).

@@ -2,8 +2,12 @@
 
 - :mod:`.state`: :class:`~kvedit.states.state.KVState` (per-layer K/V, token ids and offsets,
   positions, history) and its methods (extend, generate, logits, save).
+- :mod:`.view`: :class:`~kvedit.states.view.StateView`, the read-only protocol the modules
+  below :mod:`.state` type a state against (and :class:`~kvedit.states.view.LastInput`).
+- :mod:`.stamps`: the tensors' version counters as built, so an in-place write is detected.
 - :mod:`.capturing`: building a state by running the model (``capture``, ``capture_tokens``).
-- :mod:`.passes`: forward passes over a state's cache (run tokens on top, recompute the last input).
+- :mod:`.passes`: forward passes over a state's cache (run tokens on top, recompute the last
+  input).
 - :mod:`.decoding`: decoding from a state (``Answer``, ``Decoder``, EOS ids, ``Sampling``).
 - :mod:`.room`: whether what a call adds fits the positions left (a text refused by its
   characters before it is tokenized).

@@ -16,6 +16,10 @@ Usage::
 
     s = kvedit.steer(model, tok, emphasize=["Alice"], strength=2.0)
     s.generate(prompt)                            # spans refer to ``prompt``
+
+With ``focus=True`` (and ``question=``) no span is given: at each prompt :func:`kvedit.focus`
+chooses the passages the question points at and sizes each layer's bias, while the model runs
+(:class:`~kvedit.steering.plan.FocusRequest`).
 """
 
 from __future__ import annotations

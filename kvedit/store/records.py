@@ -1,7 +1,8 @@
 """Entry records: what the store keeps about each entry, and which states may become one.
 
-An entry's record (:class:`EntryMeta`) is its ``KEY.json`` on disk and rides along with its
-state in memory: the key, token count, who made it, the chain hashes it is indexed under,
+An entry's record (:class:`EntryMeta`; :meth:`~EntryMeta.to_json` and
+:meth:`~EntryMeta.from_json`, as every persisted record of kvedit) is its ``KEY.json`` on disk
+and rides along with its state in memory: the key, token count, who made it, the chain hashes it is indexed under,
 whether it can be cut at an earlier chunk boundary, its size, pin and expiry.
 :func:`check_storable` decides which states the store accepts (plain captures only, by their
 history and their tensors), and

@@ -13,8 +13,9 @@
 
 If a config does not fit a GPU (``OutOfResources``), the kernel falls back to smaller ones
 derived from it (:func:`fallbacks`). Every config in the tables is run for correctness through
-Triton's interpreter by ``tests/triton/test_triton_configs.py`` (tiny shapes); speed is measured only by
-``python -m benchmarks.attention --sweep`` on a GPU (``gpu_check.sh --sweep``), which also
+Triton's interpreter by ``tests/triton/test_triton_configs.py`` (tiny shapes); speed is measured
+only by ``python -m benchmarks.attention --sweep`` on a GPU (``benchmarks/gpu_check.sh
+--sweep``), which also
 times single-pass against split-K decode to place the threshold.
 
 Kept free of any ``triton`` import (like :mod:`._common`).

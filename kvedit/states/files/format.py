@@ -10,8 +10,8 @@ the layers' ``shared`` param), ``attached.NAME`` for tensors the state's holder 
 (a forgetting memory's entry scores), and ``token_ids``, ``offsets``, ``position_ids``,
 ``last_logits``.
 The header's ``kvedit`` entry is JSON: format version, fingerprints, text, windows, each layer's
-kind and parameters, and the file's ``seal`` (:mod:`kvedit.states.files.seal`: one digest over
-the header and every tensor, and this installation's MAC of it).
+kind and parameters, and the file's ``seal`` (:mod:`kvedit.states.files.seal`: a digest of the
+header and one of every tensor, and this installation's MAC of both).
 
 Format versions: 4 replaces the CRC-32 of the tensors with the seal: a file whose seal this
 installation cannot verify (written elsewhere, or by a kvedit before version 4) loads with an

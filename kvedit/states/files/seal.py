@@ -1,5 +1,5 @@
-"""Sealing kvedit's files: one digest over header and tensors, and a MAC only this installation
-can make.
+"""Sealing kvedit's files: a digest of the header and one of the tensors, and a MAC only this
+installation can make.
 
 Two threats, two answers:
 
@@ -10,8 +10,8 @@ Two threats, two answers:
 - **Hostile** (a file from elsewhere, built to pass): a digest anyone can recompute proves
   nothing about who wrote the file, so the seal also holds ``HMAC-SHA256(key, header digest :
   tensors digest)`` with a per-installation key (:func:`installation_key`). The header alone
-  can then be checked without reading a tensor (vLLM's admission reads headers only). A file whose MAC this installation can
-  verify is *trusted*: its claims (history, plain capture) are believed. Any other file is
+  can then be checked without reading a tensor (vLLM's admission reads headers only). A file
+  whose MAC this installation can verify is *trusted*: its claims (history, plain capture) are believed. Any other file is
   *foreign*: it loads, with an unknown history, and is never stored or served as a capture.
 
 The key is 32 random bytes in ``$KVEDIT_KEY_FILE``, or ``installation.key`` under
