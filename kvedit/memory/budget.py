@@ -1,15 +1,16 @@
 """A :class:`kvedit.Memory`'s budget: how much it may hold and when a round forgets
 (:class:`Budget`, made from ``Memory``'s keywords by :func:`budget_from`).
 
-The budget is counted when a question comes, as kvpress counts a compressed context:
-``max_tokens`` entries per global-attention layer on average (:func:`~kvedit.memory.forgetting.
-global_entries`), the question, the answer and the template's markup on top; or ``max_bytes``,
-the bytes the cache allocates (:attr:`KVState.nbytes`, every layer, padding included), never
-exceeded after any message or answer, room for the question and its answer included. A message
-that would take the memory past it first runs a round (:func:`kvedit.memory.forgetting.forget`)
-that drops just what the message needs; a policy that scores at each round forgets down to
-:data:`LOW_WATER` of the room. No round drops the first tokens, the system message, the last
-``recent_tokens`` tokens or the ``protect`` spans (:meth:`Budget.protected_tokens`).
+The budget is what the memory holds after each message and each kept answer, counted as
+kvpress counts a compressed context: ``max_tokens`` entries per global-attention layer on
+average (:func:`~kvedit.memory.forgetting.global_entries`), or ``max_bytes``, the bytes the cache
+allocates (:attr:`KVState.nbytes`, every layer, padding included). A question and its answer
+come on top while it is answered. A message (or a kept answer) that takes the memory past its
+budget is followed by a round (:meth:`Budget.fit`, :func:`kvedit.memory.forgetting.forget`) that
+ranks the new entries with the older ones and forgets down to the budget; a policy that scores
+at each round forgets down to :data:`LOW_WATER` of it. No round drops the first tokens, the
+system message, the last ``recent_tokens`` tokens or the ``protect`` spans
+(:meth:`Budget.protected_tokens`).
 """
 
 from __future__ import annotations
@@ -302,8 +303,8 @@ def budget_from(
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
     ``per_head`` None: per head where the policy scores arrivals, the model has more than one
     KV head, ``quantize`` is off (it holds the same entries on every head) and the budget counts
-    entries (a byte budget would pay for the padding of heads holding unequal counts); ``forget`` None:
-    :func:`default_policy`."""
+    entries (a byte budget would pay for the padding of heads holding unequal counts);
+    ``forget`` None: :func:`default_policy`."""
     if forget is None and max_tokens is None and max_bytes is None:
         forget = FALLBACK_POLICY  # no budget: nothing is forgotten, the arguments still checked
     elif forget is None:

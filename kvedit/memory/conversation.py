@@ -9,8 +9,8 @@ what a fresh :func:`kvedit.capture_tokens` of the rendering's ids would hold (th
 same digest, logits equal up to float rounding): a plain capture of the transcript, which
 :class:`kvedit.KVStore` takes and :func:`kvedit.reuse` finds as a prefix. Under a budget
 (:mod:`kvedit.memory.budget`) each message (and each kept answer) that takes it past the budget
-is followed by a forgetting round, the new entries ranked with the old; with ``quantize`` the older messages are held in low bits
-(:mod:`kvedit.memory.quantizing`); the state's history records each round and each packing.
+is followed by a forgetting round, the new entries ranked with the old; ``quantize`` holds the
+older messages in low bits (:mod:`kvedit.memory.quantizing`); the history records both.
 """
 
 from __future__ import annotations

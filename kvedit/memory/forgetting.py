@@ -1,5 +1,5 @@
-"""Forgetting: which entries a :class:`kvedit.Memory` drops when it would hold more than its
-budget (:mod:`kvedit.memory.budget`) allows, without knowing the next question.
+"""Forgetting: which entries a :class:`kvedit.Memory` drops when a message (or a kept answer)
+takes it past its budget (:mod:`kvedit.memory.budget`), without knowing the next question.
 
 **A round** (:func:`forget`) keeps every protected entry (the first :data:`SINK_TOKENS` tokens,
 the system message, the ``protect`` spans, the last ``recent_tokens`` tokens: the budget's
@@ -18,11 +18,12 @@ registered scorer is a policy); what a round does with one follows from what it 
   entries shares the budget (a layer that reads the text broadly keeps more, KVzip's rule);
   any other keeps the same count on every global layer;
 * ``whole_words``: an entry's score is the best of its word's (:func:`kvedit.spans.word_index`);
-* ``per_head`` (arrival scorers, the default where the model has more than one KV head and
-  nothing needs the same entries on every head): one ranking of (layer, KV head, entry), each
-  head keeping its own entries (:class:`kvedit.cache.HeadwiseLayerKV`; the bytes are freed);
-  otherwise an entry's score is its largest over the KV heads (an entry some head needs is kept)
-  and a layer keeps the same entries on every head (what vLLM's paged cache serves).
+* ``per_head`` (arrival scorers; the default under an entry budget where the model has more
+  than one KV head and nothing needs the same entries on every head): one ranking of (layer, KV
+  head, entry), each head keeping its own entries (:class:`kvedit.cache.HeadwiseLayerKV`; the
+  bytes are freed); otherwise an entry's score is its largest over the KV heads (an entry some
+  head needs is kept) and a layer keeps the same entries on every head (what vLLM's paged cache
+  serves).
 
 Each round is a ``forget`` history step (not exact: a memory that forgot is no longer a plain
 capture) and a :class:`Round`.
