@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from kvedit.evals.schema import Example
 from kvedit.memory.budget import Budget
 from kvedit.memory.forgetting import Round
 from kvedit.memory.records import Turn
@@ -28,9 +29,11 @@ RECORDS = {
     "entry": EntryMeta(
         "a" * 32, 40, "model-fp", "tok-fp", ("h1", "h2"), True, 1234, 1.5e9, None, True
     ),
+    "example": Example("ex-1", "Read.", ("a doc", "b doc"), "\n", "Which?", ("b",), 1),
 }
 
-# As memory files (their attachment) and store records (KEY.json) held them before #58.
+# As memory files (their attachment), store records (KEY.json) and example files (a JSONL line)
+# held them before #58.
 OLD_FILES = {
     "turn": (
         Turn,
@@ -64,6 +67,19 @@ OLD_FILES = {
         },
     ),
     "message": (Message, {"role": "system", "content": "You are terse."}),
+    "example": (
+        Example,
+        {
+            "id": "nq-s0-q8-p0",
+            "instruction": "Write a high-quality answer.",
+            "documents": ["Document [1](Title: A) a", "Document [2](Title: B) b"],
+            "separator": "\n",
+            "question": "who?",
+            "answers": ["b"],
+            "gold_index": 1,
+            "metric": "subspan_em",
+        },
+    ),
     "entry": (
         EntryMeta,
         {

@@ -96,7 +96,7 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Example]:
         except RecursionError:
             raise InvalidExampleError(f"{path}:{number}: JSON nested too deeply") from None
         try:
-            example = Example.from_dict(data)
+            example = Example.from_json(data)
         except InvalidExampleError as error:
             raise InvalidExampleError(f"{path}:{number}: {error}") from None
         if example.id in seen:
@@ -116,7 +116,7 @@ def write_jsonl(examples: Iterable[Example], path: str | os.PathLike[str]) -> Pa
     The file is gzipped when its name ends in ``.gz``. Returns the path.
     """
     path = Path(path)
-    text = "".join(json.dumps(example.to_dict(), ensure_ascii=False) + "\n" for example in examples)
+    text = "".join(json.dumps(example.to_json(), ensure_ascii=False) + "\n" for example in examples)
     payload = gzip.compress(text.encode("utf-8"), mtime=0) if path.suffix == ".gz" else text
     return atomic_write(path, payload)
 

@@ -28,7 +28,7 @@ __all__ = ["FIELDS", "OPTIONAL_FIELDS", "Example", "score"]
 _DOCUMENT_LABEL = re.compile(r"^Document \[\d+\]")
 
 FIELDS = ("id", "instruction", "documents", "separator", "question", "answers", "gold_index")
-"""The keys every serialized example has (:meth:`Example.from_dict`)."""
+"""The keys every serialized example has (:meth:`Example.from_json`)."""
 OPTIONAL_FIELDS = ("metric",)
 """The keys a serialized example may leave out."""
 
@@ -198,14 +198,14 @@ class Example:
         such as ``nq-s0-q8-p0`` names the question and the gold position, not the documents,
         which depend on ``--n-docs``, ``--trials``, ``--limit`` and ``--data``.
         """
-        data = self.to_dict()
+        data = self.to_json()
         del data["id"]
         text = json.dumps(data, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- serialization ------------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The example as a JSON-ready dict (a line of :func:`~kvedit.evals.jsonl.load_jsonl`)."""
         data = dataclasses.asdict(self)
         data["documents"] = list(self.documents)
@@ -213,7 +213,7 @@ class Example:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Example:
+    def from_json(cls, data: Mapping[str, Any]) -> Example:
         """Build an example from a dict, a line of :func:`~kvedit.evals.jsonl.load_jsonl`, strictly.
 
         Raises:

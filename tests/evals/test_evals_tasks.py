@@ -364,7 +364,7 @@ def test_jsonl_round_trip(tmp_path: Path, name: str) -> None:
 
 
 def test_jsonl_metric_is_optional_and_blank_lines_are_skipped(tmp_path: Path) -> None:
-    line = make_example().to_dict()
+    line = make_example().to_json()
     del line["metric"]
     path = tmp_path / "a.jsonl"
     path.write_text("\n" + json.dumps(line) + "\n\n", encoding="utf-8")
@@ -373,7 +373,7 @@ def test_jsonl_metric_is_optional_and_blank_lines_are_skipped(tmp_path: Path) ->
 
 
 def _bad(**changes) -> str:
-    data = make_example().to_dict()
+    data = make_example().to_json()
     for key, value in changes.items():
         if value is KeyError:
             del data[key]
@@ -399,7 +399,7 @@ def _bad(**changes) -> str:
 )
 def test_jsonl_errors_name_file_line_and_problem(tmp_path: Path, line: str, problem: str) -> None:
     path = tmp_path / "custom.jsonl"
-    good = json.dumps(make_example(id="ex-0").to_dict())
+    good = json.dumps(make_example(id="ex-0").to_json())
     path.write_text(f"{good}\n\n{line}\n", encoding="utf-8")
     with pytest.raises(ValueError, match=rf"custom\.jsonl:3: .*{problem}") as info:
         load_jsonl(path)
