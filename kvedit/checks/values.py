@@ -1,10 +1,13 @@
-"""Validators for the arguments of kvedit's public functions.
+"""Validators of argument values: numbers, counts, shares and strengths, flags, texts, layer
+indices, callables' signatures, paths and storage dtypes, with the caps on a bias strength, a key
+scale and the copies of a duplication.
 
 Each validator returns the value in canonical form (a ``float``, an ``int``, a tuple of layer
 indices...) or raises a :class:`~kvedit.errors.KVEditError` that names the argument and says what
 was expected. A value of the wrong type raises :class:`~kvedit.errors.InvalidTypeError` (both a
 ``TypeError`` and a ``ValueError``); a value of the right type outside its range raises
-:class:`~kvedit.errors.InvalidInputError` (a ``ValueError``).
+:class:`~kvedit.errors.InvalidInputError` (a ``ValueError``). Import them from
+:mod:`kvedit.checks`.
 """
 
 from __future__ import annotations
@@ -16,15 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from . import state_fit
-from .atomic import check_path
-from .errors import (
-    CacheMismatchError,
-    EmptySelectionError,
-    InvalidInputError,
-    InvalidTypeError,
-    KVEditError,
-)
+from ..atomic import check_path
+from ..errors import EmptySelectionError, InvalidInputError, InvalidTypeError
 
 MAX_STRENGTH = 1e4
 """The largest ``|strength|`` (nats) an attention bias may have.
@@ -52,44 +48,22 @@ global layer's cache by the span's length, so an unbounded count (``10**6``) wou
 memory; a larger bias is one :func:`kvedit.ops.emphasize` call, at no memory cost.
 """
 
-MAX_TOKENS_PER_CALL = 131_072
-"""The most tokens one call may add to a state: the text it runs (a capture, an extension, a
-continuation) plus the tokens it decodes after it. This bounds memory apart from the model's
-positions (:func:`positions_limit`), for a model whose config states no maximum or a huge one:
-one call holds the activations of every token it runs and the cache entries it makes, and past
-128K tokens that exhausts the accelerator's memory (or the host's) instead of failing cleanly,
-so such a call is refused before tokenizing when its characters decide it (see
-:data:`MAX_CHARS_PER_TOKEN`), else before the forward pass. The bundled models attend to at most
-32,768 positions (Gemma-3; SmolLM2 8,192), so nothing they can do is refused; a longer context
-is read in several calls (``capture`` a first part, then ``extend`` by the rest)."""
-
-MAX_CHARS_PER_TOKEN = 1024
-"""A generous upper bound on the characters one token covers, for the cheap early refusal of
-:func:`context_fits`: a text of more than ``limit * MAX_CHARS_PER_TOKEN`` characters cannot
-tokenize to ``limit`` tokens or fewer, so it is refused before any tokenizer work. (Tokens of
-the vocabularies kvedit runs cover a few dozen characters at most; texts under the bound are
-tokenized and their tokens counted.)"""
-
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 __all__ = [
-    "MAX_CHARS_PER_TOKEN",
     "MAX_DUPLICATE_COPIES",
     "MAX_SCALE_FACTOR",
     "MAX_STRENGTH",
-    "MAX_TOKENS_PER_CALL",
-    "context_fits",
     "call_refusal",
-    "call_size",
     "count",
     "describe",
+    "flag",
     "layers",
     "path",
-    "positions_hint",
-    "positions_limit",
+    "real",
     "save_dtype",
-    "state_fits_model",
+    "share",
     "strength",
     "text",
 ]
@@ -306,188 +280,3 @@ def save_dtype(dtype) -> torch.dtype | None:
             "truncate them (use kvedit.ops.quantize for a compact cache)"
         )
     return dtype
-
-
-# ------------------------------------------------------------------------ a state vs a model
-
-
-def _model_layers(model):
-    """The gate's per-layer facts (window, KV heads, key/value head sizes, from its probe)."""
-    from .runtime import spec
-
-    return spec(model).layers
-
-
-def state_fits_model(
-    state,
-    model,
-    tokenizer=None,
-    *,
-    fingerprints: bool = True,
-    deep: bool = False,
-    error: type[KVEditError] = CacheMismatchError,
-) -> None:
-    """Check that ``state`` can run on ``model``: made by it, and shaped as its cache is.
-
-    Checks (shapes only, cheap): the model and tokenizer fingerprints (when ``fingerprints``;
-    the tokenizer's only when ``tokenizer`` is given), one layer per decoder layer with the
-    model's sliding windows, keys and values ``[batch, kv_heads, n, head_dim]`` with the model's
-    KV heads and head size, ``token_index``/``positions`` of length ``n``, a bias
-    ``[batch, 1 | kv_heads | heads, n]``, sliding layers holding at most ``window`` entries,
-    and ``token_ids``/``offsets``/``position_ids``/``last_logits`` of matching sizes. With
-    ``deep``, also the values: token ids inside the vocabulary, ``token_index`` in
-    ``[-1, n_tokens)``, positions before ``next_position``, offsets inside the text.
-
-    Raises:
-        error: (default :class:`~kvedit.errors.CacheMismatchError`) with every problem found,
-            up to five. :func:`kvedit.load_state` passes
-            :class:`~kvedit.errors.CorruptCacheError`: a file whose fingerprint names the
-            model but whose structure does not fit it has lying metadata.
-    """
-    problems: list[str] = []
-    if fingerprints:
-        state_fit.check_fingerprints(state, model, tokenizer)
-    specs = _model_layers(model)
-    heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
-    if len(state.layers) != len(specs):
-        problems.append(f"{len(state.layers)} layers, the model has {len(specs)}")
-    n_tokens = int(state.token_ids.shape[0]) if state.token_ids.ndim == 1 else -1
-    for i, (layer, ls) in enumerate(zip(state.layers, specs, strict=False)):
-        keys, values = tuple(layer.kv_shape), tuple(layer.value_shape)
-        if len(keys) != 4 or len(values) != 4:
-            problems.append(f"layer {i}: keys {keys} / values {values} are not 4-D")
-            continue
-        problems += state_fit.layer_problems(i, layer, ls, heads)
-        if deep and keys[2] and n_tokens >= 0:
-            problems += state_fit.layer_value_problems(i, layer, n_tokens, state.next_position)
-        if len(problems) >= 5:
-            break
-    problems += state_fit.token_shape_problems(state, n_tokens)
-    n_in, n_out = state_fit.vocab_sizes(model)
-    if state.last_logits.ndim != 1 or (n_out is not None and state.last_logits.numel() != n_out):
-        problems.append(
-            f"last_logits {tuple(state.last_logits.shape)}, the model's vocabulary is {n_out}"
-        )
-    if deep and not problems and n_tokens > 0:
-        problems += state_fit.token_value_problems(state, n_in)
-    if problems:
-        name = getattr(model, "name_or_path", None) or type(model).__name__
-        raise error(f"the cache does not fit the model {name!r}: " + "; ".join(problems[:5]))
-
-
-# ------------------------------------------------------------------------ context length
-
-
-def positions_limit(model, max_positions: int | None = None) -> int | None:
-    """The most positions ``model`` attends to: ``max_positions`` when given (the caller's
-    override, for a model whose config understates its context), else
-    ``max_position_embeddings`` of the model's text config; None when neither is known (then
-    only :data:`MAX_TOKENS_PER_CALL` bounds a call)."""
-    if max_positions is not None:
-        return count("max_positions", max_positions, minimum=1)
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    get_text = getattr(config, "get_text_config", None)
-    cfg = get_text() if callable(get_text) else config
-    value = getattr(cfg, "max_position_embeddings", None)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        return None
-    return int(value)
-
-
-def positions_hint(keyword: str | None = "max_positions") -> str:
-    """How to raise the position limit, for a refusal's message: the caller's own override
-    keyword (``keyword``, when its function takes one) and the CLI's ``--max-positions``."""
-    overrides = [f"pass {keyword}="] if keyword else []
-    overrides.append("give the CLI --max-positions")
-    return f" (a model whose config understates its context: {' or '.join(overrides)})"
-
-
-def call_size(
-    *, n_tokens: int | None = None, n_chars: int | None = None, reserve: int = 0, what: str
-) -> None:
-    """Refuse a call that would add more than :data:`MAX_TOKENS_PER_CALL` tokens to a state:
-    ``n_tokens`` (the text it runs) plus ``reserve`` (the tokens it decodes after), or a text of
-    ``n_chars`` characters longer than :data:`MAX_CHARS_PER_TOKEN` characters a token can make
-    fit (refused before tokenizing). Applies whatever the model's positions, so a model whose
-    config states no maximum is bounded too.
-
-    Raises:
-        InvalidInputError: naming the count, the reserve and the limit.
-    """
-    limit = MAX_TOKENS_PER_CALL
-    room = max(limit - reserve, 0)
-    follow = f" and {reserve} tokens to decode after it" if reserve else ""
-    tail = (
-        f"one call adds at most {limit} tokens to a state (kvedit.checks.MAX_TOKENS_PER_CALL, "
-        "a memory bound); read a longer text in several calls (capture a part, extend by the rest)"
-    )
-    if n_chars is not None and n_chars > room * MAX_CHARS_PER_TOKEN:
-        raise InvalidInputError(
-            f"the {what} is {n_chars} characters long{follow}, more than {room} tokens can hold "
-            f"(at most {MAX_CHARS_PER_TOKEN} characters a token): {tail}"
-        )
-    if n_tokens is not None and n_tokens + reserve > limit:
-        raise InvalidInputError(
-            f"the {what} is {n_tokens} tokens long{follow}, {n_tokens + reserve} tokens in all: "
-            f"{tail}"
-        )
-
-
-def context_fits(
-    model,
-    *,
-    n_tokens: int | None = None,
-    n_chars: int | None = None,
-    reserve: int = 0,
-    max_positions: int | None = None,
-    what: str = "context",
-    keyword: str | None = "max_positions",
-) -> None:
-    """Refuse a context ``model`` cannot attend to: more tokens than its maximum positions
-    (:func:`positions_limit`, ``max_positions`` overriding the model's config) minus
-    ``reserve``, the room of what follows the context (a question's tokens plus
-    ``max_new_tokens``); and, whatever the positions, a context and reserve past
-    :data:`MAX_TOKENS_PER_CALL` (:func:`call_size`).
-
-    Give ``n_tokens`` (the context's token count) or ``n_chars`` (its length in characters,
-    before tokenizing). ``n_chars`` refuses only a text that certainly cannot fit: more than
-    ``room * MAX_CHARS_PER_TOKEN`` characters (:data:`MAX_CHARS_PER_TOKEN`); a shorter text must
-    be tokenized and checked again with ``n_tokens``. A model whose config states no maximum
-    (and no ``max_positions``) is bounded by :data:`MAX_TOKENS_PER_CALL` alone.
-
-    ``keyword`` names the caller's own override argument (``"max_positions"``, the default:
-    every kvedit entry point that takes a text takes it); the message offers it only when
-    given, so it never tells a caller to pass a keyword its function does not take.
-
-    Raises:
-        InvalidInputError: the context does not fit. The message names both numbers and the
-            overrides (the caller's ``keyword``, the CLI's ``--max-positions``).
-    """
-    limit = positions_limit(model, max_positions)
-    reserve = count("reserve", reserve)
-    if n_tokens is not None:
-        n_tokens = count("n_tokens", n_tokens)
-    if limit is not None:
-        room = limit - reserve
-        if reserve:
-            budget = (
-                f"the model attends to {limit} positions, {reserve} of them kept for what follows "
-                f"(the question and the answer), leaving {max(room, 0)}"
-            )
-        else:
-            budget = f"the model attends to at most {limit} positions"
-        hint = positions_hint(keyword)
-        if room <= 0:
-            raise InvalidInputError(f"no room for a {what}: {budget}{hint}")
-        if n_tokens is not None and n_tokens > room:
-            raise InvalidInputError(
-                f"the {what} is {n_tokens} tokens long and does not fit: {budget}{hint}"
-            )
-        if n_chars is not None and n_chars > room * MAX_CHARS_PER_TOKEN:
-            raise InvalidInputError(
-                f"the {what} is {n_chars} characters long, more than {room} tokens can hold "
-                f"(at most {MAX_CHARS_PER_TOKEN} characters a token): {budget}{hint}"
-            )
-    call_size(n_tokens=n_tokens, n_chars=n_chars, reserve=reserve, what=what)
