@@ -1,29 +1,23 @@
 """The disk tier: entries as files under the store's directory, LRU by bytes up to a budget.
 
-Disk layout and safety::
-
-    root/store.json          format version and chunk size
-    root/.lock               the write lock (kvedit.store.lock) serialising writers
-    root/entries/KEY.kv      the state: safetensors, JSON header, seal (kvedit.states.files)
-    root/entries/KEY.json    the entry's index record: token count, chunk hashes, pin, expiry
-
-Both files are written by :func:`kvedit.atomic.atomic_write` (a temporary name
-``.NAME.kvedit-tmp-*``, fsync, rename), the ``.kv`` first: an entry exists once its ``.json``
-does. Writers hold the lock while they write, so several writers (in threads or processes) are
-serialised, never interleaved, and a temporary file seen by a holder of the lock belongs to a
-writer that died. Readers take no lock: a rename is atomic and an open file survives deletion.
-Opening a store recovers from a writer killed mid-write: temporary files are removed (kvedit's
-own, and the ``.*.tmp`` and ``.tmpXXXXXX`` files of kvedit 0.1 and safetensors), a ``.kv``
-without ``.json`` gets its record rebuilt from the file (or is removed if it does not verify),
-a ``.json`` without ``.kv`` is removed; every write sweeps temporary files again, and every
-scan (a lookup, :meth:`~kvedit.KVStore.stats`) removes those of this machine's dead writers
-(:func:`kvedit.atomic.left_by_dead_writer`). Until then, whatever the entries directory holds
-(records and leftovers included) counts against ``max_bytes`` and shows in
-:meth:`~kvedit.KVStore.stats`. A store whose directory was deleted recreates it on the next
-write. The index is rebuilt from the ``.json`` records whenever the directory changes. A
-corrupt entry fails its seal (:class:`~kvedit.errors.CorruptCacheError`) when read, and is
-dropped, never served. Nothing is ever pickled. A state file records its history (since format
-3); :class:`~kvedit.KVStore` serves an entry only when that history is a plain capture.
+The directory's layout and configuration: :mod:`kvedit.store.layout`; one scan of its entries:
+:mod:`kvedit.store.index`. Safety: an entry's two files (``KEY.kv``, ``KEY.json``) are written by
+:func:`kvedit.atomic.atomic_write` (a temporary name ``.NAME.kvedit-tmp-*``, fsync, rename), the
+``.kv`` first: an entry exists once its ``.json`` does. Writers hold the lock while they write, so
+several writers (in threads or processes) are serialised, never interleaved, and a temporary file
+seen by a holder of the lock belongs to a writer that died. Readers take no lock: a rename is atomic
+and an open file survives deletion. Opening a store recovers from a writer killed mid-write:
+temporary files are removed (kvedit's own, and the ``.*.tmp`` and ``.tmpXXXXXX`` files of kvedit 0.1
+and safetensors), a ``.kv`` without ``.json`` gets its record rebuilt from the file (or is removed
+if it does not verify), a ``.json`` without ``.kv`` is removed; every write sweeps temporary files
+again, and every scan (a lookup, :meth:`~kvedit.KVStore.stats`) removes those of this machine's dead
+writers (:func:`kvedit.atomic.left_by_dead_writer`). Until then, whatever the entries directory
+holds (records and leftovers included) counts against ``max_bytes`` and shows in
+:meth:`~kvedit.KVStore.stats`. A store whose directory was deleted recreates it on the next write.
+The index is rebuilt from the ``.json`` records whenever the directory changes. A corrupt entry
+fails its seal (:class:`~kvedit.errors.CorruptCacheError`) when read, and is dropped, never served.
+Nothing is ever pickled. A state file records its history (since format 3); :class:`~kvedit.KVStore`
+serves an entry only when that history is a plain capture.
 """
 
 from __future__ import annotations
@@ -31,67 +25,32 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..atomic import atomic_write, is_temp_name, left_by_dead_writer, remove_temp
-from ..errors import CorruptCacheError, InvalidInputError, StoreUnavailableError
+from ..atomic import atomic_write, remove_temp
+from ..errors import CorruptCacheError
 from ..states.files.read import read_state_file, state_from_parts
 from ..states.files.write import save_state
 from ..states.state import KVState
-from .keys import CHUNK_TOKENS, STORE_FORMAT, STORE_VERSION, content_key, is_key
+from .index import DiskIndex, scan
+from .keys import content_key, is_key
+from .layout import CONFIG_NAME, ENTRIES_DIR, is_leftover, make_dirs, open_config
 from .lock import StoreLock
 from .records import EntryMeta
 
-ENTRIES_DIR = "entries"
-CONFIG_NAME = "store.json"
 # A directory listing made this soon after the directory's mtime may miss a write made in the
 # same timestamp tick; such a listing is redone on the next lookup.
 _RACY_SECONDS = 1.0
-# Temporary files of older writers: kvedit 0.1's ``.NAME.XXXXXXXX.tmp`` and safetensors'
-# ``.tmpXXXXXX`` (safetensors writes beside its target, then renames).
-_OLD_TEMP = re.compile(r"\..+\.tmp|\.tmp[A-Za-z0-9_]{6}")
 
-__all__ = [
-    "CONFIG_NAME",
-    "ENTRIES_DIR",
-    "DiskIndex",
-    "DiskRead",
-    "DiskTier",
-    "estimated_file_bytes",
-    "is_leftover",
-    "make_dirs",
-    "open_config",
-]
-
-
-@dataclass(frozen=True)
-class DiskIndex:
-    """One scan of the entries directory.
-
-    Attributes:
-        records: the entries' records by key (entries whose ``.json`` parses).
-        by_level: the keys indexed under each chain hash (:meth:`EntryMeta.levels`).
-        sizes: bytes of each key's ``.kv`` and ``.json`` together.
-        total_bytes: everything the directory holds (what ``max_bytes`` bounds).
-        stray_files, stray_bytes: files (and their bytes) that are no entry's, such as the
-            temporary files of writers that died.
-    """
-
-    records: dict[str, EntryMeta] = field(default_factory=dict)
-    by_level: dict[str, set[str]] = field(default_factory=dict)
-    sizes: dict[str, int] = field(default_factory=dict)
-    total_bytes: int = 0
-    stray_files: int = 0
-    stray_bytes: int = 0
+__all__ = ["DiskRead", "DiskTier", "estimated_file_bytes"]
 
 
 class DiskRead(NamedTuple):
@@ -106,45 +65,6 @@ class DiskRead(NamedTuple):
     state: KVState | None
     problem: str | None = None
     seen: os.stat_result | None = None
-
-
-def make_dirs(root: Path) -> None:
-    """Create ``root/entries`` (and ``root``); :class:`~kvedit.errors.StoreUnavailableError`
-    if that fails."""
-    try:
-        (root / ENTRIES_DIR).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StoreUnavailableError(
-            f"{root}: cannot create the store's directory: {e.strerror or e}"
-        ) from e
-
-
-def open_config(root: Path, chunk_tokens: int | None) -> int:
-    """The store's chunk size from ``root/store.json``, written first if missing (lock held).
-
-    Raises:
-        CorruptCacheError: the file is not a kvedit store configuration.
-        InvalidInputError: ``chunk_tokens`` differs from the size the store was created with.
-    """
-    path = root / CONFIG_NAME
-    if path.exists():
-        try:
-            config = json.loads(path.read_text())
-            stored = int(config["chunk_tokens"])
-            if config.get("format") != STORE_FORMAT or config.get("version") != STORE_VERSION:
-                raise ValueError
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptCacheError(f"{path}: not a kvedit store configuration") from e
-        if chunk_tokens is not None and chunk_tokens != stored:
-            raise InvalidInputError(
-                f"{root} was created with chunk_tokens={stored}, not {chunk_tokens}"
-            )
-        return stored
-    chunk = chunk_tokens or CHUNK_TOKENS
-    config = {"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_tokens": chunk}
-    make_dirs(root)
-    atomic_write(path, json.dumps(config))
-    return chunk
 
 
 class DiskTier:
@@ -330,30 +250,8 @@ class DiskTier:
                 stamp = None
             if stamp is not None and stamp == self._stamp:
                 return self._index
-            records = {}
-            sizes: dict[str, int] = {}
-            total = stray_files = stray_bytes = 0
-            for name, size in _listing(self.entries):
-                if left_by_dead_writer(self.entries / name):  # no lock needed: its writer is gone
-                    remove_temp(self.entries / name)
-                    continue
-                total += size
-                stem, _, suffix = name.rpartition(".")
-                if suffix in ("kv", "json") and is_key(stem):
-                    sizes[stem] = sizes.get(stem, 0) + size
-                    if suffix == "json":
-                        meta = self.read_record(stem)
-                        if meta is not None:
-                            records[meta.key] = meta
-                else:
-                    stray_files += 1
-                    stray_bytes += size
-            by_level: dict[str, set[str]] = {}
-            for meta in records.values():
-                for level in meta.levels():
-                    by_level.setdefault(level, set()).add(meta.key)
+            self._index = scan(self.entries, self.read_record)
             settled = stamp is not None and scan_time - stamp[1] / 1e9 > _RACY_SECONDS
-            self._index = DiskIndex(records, by_level, sizes, total, stray_files, stray_bytes)
             self._stamp = stamp if settled else None
             return self._index
 
@@ -447,11 +345,6 @@ class DiskTier:
         self.write_record(meta)
 
 
-def is_leftover(name: str) -> bool:
-    """Whether a file name is a temporary file some writer left (never an entry or record)."""
-    return is_temp_name(name) or bool(_OLD_TEMP.fullmatch(name))
-
-
 def estimated_file_bytes(state: KVState) -> int:
     """About the size of ``state``'s ``.kv`` file: its tensors (``token_ids [n]``,
     ``offsets [n, 2]``, ``position_ids [n]``, ``last_logits [vocab]``, and per layer
@@ -461,29 +354,6 @@ def estimated_file_bytes(state: KVState) -> int:
     for layer in state.layers:
         tensors += [layer.keys, layer.values, layer.token_index, layer.positions]
     return sum(t.numel() * t.element_size() for t in tensors) + 4096 + len(state.text) * 4
-
-
-def _listing(folder: Path) -> list[tuple[str, int]]:
-    """``(name, bytes)`` of everything in ``folder`` (a directory counts what it holds)."""
-    out: list[tuple[str, int]] = []
-    try:
-        entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        return out
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                size = sum(
-                    (Path(root) / f).stat().st_size
-                    for root, _, files in os.walk(entry.path)
-                    for f in files
-                )
-            else:
-                size = entry.stat(follow_symlinks=False).st_size
-        except OSError:  # removed meanwhile
-            continue
-        out.append((entry.name, size))
-    return out
 
 
 def _same_file(path: Path, seen: os.stat_result) -> bool:
