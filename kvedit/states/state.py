@@ -6,7 +6,8 @@ which text token each cache entry encodes, its rotary position, and an additive 
 (zeros until an edit sets it). Continuing from a state (``generate``, ``logits``, ``extend``)
 feeds the entries back through a plain ``DynamicCache`` and the kvedit attention, which applies
 the stored bias and masks causally with bottom-right alignment, so edits that change the cache
-length (duplication, re-reading) keep later positions right.
+length (duplication, re-reading) keep later positions right. Those methods say what each does;
+their work is done in :mod:`kvedit.states.continuing`.
 
 Sliding-window layers (Gemma-3) hold only their last ``window`` tokens (transformers keeps
 ``window - 1``; kvedit keeps one more so the last token can be recomputed exactly after an edit,
@@ -40,9 +41,9 @@ from ..cache.adapter import CacheEntries
 from ..errors import ModelNotAttachedError, StateAlteredError
 from ..provenance import History, Step, content_digest
 from ..spans import Spans, char_ranges, tokens_in_ranges
-from .decoding import Answer, Decoder, Sampling, eos_ids
+from . import continuing
+from .decoding import Answer, Decoder, Sampling
 from .files.write import save_state
-from .passes import appended_layers, run_model
 from .room import check_room
 from .stamps import tensor_stamp
 from .view import LastInput
@@ -314,14 +315,7 @@ class KVState:
 
     def run(self, ids: Sequence[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, CacheEntries]:
         """Run ``ids`` on top of the state. Returns ``(logits [n|keep, vocab], new K/V per layer)``."""
-        model, _ = self.checked_model()
-        n = len(ids)
-        self.check_room(n)
-        device = self.device
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        positions = torch.arange(self.next_position, self.next_position + n, device=device)[None]
-        logits, full_kv = run_model(model, self.layers, input_ids, positions, logits_to_keep)
-        return logits[0], full_kv
+        return continuing.run_ids(self, ids, logits_to_keep)
 
     def logits(self, continuation: str) -> torch.Tensor:
         """``[n_tokens, vocab]``: row i is the distribution over continuation token i.
@@ -329,32 +323,14 @@ class KVState:
         Row 0 is the stored last logits; row i > 0 is the model's prediction after the state and
         continuation tokens ``< i``. The continuation is tokenized without special tokens.
         """
-        ids = self.encode(continuation)
-        if not ids:
-            return self.last_logits[None, :0].new_zeros(0, self.last_logits.shape[-1])
-        rows = [self.last_logits.float()[None]]
-        if len(ids) > 1:
-            logits, _ = self.run(ids[:-1])
-            rows.append(logits.float())
-        return torch.cat(rows, dim=0)
+        return continuing.continuation_logits(self, continuation)
 
     @torch.no_grad()
     def token_logprobs(self, continuation: str, token_ids: Sequence[int]) -> list[float]:
         """The log-probability of each of ``token_ids`` when they follow the state and
         ``continuation``: how likely the model finds a given answer (e.g. another state's
         :class:`Answer`). One forward pass over ``continuation`` and the tokens."""
-        prompt = self.encode(continuation)
-        vocab = self.last_logits.shape[-1]
-        token_ids = [checks.count("token id", t, maximum=vocab - 1) for t in token_ids]
-        if not token_ids:
-            return []
-        ids = prompt + token_ids[:-1]
-        rows = [self.last_logits.float()[None]] if not prompt else []
-        if ids:
-            logits, _ = self.run(ids, logits_to_keep=len(token_ids) - (0 if prompt else 1))
-            rows.append(logits.float())
-        logp = torch.cat(rows, dim=0)[-len(token_ids) :].log_softmax(-1)
-        return logp[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+        return continuing.token_logprobs(self, continuation, token_ids)
 
     @torch.no_grad()
     def generate(
@@ -409,24 +385,7 @@ class KVState:
                 of range (:class:`~kvedit.states.decoding.Sampling`), before any work.
         """
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
-        sampling.check_device(self.last_logits.device)
-        max_new_tokens = checks.count("max_new_tokens", max_new_tokens)
-        dec = Decoder(self, continuation, max_new_tokens=max_new_tokens)
-        eos = eos_ids(dec.model, dec.tokenizer, eos_token_id)
-        new_tokens: list[int] = []
-        logprobs: list[float] = []
-        finished = False
-        for step in range(max_new_tokens):
-            token = sampling.pick(dec.next_logits)
-            if token in eos:
-                finished = True
-                break
-            new_tokens.append(token)
-            logprobs.append(float(dec.next_logits.float().log_softmax(-1)[token]))
-            if step < max_new_tokens - 1:
-                dec.push(token)
-        text = dec.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        return Answer(text, new_tokens, logprobs, finished)
+        return continuing.answer(self, continuation, max_new_tokens, sampling, eos_token_id)
 
     def decoder(self, continuation: str = "") -> Decoder:
         """A :class:`Decoder` over the state followed by ``continuation`` (run once, now)."""
@@ -435,28 +394,7 @@ class KVState:
     @torch.no_grad()
     def extend(self, text: str) -> KVState:
         """A new state with ``text`` appended (tokenized without special tokens)."""
-        ids = self.encode(text, "text")
-        if not ids:
-            return self.replace(text=self.text + text)
-        _, tok = self.require_model()
-        logits, full_kv = self.run(ids, logits_to_keep=1)
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2) + len(
-            self.text
-        )
-        positions = torch.arange(self.next_position, self.next_position + len(ids))
-        return self.replace(
-            layers=appended_layers(
-                self.layers, full_kv, ids, self.next_position, first_index=len(self)
-            ),
-            token_ids=torch.cat([self.token_ids, torch.tensor(ids, dtype=torch.long)]),
-            offsets=torch.cat([self.offsets, offsets]),
-            text=self.text + text,
-            position_ids=torch.cat([self.position_ids, positions]),
-            next_position=self.next_position + len(ids),
-            last_logits=logits[-1].float(),
-            last_input=LastInput(len(self) + len(ids) - 1, self.next_position + len(ids) - 1),
-        )
+        return continuing.extended(self, text)
 
     # ---------------------------------------------------------------- storage
 

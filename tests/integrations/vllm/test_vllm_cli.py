@@ -65,7 +65,7 @@ def test_publish_context_writes_what_it_says_to_send(smollm2, example, tmp_path)
         "max_tokens": 8,
         "temperature": 0.0,
         "ignore_eos": True,  # vLLM's own EOS ids off: it stops where kvedit stops
-        "stop_token_ids": sorted(kvedit.states.state.eos_ids(model, tok)),
+        "stop_token_ids": sorted(kvedit.states.decoding.eos_ids(model, tok)),
         "return_token_ids": True,
         "kv_transfer_params": {"kvedit": {"digest": got.digest}},
     }
