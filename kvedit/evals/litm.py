@@ -12,17 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvedit import checks
-from kvedit.atomic import atomic_write
 from kvedit.compat import text_config
 from kvedit.errors import InvalidInputError
+from kvedit.evals import resuming
 from kvedit.evals.engines import VLLM_BATCH, check_engine, run_on_transformers, run_on_vllm
-from kvedit.evals.jsonl import (
-    load_jsonl,
-    matching_records,
-    read_json,
-    read_records,
-    reused_records,
-)
+from kvedit.evals.jsonl import load_jsonl
 from kvedit.evals.methods import Method, parse_spec, split_specs
 from kvedit.evals.methods.context import check_prompt, format_prompt
 from kvedit.evals.prompts import PROMPT_FORMATS
@@ -186,29 +180,29 @@ def evaluate(
 ) -> dict:
     """Load a model, run the suite, write ``results.json`` and ``curve.png``; return the summary.
 
-    With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the
-    same settings, checked against ``DIR/partial.settings.json``: see :func:`_resumable`) are
-    kept and only the missing (example, method) pairs are computed. With
-    ``reuse`` (an earlier run's ``results.json`` of the same model, task, seed and prompt
-    format; ValueError otherwise), that run's answers are taken for the methods it ran with the
-    same parameters (see :func:`reused_records`): all of them when that run ran the same kvedit
-    source (:func:`~kvedit.version.source_digest`, recorded as ``extra["kvedit"]``), else only
-    the specs named in ``reuse_methods`` (an :class:`~kvedit.errors.InvalidInputError` when
-    none is named: the caller says which answers the code change left alone). Answers are
-    deterministic, so such a run writes what a full run would; ``extra["reused"]`` records the
-    file and the methods taken from it. ``resume`` is refused across a change of source.
-    ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
-    :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine``
-    decodes the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`;
-    recorded as ``extra["engine"]``, with the engine's timings and ``seconds_per_example``);
-    ``--resume`` and ``--reuse`` never mix engines. Every record names its example's
-    :meth:`~kvedit.evals.schema.Example.digest`, and a record is taken only for the same id
-    *and* digest (:func:`matching_records`): an earlier run with other ``n_docs``, ``trials``,
-    ``limit`` or ``data`` asked other prompts under the same ids, and is refused. A ``reuse``
-    file made before records had digests is refused too, unless ``reuse_unchecked`` takes its
-    answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``).
-    ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in
-    each record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
+    With ``resume``, results already in ``DIR/partial.jsonl`` (from an interrupted run with the same
+    settings, checked against ``DIR/partial.settings.json``: see
+    :func:`kvedit.evals.resuming.resumable`) are kept and only the missing (example, method) pairs
+    are computed. With ``reuse`` (an earlier run's ``results.json`` of the same model, task, seed
+    and prompt format; ValueError otherwise), that run's answers are taken for the methods it ran
+    with the same parameters (see :func:`kvedit.evals.jsonl.reused_records`): all of them when that
+    run ran the same kvedit source (:func:`~kvedit.version.source_digest`, recorded as
+    ``extra["kvedit"]``), else only the specs named in ``reuse_methods`` (an
+    :class:`~kvedit.errors.InvalidInputError` when none is named: the caller says which answers the
+    code change left alone). Answers are deterministic, so such a run writes what a full run would;
+    ``extra["reused"]`` records the file and the methods taken from it. ``resume`` is refused across
+    a change of source. ``prompt`` is ``"chat"``, ``"plain"`` or ``"auto"`` (the model's default,
+    :func:`resolve_prompt`); the format used is recorded as ``extra["prompt"]``. ``engine`` decodes
+    the answers (``"transformers"`` or ``"vllm"``, :mod:`kvedit.evals.engines`; recorded as
+    ``extra["engine"]``, with the engine's timings and ``seconds_per_example``); ``--resume`` and
+    ``--reuse`` never mix engines. Every record names its example's
+    :meth:`~kvedit.evals.schema.Example.digest`, and a record is taken only for the same id *and*
+    digest (:func:`kvedit.evals.jsonl.matching_records`): an earlier run with other ``n_docs``,
+    ``trials``, ``limit`` or ``data`` asked other prompts under the same ids, and is refused. A
+    ``reuse`` file made before records had digests is refused too, unless ``reuse_unchecked`` takes
+    its answers by id (the caller vouches for the examples; ``extra["reused"]["unchecked"]``).
+    ``approximate`` (vLLM only): serve states vLLM realises only approximately, labelled in each
+    record and in the summary's ``exact_share`` (recorded as ``extra["approximate"]``).
     ``max_positions`` overrides the model config's maximum positions (the CLI's
     ``--max-positions``): the run's own model (loaded here, never shared) gets it as its text
     config's ``max_position_embeddings``, so every capture and check of the run reads it.
@@ -230,15 +224,15 @@ def evaluate(
         "params": params,
         "source": code["source"],
     }
-    reused = _reused(reuse, reuse_methods, reuse_unchecked, settings, examples)
+    reused = resuming.reused(reuse, reuse_methods, reuse_unchecked, settings, examples)
     out = Path(out)
-    done = _resumed(out, settings, examples) if resume else {}
+    done = resuming.resumed(out, settings, examples) if resume else {}
     model, tokenizer = load_model(model_name)
     if max_positions is not None:  # this run's own model object: nothing else sees it
         text_config(model).max_position_embeddings = max_positions
     check_prompt(tokenizer, prompt)  # before anything is written
     check_lengths(model, tokenizer, examples, prompt, max_positions=max_positions)
-    partial, settings_path = _start_partial(out, settings, done)
+    partial, settings_path = resuming.start_partial(out, settings, done)
     done = {**reused, **done}
 
     def keep(record: dict) -> None:
@@ -304,53 +298,6 @@ def _plot(summary: dict, path: Path, title: str) -> None:
         print(f"note: {path} not drawn: {PLOT_HINT}", file=sys.stderr)
 
 
-def _reused(
-    reuse: str | Path | None,
-    reuse_methods: Sequence[str] | None,
-    reuse_unchecked: bool,
-    settings: dict,
-    examples: Sequence[Example],
-) -> dict[tuple[str, str], dict]:
-    """The records :func:`evaluate` takes from ``reuse`` for a run with ``settings`` (the
-    resume settings: model, task, seed, prompt, engine, params, source), checked against
-    ``examples``; ``{}`` without ``reuse``. Refuses ``reuse_methods`` or ``reuse_unchecked``
-    without ``reuse``."""
-    if reuse_methods is not None and reuse is None:
-        raise InvalidInputError(
-            "--reuse-methods names methods to take from --reuse, which is not given"
-        )
-    if reuse_unchecked and reuse is None:
-        raise InvalidInputError("--reuse-unchecked is about --reuse, which is not given")
-    reused = {}
-    if reuse is not None:
-        keys = ("model", "task", "seed", "params", "prompt", "engine", "source")
-        reused = reused_records(reuse, **{k: settings[k] for k in keys}, trusted=reuse_methods)
-    return matching_records(reused, examples, f"--reuse {reuse}", unchecked=reuse_unchecked)
-
-
-def _start_partial(
-    out: Path, settings: dict, done: dict[tuple[str, str], dict]
-) -> tuple[Path, Path]:
-    """Create ``out`` and start ``out/partial.jsonl`` with the records ``done`` (those
-    :func:`_resumed` kept), the settings beside it: ``(partial, settings path)``."""
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / "partial.jsonl"
-    settings_path = out / "partial.settings.json"
-    atomic_write(settings_path, json.dumps(settings, sort_keys=True).encode())
-    atomic_write(partial, "".join(json.dumps(r) + "\n" for r in done.values()))
-    return partial, settings_path
-
-
-def _resumed(out: Path, settings: dict, examples: Sequence[Example]) -> dict[tuple[str, str], dict]:
-    """The records ``--resume`` keeps from ``out/partial.jsonl`` (:func:`_resumable`, checked
-    against ``examples``); ``{}`` when there is none. Reads only: nothing is written."""
-    partial = out / "partial.jsonl"
-    if not partial.exists():
-        return {}
-    done = _resumable(partial, out / "partial.settings.json", settings)
-    return matching_records(done, examples, f"--resume: {partial}")
-
-
 def check_lengths(
     model,
     tokenizer,
@@ -388,39 +335,6 @@ def _check_specs(specs: Sequence[str], option: str, reuse_methods=None) -> None:
         if spec in seen:
             raise InvalidInputError(f"{option} names {spec!r} twice")
         seen.add(spec)
-
-
-def _resumable(partial: Path, settings_path: Path, settings: dict) -> dict[tuple[str, str], dict]:
-    """The records of ``partial`` an interrupted run with ``settings`` may keep.
-
-    The interrupted run must have had the same model, task, seed, prompt format and answer
-    length (``partial.settings.json``, written when it started); else, or when that file is
-    missing, :class:`~kvedit.errors.InvalidInputError`. Records of a method whose parameters
-    resolved differently then are dropped (recomputed)."""
-    if not settings_path.exists():
-        raise InvalidInputError(
-            f"--resume: {partial} has no {settings_path.name}, so the run it came from cannot "
-            "be checked; delete it or run without --resume"
-        )
-    theirs = read_json(settings_path, "--resume")
-    if not isinstance(theirs.get("params"), dict):
-        raise InvalidInputError(f"--resume {settings_path}: no 'params' object (not kvedit's)")
-    theirs.setdefault("engine", "transformers")  # written before there was a choice
-    differ = [
-        f"{k} {theirs.get(k)!r} (now {v!r})"
-        for k, v in settings.items()
-        if k not in ("params", "source") and theirs.get(k) != v
-    ]
-    if theirs.get("source") != settings["source"]:
-        differ.append(
-            "kvedit's source (the interrupted run's answers may not be what this code gives; "
-            "delete the file to start again)"
-        )
-    if differ:
-        raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
-    same = {spec for spec, p in settings["params"].items() if theirs["params"].get(spec) == p}
-    records = read_records(partial, "--resume")
-    return {(r["id"], r["method"]): r for r in records if r["method"] in same}
 
 
 def main(args) -> int:

@@ -18,7 +18,7 @@ from kvedit.cli import main as cli_main
 from kvedit.cli import run as cli_run
 from kvedit.errors import CacheNotServedError, InvalidInputError, VLLMUnavailableError
 from kvedit.evals.engines import check_engine
-from kvedit.evals.litm import reused_records
+from kvedit.evals.jsonl import reused_records
 from kvedit.evals.methods import ExampleContext, parse_spec
 from kvedit.evals.methods.none import UNEDITED_ANSWER
 from kvedit.evals.tasks.records import records_examples
