@@ -9,7 +9,7 @@ never raises; :func:`run` is the same command line without that handling (it rai
 One module per concern: :mod:`.main` (the parser, run, main), :mod:`.status` (exit statuses
 and the error line), :mod:`.arguments` (argument types, input files, the ``--out`` lock),
 :mod:`.litm`, :mod:`.memory` (``eval memory``), :mod:`.app`, :mod:`.chat` and
-:mod:`.chat_file` (``chat`` and its memory file), :mod:`.scorer` (``memory fit-scorer``),
+:mod:`.chat_loop` (its read-ask-print loop), :mod:`.chat_file` (``chat`` and its memory file), :mod:`.scorer` (``memory fit-scorer``),
 :mod:`.serving` (``publish``, ``serve``); ``eval project``'s parser is
 :mod:`kvedit.evals.project`'s.
 """

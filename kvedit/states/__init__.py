@@ -8,6 +8,8 @@
 - :mod:`.capturing`: building a state by running the model (``capture``, ``capture_tokens``).
 - :mod:`.passes`: forward passes over a state's cache (run tokens on top, recompute the last
   input).
+- :mod:`.continuing`: continuing from a state (run, logits, token log-probabilities, answer,
+  extend), the work of :class:`KVState`'s methods.
 - :mod:`.decoding`: decoding from a state (``Answer``, ``Decoder``, EOS ids, ``Sampling``).
 - :mod:`.room`: whether what a call adds fits the positions left (a text refused by its
   characters before it is tokenized).

@@ -1,8 +1,9 @@
 """What the modules under :mod:`kvedit.states.state` see of a state: :class:`StateView`.
 
 :mod:`kvedit.states.state` builds :class:`~kvedit.states.state.KVState` on
-:mod:`~kvedit.states.passes`, :mod:`~kvedit.states.decoding`, :mod:`~kvedit.states.room` and
-:mod:`~kvedit.states.files.write`, which take a state as an argument. They type it with
+:mod:`~kvedit.states.passes`, :mod:`~kvedit.states.decoding`, :mod:`~kvedit.states.room`,
+:mod:`~kvedit.states.continuing` and :mod:`~kvedit.states.files.write`, which take a state as an
+argument. They type it with
 :class:`StateView`, the part of a state they read (a ``typing.Protocol`` that ``KVState``
 satisfies), so none of them imports the module that imports them. :class:`LastInput`, the entry
 a state's last logits follow, lives here for the same reason (``kvedit.states.state`` exports

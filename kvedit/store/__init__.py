@@ -7,7 +7,9 @@ One concern per module:
   stored, whose model made an entry.
 - :mod:`~kvedit.store.lock`: the write lock (``filelock``) serialising writers, and
   :class:`~kvedit.store.lock.WriterLock`, one writer's claim on a file that names its holder.
-- :mod:`~kvedit.store.disk`: the disk tier: file layout, index, eviction, crash recovery.
+- :mod:`~kvedit.store.layout`: the directory's layout and its configuration (``store.json``).
+- :mod:`~kvedit.store.index`: one scan of the entries directory (:class:`DiskIndex`).
+- :mod:`~kvedit.store.disk`: the disk tier: entries written, read, evicted, recovered.
 - :mod:`~kvedit.store.ram`: the in-memory tier in front of it.
 - :mod:`~kvedit.store.matching`: longest stored prefix of a prompt (:class:`PrefixMatch`).
 - :mod:`~kvedit.store.store`: :class:`KVStore`, which composes them.
