@@ -58,7 +58,6 @@ kept (the memory is left as it was), so its cost is in ``seconds`` only.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +66,7 @@ from pathlib import Path
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
 from kvedit.evals.jsonl import PartialRecords, read_json, read_numbered_records
+from kvedit.evals.memory_answers import REREAD_TURNS, default_renderer, run_conversation
 from kvedit.evals.memory_report import (
     check_memory_record,
     format_memory_table,
@@ -79,7 +79,6 @@ from kvedit.evals.memory_specs import (
     TASKS,
     MemoryMethod,
     MemoryParams,
-    budget_entries,
     build_conversations,
     check_budgets_fit,
     full_entries,
@@ -89,7 +88,6 @@ from kvedit.evals.memory_specs import (
 )
 from kvedit.evals.methods.params import to_dict
 from kvedit.evals.methods.registry import split_specs
-from kvedit.evals.metrics import best_subspan_em
 from kvedit.evals.report import PLOT_HINT, plotting_available
 from kvedit.evals.tasks.memory_schema import Conversation
 
@@ -111,174 +109,6 @@ __all__ = [
     "run_conversation",
     "summarize_memory",
 ]
-
-REREAD_TURNS = 3
-"""The turns re-reading the transcript is timed on."""
-
-# ---------------------------------------------------------------------------------- running
-
-
-def _renderer(tokenizer):
-    """The renderer a :class:`kvedit.Memory` of ``tokenizer`` uses by default."""
-    from kvedit.memory.rendering import renderer_for
-
-    return renderer_for("chat" if getattr(tokenizer, "chat_template", None) else "plain", tokenizer)
-
-
-def _memory(model, tokenizer, method: MemoryMethod, budget: float, full: int):
-    """The memory ``method`` runs at ``budget`` of a conversation of ``full`` entries: with
-    ``max_tokens`` that fraction of the entries, or with ``in_bytes`` ``max_bytes`` that
-    fraction of the bytes a memory forgetting nothing would allocate."""
-    from kvedit.memory.budget import added_bytes
-    from kvedit.memory.conversation import Memory
-
-    if method.name == "snapkv-first":
-        return Memory(model, tokenizer)
-    keywords = method.memory_keywords()
-    max_tokens = budget_entries(budget, full)
-    if method.name == "reuse" or max_tokens is None:
-        kept = {k: keywords[k] for k in ("recent", "quantize") if k in keywords}
-        return Memory(model, tokenizer, **kept)
-    if method.params.in_bytes:
-        whole = added_bytes(Memory(model, tokenizer).state, full)
-        return Memory(model, tokenizer, max_bytes=max(1, round(budget * whole)), **keywords)
-    return Memory(model, tokenizer, max_tokens=max_tokens, **keywords)
-
-
-def _held(state) -> list[float]:
-    """The entries each global layer of ``state`` holds (per KV head, on average)."""
-    from kvedit.memory.forgetting import layer_entries
-
-    return [round(layer_entries(state, i), 2) for i in state.counted_layers]
-
-
-def _snapkv_first_answers(
-    memory, conversation: Conversation, budget: float, max_new_tokens: int, bits: int | None
-):
-    """Yield ``(answer, seconds, entries, nbytes)`` per question: the memory's state compressed
-    once by SnapKV with the first question as query (then quantized to ``bits`` when given),
-    then reused (questions and answers appended to that state when the conversation keeps
-    them)."""
-    from kvedit.compress import SnapKV, quantize, select
-    from kvedit.memory.answering import decode
-    from kvedit.memory.forgetting import global_entries
-    from kvedit.memory.rendering import Message
-    from kvedit.states.capturing import extend_ids
-
-    state = memory.state
-    messages = list(memory.messages)
-    renderer = memory.renderer
-    for k, probe in enumerate(conversation.probes):
-        t0 = time.perf_counter()
-        if k == 0 and budget < 1:
-            state = select(state, SnapKV(query=probe.question), budget)
-        if k == 0 and bits is not None:
-            state = quantize(state, bits, residual=0)
-        entries, nbytes, per = global_entries(state), state.nbytes, _held(state)
-        asked = [*messages, Message("user", probe.question)]
-        p = renderer.render(asked, generation_prompt=True)
-        n = len(state)
-        prompt = extend_ids(state, p.ids[n:], p.offsets[n:], p.text)
-        text = decode(prompt, max_new_tokens, renderer.stops).text.strip()
-        if conversation.remember:
-            messages = [*asked, Message("assistant", text or " ")]
-            full = renderer.render(messages)
-            state = extend_ids(state, full.ids[n:], full.offsets[n:], full.text)
-        yield text, time.perf_counter() - t0, entries, nbytes, per
-
-
-def _reread(memory, question: str, max_new_tokens: int) -> tuple[str, float]:
-    """The answer to ``question`` from a capture of the whole transcript made now, and its
-    seconds (re-reading the transcript every turn)."""
-    from kvedit.memory.answering import decode
-    from kvedit.memory.rendering import Message
-    from kvedit.states.capturing import empty_state, extend_ids
-
-    t0 = time.perf_counter()
-    asked = [*memory.messages, Message("user", question)]
-    p = memory.renderer.render(asked, generation_prompt=True)
-    state = extend_ids(empty_state(memory.model, memory.tokenizer), p.ids, p.offsets, p.text)
-    text = decode(state, max_new_tokens, memory.renderer.stops).text.strip()
-    return text, time.perf_counter() - t0
-
-
-def run_conversation(
-    model,
-    tokenizer,
-    conversation: Conversation,
-    method: MemoryMethod,
-    budget: float,
-    *,
-    task: str,
-    max_new_tokens: int = 16,
-    reread: list[dict] | None = None,
-) -> list[dict]:
-    """One method at one budget on one conversation: a record per question (module
-    docstring). With ``reread`` (a list), the first :data:`REREAD_TURNS` questions are also
-    answered by re-reading the transcript, timed, each appended to it as
-    ``{"seconds", "reuse_seconds", "same_answer"}``."""
-    from kvedit.memory.forgetting import global_entries
-
-    full = full_entries(_renderer(tokenizer), conversation)
-    max_tokens = budget_entries(budget, full)
-    memory = _memory(model, tokenizer, method, budget, full)
-    t0 = time.perf_counter()
-    for role, content in conversation.messages:
-        memory.add(role, content)
-    build = time.perf_counter() - t0
-    digest = conversation.digest()
-
-    def record(k: int, prediction: str, seconds: float, entries: int, nbytes: int, per) -> dict:
-        probe = conversation.probes[k]
-        rounds = memory.forgetting
-        return {
-            "id": f"{conversation.id}-q{k}",
-            "example": conversation.id,
-            "digest": digest,
-            "method": method.spec,
-            "budget": budget,
-            "bucket": probe.bucket,
-            "where": probe.where,
-            "question": probe.question,
-            "answers": list(probe.answers),
-            "prediction": prediction,
-            "correct": best_subspan_em(prediction, probe.answers),
-            "seconds": round(seconds, 4),
-            "max_entries": None if method.params.in_bytes else max_tokens,
-            "max_bytes": None if memory.budget is None else memory.budget.max_bytes,
-            "entries": entries,
-            "entries_per_layer": per,
-            "nbytes": nbytes,
-            "full_entries": full,
-            "rounds": len(rounds),
-            "forget_seconds": round(math.fsum(r.seconds for r in rounds), 4),
-            "build_seconds": round(build, 4),
-        }
-
-    records = []
-    if method.name == "snapkv-first":
-        bits = method.params.quantize
-        answers = _snapkv_first_answers(memory, conversation, budget, max_new_tokens, bits)
-        for k, (text, seconds, entries, nbytes, per) in enumerate(answers):
-            records.append(record(k, text, seconds, entries, nbytes, per))
-        return records
-    for k, probe in enumerate(conversation.probes):
-        timed = reread is not None and k < REREAD_TURNS
-        again = _reread(memory, probe.question, max_new_tokens) if timed else None
-        entries, nbytes, per = global_entries(memory.state), memory.nbytes, _held(memory.state)
-        t = time.perf_counter()
-        text = memory.ask(probe.question, max_new_tokens, remember=conversation.remember)
-        records.append(record(k, text, time.perf_counter() - t, entries, nbytes, per))
-        if again is not None:
-            reread.append(
-                {
-                    "seconds": round(again[1], 4),
-                    "reuse_seconds": records[-1]["seconds"],
-                    "same_answer": again[0] == text,
-                }
-            )
-    return records
-
 
 # ---------------------------------------------------------------------------------- the run
 
@@ -421,7 +251,7 @@ def evaluate(
     done = resumed_records(out, settings, conversations) if resume else []
     model, tokenizer = load_model(model_name)
     check_budgets_fit(
-        _renderer(tokenizer), conversations, _pairs(parsed, budgets), task, max_new_tokens
+        default_renderer(tokenizer), conversations, _pairs(parsed, budgets), task, max_new_tokens
     )
     partial = PartialRecords(out, settings, done)  # written with the first records
     have = {(r["example"], r["method"], float(r["budget"])) for r in done}

@@ -29,7 +29,6 @@ from ..focusing.guard import Guard
 from ..spans import Spans
 from ..states.capturing import empty_state, extend_ids
 from ..states.decoding import Sampling
-from ..states.files.write import save_file_version
 from ..states.state import KVState
 from .answering import answer_turns, commit, decode, guard_of
 from .budget import RECENT_TOKENS, budget_from
@@ -37,15 +36,15 @@ from .explaining import explain_text, focus_said
 from .files import (
     budget_keywords,
     check_as_file,
-    check_unchanged,
     file_key,
+    held_from_file,
     load_keywords,
-    memory_attachment,
+    merged_keywords,
     read_memory,
-    score_tensors,
+    write_memory,
 )
 from .forgetting import Round
-from .held import Held, Scores, arrived, bytes_per_token, check_model, scored_from_scratch
+from .held import Held, Scores, arrived, bytes_per_token, check_model
 from .protection import check_system_held, protected_ranges
 from .quantizing import check_bits, hold_older_quantized
 from .records import MAX_MESSAGES, Turn
@@ -429,17 +428,9 @@ class Memory:
         self._state.check_unaltered("saving the memory")
         path = checks.path(path)
         key = file_key(path)
-        if not overwrite:
-            check_unchanged(path, self._files.get(key))
         keywords = budget_keywords(self.budget, self.recent, self.quantize)
-        scores = self._held.scores
-        policy = None if self.budget is None else self.budget.policy
-        attachment = memory_attachment(
-            self.prompt, self._messages, self._turns, self._rounds, keywords, scores, policy
-        )
-        saved = save_file_version(
-            self._state, path, attachment=attachment, attached=score_tensors(scores)
-        )
+        known = None if overwrite else self._files.get(key)
+        saved = write_memory(path, self._held, self.prompt, keywords, self.budget, known)
         self._files[key] = saved.version
         return saved.path
 
@@ -475,26 +466,8 @@ class Memory:
         prompt, system = given.pop("prompt", None), given.pop("system", None)
         found = read_memory(path, model, tokenizer, max_positions)
         check_as_file(found, prompt, system)
-        merged = {**found.keywords, **given}
-        for one, other in (("max_bytes", "max_tokens"), ("max_tokens", "max_bytes")):
-            if one in given:  # a size given one way replaces the file's given the other
-                merged.pop(other, None)
+        merged = merged_keywords(found.keywords, given)
         memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **merged)
-        turns = [
-            Turn(**{**t.to_json(), "source": "loaded", "computed": 0, "kept": 0})
-            for t in found.turns
-        ]
-        scores = found.scores
-        arrival = memory.budget is not None and memory.budget.scorer.arrival
-        if arrival and (scores is None or found.scored_by != memory.budget.policy):
-            scores = scored_from_scratch(memory.budget, found.state)
-        memory._held = Held(
-            found.state,
-            tuple(found.messages),
-            found.rendering,
-            tuple(turns),
-            tuple(found.rounds),
-            scores if arrival else None,
-        )
+        memory._held = held_from_file(found, memory.budget)
         memory._files[file_key(path)] = found.version
         return memory

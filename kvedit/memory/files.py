@@ -19,16 +19,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import CorruptCacheError, FileChangedError, InvalidInputError, InvalidTypeError
 from ..states.files.read import read_attached
+from ..states.files.write import SavedFile, save_file_version
 from ..states.state import KVState
 from .attached import ATTACHMENT_KIND, ATTACHMENT_VERSION, BUDGET_KEYWORDS, parse_attachment
 from .budget import Budget
 from .forgetting import Round
+from .held import Held, scored_from_scratch
 from .records import Turn
 from .rendering import Message, Rendering
 
@@ -42,10 +45,13 @@ __all__ = [
     "check_unchanged",
     "disk_version",
     "file_key",
+    "held_from_file",
     "load_keywords",
     "memory_attachment",
+    "merged_keywords",
     "read_memory",
     "score_tensors",
+    "write_memory",
 ]
 
 KEYWORDS = set(BUDGET_KEYWORDS)
@@ -235,3 +241,55 @@ def check_unchanged(path: Path, known: tuple | None) -> None:
             "conversation; the file and the memory are unchanged (save(path, overwrite=True) "
             "replaces it anyway, or save to another path)"
         )
+
+
+def write_memory(
+    path: Path,
+    held: Held,
+    prompt: str,
+    keywords: dict,
+    budget: Budget | None,
+    known: tuple | None,
+) -> SavedFile:
+    """Write what a memory holds (``held``) to ``path``: one sealed state file, its messages,
+    turns, rounds and budget ``keywords`` in the header, an arrival policy's entry scores as
+    attached tensors. Refused (:func:`check_unchanged`) when the file is no longer the version
+    ``known`` (None: not checked)."""
+    check_unchanged(path, known)
+    policy = None if budget is None else budget.policy
+    attachment = memory_attachment(
+        prompt, held.messages, held.turns, held.rounds, keywords, held.scores, policy
+    )
+    return save_file_version(
+        held.state, path, attachment=attachment, attached=score_tensors(held.scores)
+    )
+
+
+def merged_keywords(kept: dict, given: dict) -> dict:
+    """The ``Memory`` keywords of a loaded memory: the file's (``kept``), each replaced by one
+    given to :meth:`kvedit.Memory.load`; a size given one way (``max_tokens``/``max_bytes``)
+    replaces the file's given the other."""
+    merged = {**kept, **given}
+    for one, other in (("max_bytes", "max_tokens"), ("max_tokens", "max_bytes")):
+        if one in given:
+            merged.pop(other, None)
+    return merged
+
+
+def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
+    """What a memory loaded from ``found`` holds under ``budget``: the file's state, messages,
+    rendering and rounds, its turns marked ``loaded``, and an arrival policy's scores (the
+    file's when that policy made them, else scored now, once)."""
+    turns = [replace(t, source="loaded", computed=0, kept=0) for t in found.turns]
+    arrival = budget is not None and budget.scorer.arrival
+    scores = found.scores
+    if arrival and (scores is None or found.scored_by != budget.policy):
+        scores = scored_from_scratch(budget, found.state)
+    return Held(
+        found.state,
+        tuple(found.messages),
+        found.rendering,
+        tuple(turns),
+        tuple(found.rounds),
+        scores if arrival else None,
+    )

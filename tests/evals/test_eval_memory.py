@@ -341,8 +341,10 @@ def test_entries_needed_is_what_the_memory_refuses_below(llama, conversation, re
     from kvedit.memory.conversation import Memory
 
     model, tok = llama
-    needed, full = memory_specs.entries_needed(memory._renderer(tok), conversation, recent, 2)
-    assert full == memory.full_entries(memory._renderer(tok), conversation) and needed < full
+    needed, full = memory_specs.entries_needed(
+        memory.default_renderer(tok), conversation, recent, 2
+    )
+    assert full == memory.full_entries(memory.default_renderer(tok), conversation) and needed < full
     for max_tokens, refused in ((needed, False), (needed - 1, True)):
         mem = Memory(model, tok, max_tokens=max_tokens, forget="window", recent_tokens=recent)
         try:
