@@ -18,8 +18,10 @@ must be the same conversation, by its digest, or the table is refused); runs of 
 conversations (other seeds) pool whole. The table says how many records were replaced.
 
 Usage: ``python -m benchmarks.memory_table runs/mem-facts-s1 runs/mem-facts-s2 --out
-runs/memory_table.md [--plot runs/memory_table.png --title TITLE]`` (the plot as ``kvedit eval
-memory`` draws one run's: accuracy by budget, a line per method)
+runs/memory_table.md [--plot runs/memory_table.png --title TITLE] [--bytes-plot
+runs/memory_bytes.png]`` (the plot as ``kvedit eval memory`` draws one run's: accuracy by budget,
+a line per method; ``--bytes-plot``: accuracy against the bytes the memory held when each
+question came, its records' ``nbytes``, a point per method and budget)
 """
 
 from __future__ import annotations
@@ -138,12 +140,46 @@ def versus_reuse(records: Sequence[dict]) -> list[str]:
     return lines
 
 
+def mean_bytes(records: Sequence[dict]) -> dict[tuple[str, float], tuple[float, float]]:
+    """Per method and budget, ``(mean nbytes in MiB, accuracy)`` of its records."""
+    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["method"], float(r["budget"]))].append(r)
+    return {
+        key: (
+            sum(r["nbytes"] for r in rs) / len(rs) / 2**20,
+            sum(r["correct"] for r in rs) / len(rs),
+        )
+        for key, rs in groups.items()
+    }
+
+
+def plot_bytes(records: Sequence[dict], path: str | Path, title: str | None = None) -> Path:
+    """Accuracy against the bytes held when each question came (log scale), a line per
+    method through its budgets, saved as a PNG."""
+    from kvedit.evals.report import accuracy_axes, save_accuracy_plot
+
+    fig, ax = accuracy_axes(width=7.0)
+    points = mean_bytes(records)
+    for method in sorted({m for m, _ in points}):
+        mine = sorted((mib, acc, b) for (m, b), (mib, acc) in points.items() if m == method)
+        ax.plot([x for x, _, _ in mine], [y for _, y, _ in mine], marker="o", label=method)
+        for x, y, b in mine:
+            ax.annotate(
+                f"{b:g}", (x, y), fontsize="x-small", xytext=(3, 3), textcoords="offset points"
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("MiB the memory held when the question came (every layer, as allocated)")
+    return save_accuracy_plot(fig, ax, path, title)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("runs", nargs="+", help="results folders of kvedit eval memory")
     p.add_argument("--out", default=None, help="write the tables to this markdown file")
     p.add_argument("--plot", default=None, help="write the pooled accuracy plot to this PNG")
     p.add_argument("--title", default=None, help="the plot's title")
+    p.add_argument("--bytes-plot", default=None, help="write accuracy against bytes to this PNG")
     args = p.parse_args(argv)
     records, replaced = latest([run_records(run) for run in args.runs])
     examples = sorted({r["example"] for r in records})
@@ -151,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = format_memory_table(summary)
     if args.plot:
         plot_memory(summary, args.plot, args.title)
+    if args.bytes_plot:
+        plot_bytes(records, args.bytes_plot, args.title)
     lines = [
         f"`{command_line(__file__, argv)}`",
         "",

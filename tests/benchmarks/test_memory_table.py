@@ -107,3 +107,17 @@ def test_a_budget_in_the_spec_names_the_method_at_that_budget(tmp_path):
         json.dumps(_record("e0", "tova:budget=0.5", 0.25, 0, "early", 1.0)) + "\n"
     )
     assert [r["method"] for r in run_records(one)] == ["tova:budget=0.5"]  # not its budget
+
+
+def test_mean_bytes_pairs_each_method_and_budget_with_its_accuracy(tmp_path):
+    from benchmarks.memory_table import mean_bytes, plot_bytes
+
+    rows = [
+        {**_record("c", "learned", 0.1, q, "early", float(q < 2)), "nbytes": 2**20 * (q + 1)}
+        for q in range(4)
+    ]
+    rows.append({**_record("c", "reuse", 1.0, 0, "early", 1.0), "nbytes": 2**22})
+    got = mean_bytes(rows)
+    assert got[("learned", 0.1)] == (2.5, 0.5) and got[("reuse", 1.0)] == (4.0, 1.0)
+    pytest.importorskip("matplotlib")
+    assert plot_bytes(rows, tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
