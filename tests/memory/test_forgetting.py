@@ -369,3 +369,18 @@ def test_an_ask_not_remembered_answers_from_what_a_remembered_one_keeps(llama):
     answer = asked.ask("What is my locker code?", max_new_tokens=8, remember=False)
     assert _snapshot(asked) == before
     assert kept.ask("What is my locker code?", max_new_tokens=8) == answer
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "learned", "window"])
+def test_a_memory_under_a_budget_that_forgot_nothing_is_a_plain_capture(llama, policy, learned_fit):
+    """Scoring arrivals leaves the cache alone: until a round runs, the memory is what a fresh
+    capture of its transcript holds (the same digest), and the store takes it."""
+    model, tok = llama
+    if policy == "learned":
+        learned_fit(model, tok)
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=10_000, forget=policy)
+    for role, content in CHAT:
+        mem.add(role, content)
+    assert not mem.forgetting and mem.state.is_plain_capture
+    fresh = kvedit.capture_tokens(model, tok, mem.renderer.render(mem.messages).ids)
+    assert mem.state.digest == fresh.digest
