@@ -83,6 +83,25 @@ def test_a_whole_state_is_scored_chunk_by_chunk(llama):
             torch.testing.assert_close(scores[i][..., start : min(n, start + 10)], part[i])
 
 
+def test_a_headwise_layer_normalizes_over_each_heads_own_sinks(llama):
+    """A headwise layer's heads hold the sinks in different slots (its shared token_index
+    names none of them): each head's re-read is still normalized over its own sinks. Head 0
+    holds every entry, head 1 one fewer: head 0's scores on the first layer (whose input is the
+    same) are the dense layer's."""
+    from kvedit.cache import is_headwise, keep_per_head
+
+    state = _state(llama)
+    n = len(state)
+    kept = torch.ones(state.layers[0].kv_shape[1], n, dtype=torch.bool)
+    kept[1, 10] = False  # not a sink: head 1's sinks move one slot right
+    layers = list(state.layers)
+    layers[0] = keep_per_head(layers[0], kept)
+    assert is_headwise(layers[0]) and not (layers[0].token_index[:SINKS] >= 0).any()
+    dense = KVzip().score_tokens(state, n - 8, n, [0])[0]
+    headwise = KVzip().score_tokens(state.replace(layers=layers), n - 8, n, [0])[0]
+    torch.testing.assert_close(headwise[:, 0], dense[:, 0], rtol=1e-4, atol=1e-6)
+
+
 def test_registered_and_selects(llama):
     assert SCORERS["kvzip"] is KVzip
     state = _state(llama)

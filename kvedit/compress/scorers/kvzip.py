@@ -67,7 +67,13 @@ class _ChunkMax(Observer):
         p = probs[:, :, self.skip :].float()  # [batch, heads, q, k]
         own = self.own[layer_idx]
         part = p[..., self.entries[layer_idx]]
-        total = part.sum(-1) + p[..., self.sinks[layer_idx]].sum(-1) + p[..., own:].sum(-1)
+        sinks = self.sinks[layer_idx]
+        if sinks.ndim == 2:  # a headwise layer: [kv_heads, own], each head's sinks its own
+            mask = sinks.to(p.device).repeat_interleave(p.shape[1] // sinks.shape[0], dim=0)
+            sunk = (p[..., : sinks.shape[1]] * mask[None, :, None, :]).sum(-1)
+        else:
+            sunk = p[..., sinks].sum(-1)
+        total = part.sum(-1) + sunk + p[..., own:].sum(-1)
         self.probs[layer_idx] = (part / total.clamp_min(1e-30)[..., None]).amax(dim=2)
 
 
@@ -139,15 +145,7 @@ class KVzip(Scorer):
         ids = state.token_ids[start:end].tolist()
         state.check_room(len(prompt) + len(ids), what="KVzip re-read")
         entries = {i: _in_range(state.layers[i], start, end).nonzero().flatten() for i in layers}
-        sinks = {
-            i: (
-                (state.layers[i].token_index >= 0)
-                & (state.layers[i].token_index < min(SINKS, start))
-            )
-            .nonzero()
-            .flatten()
-            for i in layers
-        }
+        sinks = {i: _sinks(state.layers[i], min(SINKS, start)) for i in layers}
         best = _reread_max(state, model, prompt, ids, entries, sinks)
         out = {}
         for i in layers:
@@ -155,6 +153,16 @@ class KVzip(Scorer):
             kv_heads = state.layers[i].kv_shape[1]
             out[i] = best[i].reshape(b, kv_heads, heads // kv_heads, m).amax(dim=2)
         return out
+
+
+def _sinks(layer: LayerKV, count: int) -> torch.Tensor:
+    """The layer's entries of the first ``count`` tokens: their slot indices, or a headwise
+    layer's ``[kv_heads, n]`` bool mask (its heads hold them in different slots, which its
+    shared ``token_index`` does not name)."""
+    index = getattr(layer, "head_index", None)
+    if index is not None:
+        return (index >= 0) & (index < count)
+    return ((layer.token_index >= 0) & (layer.token_index < count)).nonzero().flatten()
 
 
 def _in_range(layer: LayerKV, start: int, end: int) -> torch.Tensor:
