@@ -308,6 +308,24 @@ def test_a_file_whose_scores_do_not_fit_its_layers_is_refused(llama, tmp_path):
         kvedit.Memory.load(path, model, tok)
 
 
+def test_a_per_head_memory_loaded_under_learned_is_refused_not_scored_from_mixed_slots(
+    llama, tmp_path, learned_fit
+):
+    """A headwise layer's slot holds other tokens on other heads: learned's features of a slot
+    (every head's key and value) would mix tokens, so a per-head memory loaded with a policy
+    that must score it whole is refused (as kvzip's whole-state scoring refuses it)."""
+    model, tok = llama
+    learned_fit(model, tok)
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=90, forget="kvzip")
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+    assert any(is_headwise(mem.state.layers[i]) for i in mem.state.global_layers)
+    path = mem.save(tmp_path / "m.kv")
+    with pytest.raises(InvalidInputError, match="per head"):
+        kvedit.Memory.load(path, model, tok, forget="learned")
+    assert kvedit.Memory.load(path, model, tok).budget.policy == "kvzip"  # its own scores
+
+
 def test_a_shared_ranking_keeps_the_best_entries_of_all_layers(llama):
     """A shared policy's round ranks every global layer's entries together: the layer whose
     entries score higher keeps more; the layers hold the budget on average, and every layer

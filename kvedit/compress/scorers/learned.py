@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from ...cache import LayerKV
+from ...cache import LayerKV, refuse_headwise
 from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError
 from ...states.state import KVState
 from .base import Scorer, register_scorer
@@ -75,7 +75,8 @@ def entry_features(state: KVState, layer: int, entries: torch.Tensor | None = No
     """``[m, features]`` float32: per entry of layer ``layer`` (all its slots, or the slot
     indices ``entries``), its key on every KV head with the rotation undone, then its value on
     every KV head (batch row 0). A headwise layer's slots hold other tokens on each head: each
-    head's key is un-rotated from its own position (a padding slot's features are zeros)."""
+    head's key is un-rotated from its own position (a padding slot's features are zeros), and
+    a slot's features are one entry's only where every head holds the same token there."""
     from ...rope import movers
 
     model, _ = state.require_model()
@@ -271,7 +272,13 @@ class Learned(Scorer):
         return fitted_for(model, self.path)
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-        """``{layer: [batch, kv_heads, n]}`` predicted log KVzip scores."""
+        """``{layer: [batch, kv_heads, n]}`` predicted log KVzip scores.
+
+        Raises:
+            InvalidInputError: a headwise layer (its slots hold other tokens on each head, so
+                a slot's features, every head's key and value, would mix tokens).
+        """
+        refuse_headwise(state.layers, "the learned scorer's scoring of a whole state")
         fit = self.fitted(state)
         return {i: fit.predict(i, entry_features(state, i))[None] for i in layers}
 
