@@ -194,3 +194,26 @@ def test_learned_scores_from_the_entries_alone(llama, gemma3, tmp_path):
         Learned(path=str(tmp_path / "bad.safetensors")).score(state, layers)
     with pytest.raises(InvalidInputError, match="fit-scorer"):
         Learned().score(state, layers)  # no fit ships for a tiny random model
+
+
+def test_a_fit_replaced_under_the_same_times_is_read_again(llama, tmp_path, monkeypatch):
+    """fitted_for reads a fit once per file version: a file replaced by another fit is read
+    again, even when the new one carries the old one's modification time and size (``cp -p``,
+    ``rsync -t``, a coarse clock); for a given path and for the fits it finds itself."""
+    import os
+
+    from kvedit.compress.scorers.learned import USER_DIR, fitted_for
+
+    monkeypatch.setenv("KVEDIT_CACHE", str(tmp_path / "cache"))
+    model, state = llama[0], _state(llama)
+    path = tmp_path / "cache" / USER_DIR / "fit.safetensors"
+    path.parent.mkdir(parents=True)
+    for given in (path, None):
+        _fit_for(llama, state, seed=0).save(path)
+        first = fitted_for(model, given)
+        old = path.stat()
+        _fit_for(llama, state, seed=1).save(path)
+        os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+        assert path.stat().st_size == old.st_size
+        again = fitted_for(model, given)
+        assert not torch.equal(again.layers[0][2], first.layers[0][2])

@@ -68,7 +68,7 @@ MAX_FILE_BYTES = 64 * 2**20
 """The largest fit file read: a linear map per layer of a model up to ~70B is a few MB."""
 
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {(path, mtime, size): Fitted}: a fit is read once, not at every message."""
+"""model -> {(path, file version): Fitted}: a fit is read once, not at every message."""
 
 
 def entry_features(state: KVState, layer: int, entries: torch.Tensor | None = None):
@@ -199,8 +199,7 @@ def fitted_for(model, path: str | os.PathLike | None = None) -> Fitted:
     key = None
     if path is not None:
         try:
-            st = Path(path).stat()
-            key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+            key = (str(Path(path).resolve()), *_file_version(Path(path)))
         except OSError:
             return _find(model, path)  # refused there, naming the file
     found = _FOUND.setdefault(model, {})
@@ -208,7 +207,7 @@ def fitted_for(model, path: str | os.PathLike | None = None) -> Fitted:
         return found[key]
     if path is None:
         key = tuple(
-            (str(p), p.stat().st_mtime_ns)
+            (str(p), *_file_version(p))
             for d in fit_folders()
             for p in sorted(d.glob("*.safetensors"))
         )
@@ -217,6 +216,14 @@ def fitted_for(model, path: str | os.PathLike | None = None) -> Fitted:
     fitted = _find(model, path)
     found[key] = fitted
     return fitted
+
+
+def _file_version(path: Path) -> tuple[int, ...]:
+    """What tells one version of a file from another: its inode, size, and modification and
+    change times (a file replaced keeps neither its inode nor its change time, even where the
+    modification time is coarse or copied over, as ``cp -p`` and ``rsync -t`` do)."""
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _find(model, path) -> Fitted:
