@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import is_headwise
 from ..errors import CorruptCacheError, FileChangedError, InvalidInputError, InvalidTypeError
 from ..states.files.read import read_attached
 from ..states.files.write import SavedFile, save_file_version
@@ -279,9 +280,21 @@ def merged_keywords(kept: dict, given: dict) -> dict:
 def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
     """What a memory loaded from ``found`` holds under ``budget``: the file's state, messages,
     rendering and rounds, its turns marked ``loaded``, and an arrival policy's scores (the
-    file's when that policy made them, else scored now, once)."""
+    file's when that policy made them, else scored now, once).
+
+    Raises:
+        InvalidInputError: a memory that forgot per KV head under a policy that scores at each
+            round (its scores of a slot would mix the tokens the heads hold there).
+    """
     turns = [replace(t, source="loaded", computed=0, kept=0) for t in found.turns]
     arrival = budget is not None and budget.scorer.arrival
+    if budget is not None and not arrival and any(map(is_headwise, found.state.layers)):
+        raise InvalidInputError(
+            f"this memory forgot per KV head (its layers hold other entries on each head), "
+            f"which only a policy that keeps each entry's score per head ranks (kvzip, "
+            f"learned); forget={budget.policy!r} scores at each round: load it with its "
+            "file's policy"
+        )
     scores = found.scores
     if arrival and (scores is None or found.scored_by != budget.policy):
         scores = scored_from_scratch(budget, found.state)

@@ -326,6 +326,21 @@ def test_a_per_head_memory_loaded_under_learned_is_refused_not_scored_from_mixed
     assert kvedit.Memory.load(path, model, tok).budget.policy == "kvzip"  # its own scores
 
 
+@pytest.mark.parametrize("policy", ["window", "knorm"])
+def test_a_per_head_memory_loaded_under_a_round_policy_is_refused(llama, tmp_path, policy):
+    """A policy that scores at each round scores a headwise layer's slots, each holding other
+    tokens on other heads (window: -1, the shared token_index, where they differ), so a
+    per-head memory loaded with one is refused, not ranked by mixed slots."""
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=90, forget="kvzip")
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+    assert any(is_headwise(mem.state.layers[i]) for i in mem.state.global_layers)
+    path = mem.save(tmp_path / "m.kv")
+    with pytest.raises(InvalidInputError, match="forgot per KV head"):
+        kvedit.Memory.load(path, model, tok, forget=policy, per_head=False)
+
+
 def test_a_shared_ranking_keeps_the_best_entries_of_all_layers(llama):
     """A shared policy's round ranks every global layer's entries together: the layer whose
     entries score higher keeps more; the layers hold the budget on average, and every layer
