@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..cache import keep_per_head
+from ..cache import LayerKV, keep_per_head
 from ..compress.allocation import rank_keep
 from ..compress.scorers import SCORERS, Scorer, make_scorer
 from ..errors import InvalidInputError, UnsupportedModelError
@@ -262,8 +262,8 @@ def _kept(ranked, must, held, cost, total: float, shared: bool, per_head: bool) 
 
 def _cut(layer, kept: torch.Tensor, scores: torch.Tensor | None):
     """``(layer, scores)`` keeping ``kept`` (``[n]`` for every head, or ``[kv_heads, n]``)."""
-    if kept.ndim == 2:
-        out = keep_per_head(layer, kept)
+    if kept.ndim == 2:  # a packed layer (a file quantize held) is cut dense, as select cuts it
+        out = keep_per_head(LayerKV.select(layer, slice(None)) if layer.packed else layer, kept)
         return out, None if scores is None else _scores_after(layer, out, scores)
     entries = kept.nonzero().flatten()
     return layer.select(entries), None if scores is None else scores[:, entries]

@@ -120,3 +120,28 @@ def test_layers_holding_the_recent_messages_unequally_keep_each_its_own_exact(ll
         packed = layer.n_packed if layer.packed else 0
         assert bool((layer.token_index[:packed] < exact_from).all())
         assert bool((layer.token_index[packed:] >= exact_from).sum() > 0)
+
+
+def test_a_quantized_file_loaded_per_head_without_quantize_forgets_per_head(llama, tmp_path):
+    """A file quantize held, loaded with quantize=None and per_head=True: its packed layers are
+    cut per head (dequantized, as a round dequantizes what it cuts), within the budget and
+    keeping the protected tokens, not refused at every round by the headwise cut."""
+    from kvedit.cache import is_headwise
+    from kvedit.memory.forgetting import SINK_TOKENS
+
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=150, quantize=4)
+    for role, content in CHAT * 3:
+        mem.add(role, content)
+    assert any(layer.packed for layer in _global(mem.state))
+    path = mem.save(tmp_path / "q.kv")
+    loaded = kvedit.Memory.load(path, model, tok, quantize=None, per_head=True)
+    rounds = len(loaded.forgetting)
+    for role, content in CHAT * 2:
+        loaded.add(role, content)
+        assert global_entries(loaded.state) <= 150
+    assert len(loaded.forgetting) > rounds
+    assert any(is_headwise(layer) for layer in _global(loaded.state))
+    for layer in _global(loaded.state):
+        rows = layer.head_index if is_headwise(layer) else layer.token_index[None]
+        assert all(set(range(SINK_TOKENS)) <= set(row.tolist()) for row in rows)
