@@ -143,10 +143,10 @@ def fit(samples: Samples, held_out: Sequence[int], meta: dict | None = None) -> 
     Raises:
         InvalidInputError: no held-out transcript, or none left to fit on.
     """
-    if not held_out:
-        raise InvalidInputError("a fit needs at least one held-out transcript")
     if not samples.x:
         raise InvalidInputError("no transcript fits the model's positions: nothing to fit on")
+    if not held_out:
+        raise InvalidInputError("a fit needs at least one held-out transcript")
     layers, record = {}, {}
     for i in sorted(samples.x):
         x, y = samples.x[i], samples.y[i]
@@ -206,7 +206,7 @@ def fit_scorer(
         "fit": {
             "transcripts": [conversations[k].id for k in present],
             "held_out": [conversations[k].id for k in held_out],
-            "samples_per_layer": int(next(iter(samples.x.values())).shape[0]),
+            "samples_per_layer": int(next(iter(samples.x.values()), torch.zeros(0)).shape[0]),
             "seconds": math.ceil(time.perf_counter() - t0),
             "kvedit": __version__,
         },

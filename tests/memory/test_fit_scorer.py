@@ -32,3 +32,14 @@ def test_a_fit_is_made_found_and_refused_for_another_model(tmp_path, monkeypatch
     other, tok2 = kvedit.load_model("tiny-gemma3")
     with pytest.raises(CacheMismatchError, match="another model"):
         Learned(path=str(path)).score(kvedit.capture(other, tok2, "Hi."), [0])
+
+
+def test_no_transcript_within_the_models_positions_is_refused_in_words(llama, monkeypatch):
+    """Every transcript past the model's positions (a short-context model): fit_scorer says
+    there is nothing to fit on (InvalidInputError), not a bare StopIteration."""
+    from kvedit.errors import InvalidInputError
+    from kvedit.evals import fitting
+
+    monkeypatch.setattr(fitting, "REREAD_ROOM", 10**9)  # no transcript leaves room enough
+    with pytest.raises(InvalidInputError, match="nothing to fit on"):
+        fitting.fit_scorer(*llama, model_name="tiny", n_facts=2, n_nq=0, seeds=(0,), size=40)
