@@ -217,3 +217,15 @@ def test_a_fit_replaced_under_the_same_times_is_read_again(llama, tmp_path, monk
         assert path.stat().st_size == old.st_size
         again = fitted_for(model, given)
         assert not torch.equal(again.layers[0][2], first.layers[0][2])
+
+
+def test_a_fit_predicts_on_the_device_of_the_features(llama):
+    """A fit's maps are read on the CPU; the features come from the cache's device (a GPU's
+    for a model there): predict follows the features (the meta device stands in for a GPU)."""
+    from kvedit.compress.scorers.learned import entry_features
+
+    state = _state(llama)
+    fit, i = _fit_for(llama, state), state.global_layers[0]
+    features = entry_features(state, i)
+    got = fit.predict(i, features.to("meta"))
+    assert got.device.type == "meta" and got.shape == fit.predict(i, features).shape

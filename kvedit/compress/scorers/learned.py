@@ -115,10 +115,11 @@ class Fitted:
     meta: dict = field(default_factory=dict)
 
     def predict(self, layer: int, features: torch.Tensor) -> torch.Tensor:
-        """``[kv_heads, m]`` predicted log scores of ``features`` ``[m, F]``."""
+        """``[kv_heads, m]`` predicted log scores of ``features`` ``[m, F]``, on their device
+        (the maps are read on the CPU, the features come from the cache's device)."""
         if layer not in self.layers:
             raise InvalidInputError(f"the learned scorer has no map for layer {layer}")
-        mean, scale, weight, bias = self.layers[layer]
+        mean, scale, weight, bias = (t.to(features.device) for t in self.layers[layer])
         if features.shape[1] != mean.shape[0]:
             raise CacheMismatchError(
                 f"layer {layer}: {features.shape[1]} features, the fit expects {mean.shape[0]}"
