@@ -301,10 +301,10 @@ def budget_from(
 ) -> Budget | None:
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
-    ``per_head`` None: per head where the policy scores arrivals, the model has more than one
-    KV head, ``quantize`` is off (it holds the same entries on every head) and the budget counts
-    entries (a byte budget would pay for the padding of heads holding unequal counts);
-    ``forget`` None: :func:`default_policy`."""
+    ``per_head`` None: per head where the policy scores arrivals, the model's global layers have
+    more than one KV head, ``quantize`` is off (it holds the same entries on every head) and the
+    budget counts entries (a byte budget would pay for the padding of heads holding unequal
+    counts); ``forget`` None: :func:`default_policy`."""
     if forget is None and max_tokens is None and max_bytes is None:
         forget = FALLBACK_POLICY  # no budget: nothing is forgotten, the arguments still checked
     elif forget is None:
@@ -315,7 +315,12 @@ def budget_from(
         raise InvalidInputError("give max_tokens or max_bytes, not both")
     if per_head is not None:
         per_head = checks.flag("per_head", per_head)
-    several = any(state.layers[i].kv_shape[1] > 1 for i in state.counted_layers)
+    several = any(state.layers[i].kv_shape[1] > 1 for i in state.global_layers)
+    if per_head and not state.global_layers:
+        raise InvalidInputError(
+            "per_head=True needs global-attention layers; every layer of this model slides, "
+            "and a sliding-window layer holds the same entries on every KV head"
+        )
     if per_head and not scorer.arrival:
         raise InvalidInputError(
             f"per_head=True needs a policy that scores entries when they arrive (kvzip, "

@@ -52,8 +52,9 @@ class Held:
 def arrived(
     budget: Budget | None, state: KVState, before: Scores | None, start: int, end: int
 ) -> Scores | None:
-    """The scores of ``state``'s entries: ``before`` (the slots it held), then the new tokens
-    ``[start, end)`` scored now by ``budget``'s arrival policy; None for any other policy.
+    """The scores of ``state``'s entries: ``before`` (the slots it held, less those a
+    sliding-window layer dropped as the new tokens came), then the new tokens ``[start, end)``
+    scored now by ``budget``'s arrival policy; None for any other policy.
 
     Raises:
         StateAlteredError: a layer does not hold ``before``'s slots followed by the new
@@ -67,6 +68,9 @@ def arrived(
     for i in layers:
         got = new[i][0].float().cpu()
         old = before[i] if before is not None else torch.zeros(got.shape[0], 0)
+        if state.layers[i].window is not None:  # a model with no global layer: its window
+            kept = len(state.layers[i]) - got.shape[1]  # dropped the oldest slots
+            old = old[:, max(old.shape[1] - kept, 0) :]
         if old.shape[1] + got.shape[1] != len(state.layers[i]):
             raise StateAlteredError(
                 f"layer {i} holds {len(state.layers[i])} entries, not the {old.shape[1]} scored "

@@ -341,6 +341,28 @@ def test_a_per_head_memory_loaded_under_a_round_policy_is_refused(llama, tmp_pat
         kvedit.Memory.load(path, model, tok, forget=policy, per_head=False)
 
 
+def test_a_model_whose_every_layer_slides_keeps_its_arrival_scores_aligned():
+    """Every layer of the tiny Mistral slides: its window drops a layer's oldest entries as new
+    tokens come, and the kept arrival scores drop theirs with them (the window's, not a cache
+    altered behind the memory's back); per_head is off by default and refused when asked (a
+    sliding layer holds the same entries on every KV head)."""
+    from kvedit.testing import tiny_model
+
+    model, tok = tiny_model("mistral")
+    assert not kvedit.capture(model, tok, "Hi.").global_layers
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=20, forget="kvzip")
+    assert not mem.budget.per_head
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+        assert global_entries(mem.state) <= 20
+    mem.ask("What is my locker code?", max_new_tokens=3)
+    assert mem.forgetting
+    for i, scores in mem._held.scores.items():
+        assert scores.shape == (mem.state.layers[i].kv_shape[1], len(mem.state.layers[i]))
+    with pytest.raises(InvalidInputError, match="slides"):
+        kvedit.Memory(model, tok, max_tokens=20, per_head=True)
+
+
 def test_a_shared_ranking_keeps_the_best_entries_of_all_layers(llama):
     """A shared policy's round ranks every global layer's entries together: the layer whose
     entries score higher keeps more; the layers hold the budget on average, and every layer
