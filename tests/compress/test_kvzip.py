@@ -229,3 +229,21 @@ def test_a_fit_predicts_on_the_device_of_the_features(llama):
     features = entry_features(state, i)
     got = fit.predict(i, features.to("meta"))
     assert got.device.type == "meta" and got.shape == fit.predict(i, features).shape
+
+
+@pytest.mark.parametrize("part, value", [(2, float("nan")), (3, float("inf")), (1, 0.0)])
+def test_a_fit_that_is_not_finite_is_refused(llama, tmp_path, part, value):
+    """A map with a NaN, an infinity or a zero scale scores entries NaN (or infinite): a round
+    reads a NaN score as padding and never keeps the entry, so a head forgot all but its
+    protected entries without a word. Such a fit is refused as damaged."""
+    from kvedit.compress.scorers.learned import Fitted
+    from kvedit.errors import CorruptCacheError
+
+    state = _state(llama)
+    fit = _fit_for(llama, state)
+    i = state.global_layers[0]
+    bad = [t.clone() for t in fit.layers[i]]
+    bad[part].view(-1)[0] = value
+    path = Fitted({**fit.layers, i: tuple(bad)}, fit.meta).save(tmp_path / "bad.safetensors")
+    with pytest.raises(CorruptCacheError, match="not finite"):
+        Fitted.load(path)

@@ -178,6 +178,12 @@ class Fitted:
                 or parts["bias"].shape != (h,)
             ):
                 raise CorruptCacheError(f"{path}: layer {i}'s map has inconsistent shapes")
+            if not all(bool(torch.isfinite(t).all()) for t in parts.values()) or bool(
+                (parts["scale"] == 0).any()
+            ):  # a NaN score is never kept (rank_keep reads NaN as padding), however good
+                raise CorruptCacheError(
+                    f"{path}: layer {i}'s map is not finite (NaN, infinite or a zero scale)"
+                )
             out[i] = (parts["mean"], parts["scale"], parts["weight"], parts["bias"])
         return cls(out, meta)
 
