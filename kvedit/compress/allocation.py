@@ -31,7 +31,7 @@ def rank_keep(
     scores: Mapping[int, torch.Tensor],
     must: Mapping[int, torch.Tensor],
     budget: float,
-    cost: Mapping[int, float],
+    cost: Mapping[int, float | torch.Tensor],
     *,
     per_head: bool = False,
     held: Mapping[int, torch.Tensor] | None = None,
@@ -44,8 +44,9 @@ def rank_keep(
         must: ``{layer: [n]}`` bool (or ``[kv_heads, n]`` with ``per_head``), kept whatever
             their scores (their cost counts).
         budget: what the kept entries may cost in all.
-        cost: ``{layer: c}``, what one head-uniform entry of the layer costs (all its KV heads);
-            a per-head entry costs ``c / kv_heads``.
+        cost: ``{layer: c}``, what one head-uniform entry of the layer costs (all its KV heads),
+            or ``{layer: [n]}`` what each of its entries costs; a per-head entry costs
+            ``c / kv_heads``.
         per_head: rank each KV head's entries on their own (module docstring).
         held: ``{layer: [kv_heads, n]}`` bool, the slots that hold an entry (a headwise layer's
             padding does not; never kept nor paid for). None: every slot.
@@ -74,11 +75,11 @@ def rank_keep(
             h = held[i].cpu() if held is not None else torch.ones(heads, n, dtype=torch.bool)
             units.append(s.masked_fill(~h, float("nan")).flatten())
             musts.append((m & h).flatten())
-            unit_cost.append(torch.full((heads * n,), float(cost[i]) / heads, dtype=torch.float64))
+            unit_cost.append((_costs(cost[i], n) / heads)[None].expand(heads, n).flatten())
         else:
             units.append(s.amax(dim=0))
             musts.append(m)
-            unit_cost.append(torch.full((n,), float(cost[i]), dtype=torch.float64))
+            unit_cost.append(_costs(cost[i], n))
         shapes[i] = (heads, n)
     flat = torch.cat(units) if units else torch.zeros(0)
     need = torch.cat(musts) if musts else torch.zeros(0, dtype=torch.bool)
@@ -102,3 +103,12 @@ def rank_keep(
         out[i] = part.reshape(heads, n) if per_head else part
         start += size
     return out
+
+
+def _costs(cost: float | torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` float64: one cost for every entry, or each entry's own."""
+    if isinstance(cost, torch.Tensor):
+        if cost.shape != (n,):
+            raise InvalidInputError(f"costs of shape {tuple(cost.shape)} for {n} entries")
+        return cost.to(torch.float64).cpu()
+    return torch.full((n,), float(cost), dtype=torch.float64)

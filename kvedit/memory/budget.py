@@ -34,6 +34,7 @@ from .forgetting import (
     check_policy,
     default_policy,
     entry_bytes,
+    entry_costs,
     forget,
     global_entries,
     protected_slots,
@@ -188,12 +189,15 @@ class Budget:
         scores: dict[int, torch.Tensor] | None,
         ranges: Sequence[tuple[int, int]],
         at_message: int,
+        packing=None,
     ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round | None]:
         """``(state, scores, round)`` of a state a message (or a kept answer) was just added
         to: unchanged within the budget, else forgotten to fit it. The new entries are ranked
         with the older ones: a round never drops a better entry to admit a worse new one.
         ``scores``: the arrival scores the memory keeps (None for other policies); ``ranges``:
-        the system messages' tokens.
+        the system messages' tokens; ``packing``: how the memory packs its older messages
+        (:class:`~kvedit.memory.quantizing.Packing`, with ``quantize``): a byte budget then
+        prices them packed and measures the state packed, which it returns.
 
         Raises:
             InvalidInputError: the protected part alone exceeds the budget (before the memory
@@ -203,7 +207,7 @@ class Budget:
             return state, scores, None
         protected = self.protected_tokens(state, ranges)
         if self.max_bytes is not None:
-            return self._forget_bytes(state, scores, protected, at_message)
+            return self._forget_bytes(state, scores, protected, at_message, packing)
         needed = _protected_entries(state, protected)
         if needed > self.max_entries:
             raise InvalidInputError(
@@ -221,12 +225,16 @@ class Budget:
         only ranks kept scores), :data:`LOW_WATER` for one that scores at each round."""
         return 1.0 if self.scorer.arrival else LOW_WATER
 
-    def _forget_bytes(self, state, scores, protected, at_message):
-        """:func:`forget` to ``max_bytes`` (less the layers no round forgets); again with less
-        room while what a round left allocates more (a headwise layer's padding), at most
-        :data:`BYTE_TRIES` times."""
+    def _forget_bytes(self, state, scores, protected, at_message, packing=None):
+        """:func:`forget` to ``max_bytes`` (less the layers no round forgets), priced and
+        measured as the memory holds it (``packing``: the older messages packed); again with
+        another room while what the round left does not fit, or fits far under (the prices are
+        estimates: a headwise layer's padding, packed scales), at most :data:`BYTE_TRIES` times;
+        the fullest state that fits is kept."""
         fixed = _fixed_bytes(state)
+        packed = None if packing is None else (packing.bits, packing.exact_from(len(state)))
         room = (self.max_bytes - fixed) * self._low_water()
+        best = None
         for _ in range(BYTE_TRIES):
             if room < 0:
                 break
@@ -240,15 +248,26 @@ class Budget:
                     at_message,
                     per_head=self.per_head,
                     in_bytes=True,
+                    packed=packed,
                 )
             except InvalidInputError:  # the protected entries alone cost more than the room
                 break
+            priced = min(room, _priced(out[0], packed))  # what the round spent at its prices
+            if packing is not None:
+                out = (packing.pack(out[0]), *out[1:])
             used = out[0].nbytes - fixed
-            if out[0].nbytes <= self.max_bytes:
-                return out
-            # what the round left allocates more than its room (a per-head layer's padding):
-            # scale the room down by that ratio, and by at least BYTE_STEP
-            room = min(room * (room / max(used, 1.0)), room * (1 - BYTE_STEP))
+            target = (self.max_bytes - fixed) * self._low_water()
+            fits = out[0].nbytes <= self.max_bytes
+            if fits and (best is None or out[0].nbytes > best[0].nbytes):
+                best = out
+            if fits and used >= (1 - BYTE_STEP) * target:
+                break
+            # the prices are estimates (padding, a partial key group left exact, scales): the
+            # next room is the target at the ratio of the prices to what was really held
+            nxt = target * priced / max(used, 1.0)
+            room = nxt if fits else min(nxt, room * (1 - BYTE_STEP))
+        if best is not None:
+            return best
         raise InvalidInputError(
             f"the budget is {self.describe()}; the protected part (the first {SINK_TOKENS} "
             f"tokens, system message, the last {self.recent_tokens} tokens, protect= spans) "
@@ -271,6 +290,17 @@ def added_bytes(state: KVState, n_new: int) -> int:
     for layer in state.layers:
         more = n_new if layer.window is None else max(min(n_new, layer.window - len(layer)), 0)
         total += more * entry_bytes(layer)
+    return total
+
+
+def _priced(state: KVState, packed) -> float:
+    """What the entries the global layers of ``state`` hold cost at a round's prices."""
+    total = 0.0
+    for i in state.counted_layers:
+        cost = entry_costs(state.layers[i], True, packed)
+        heads = state.layers[i].kv_shape[1]
+        count = state.layers[i].head_entries() / heads
+        total += float(cost.sum()) if isinstance(cost, torch.Tensor) else cost * count
     return total
 
 

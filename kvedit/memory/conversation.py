@@ -46,7 +46,7 @@ from .files import (
 from .forgetting import Round
 from .held import Held, Scores, arrived, bytes_per_token, check_model
 from .protection import check_system_held, protected_ranges
-from .quantizing import check_bits, hold_older_quantized
+from .quantizing import Packing, check_bits, hold_older_quantized
 from .records import MAX_MESSAGES, Turn
 from .rendering import (
     ROLES,
@@ -227,7 +227,11 @@ class Memory:
             return state, None, []
         ranges = protected_ranges([*self._turns, *turns], [*self._messages, *messages], rendering)
         at = turns[-1].index
-        state, scores, done = self.budget.fit(state, scores, ranges, at)
+        packing = None
+        if self.quantize is not None:
+            starts = [t.start for t in (*self._turns, *turns)]
+            packing = Packing(self.quantize, starts, self.recent)
+        state, scores, done = self.budget.fit(state, scores, ranges, at, packing)
         return state, scores, [] if done is None else [done]
 
     def _message(self, role: str, content: str) -> Message:
@@ -272,7 +276,9 @@ class Memory:
         ``quantize``, the messages before the last ``recent`` are held in its bits first."""
         if self.quantize is not None:
             starts = [t.start for t in (*self._turns, *turns)]
-            state = hold_older_quantized(state, self.quantize, starts, self.recent, bool(rounds))
+            packed = bool(rounds) and self.budget is not None and self.budget.max_bytes is not None
+            forgot = bool(rounds) and not packed  # a byte budget's round packed it already
+            state = hold_older_quantized(state, self.quantize, starts, self.recent, forgot)
         per_token = bytes_per_token(state)
         turns = [t.with_nbytes(round(per_token * t.n_tokens)) for t in turns]
         self._held = Held(

@@ -53,6 +53,7 @@ __all__ = [
     "check_policy",
     "default_policy",
     "entry_bytes",
+    "entry_costs",
     "forget",
     "global_entries",
     "layer_entries",
@@ -161,10 +162,13 @@ def forget(
     *,
     per_head: bool = False,
     in_bytes: bool = False,
+    packed: tuple[int, int] | None = None,
 ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round]:
     """``state`` with its global layers cut to ``room``: entries per layer on average, or
     bytes (``in_bytes``), by ``policy`` (a registered scorer's name), each KV head keeping its
-    own entries with ``per_head``.
+    own entries with ``per_head``. ``packed``: ``(bits, first exact token)``, for a memory that
+    holds its older messages packed: in bytes, an entry of a token before that is priced as it
+    will be held, packed in ``bits`` bits.
 
     Args:
         state: the memory's state (not modified).
@@ -184,7 +188,7 @@ def forget(
         ranked = _word_max(ranked, state)
     must = {i: protected_slots(state.layers[i], protected) for i in chosen}
     held = {i: _slots(state.layers[i])[0] >= 0 for i in chosen}
-    cost = {i: (float(entry_bytes(state.layers[i])) if in_bytes else 1.0) for i in chosen}
+    cost = {i: entry_costs(state.layers[i], in_bytes, packed) for i in chosen}
     total = room if in_bytes else room * len(chosen)
     kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head)
     layers = list(state.layers)
@@ -198,6 +202,23 @@ def forget(
     out = state.replace(layers=layers).with_step(Step("compression", "forget", params, exact=False))
     done = Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
     return out, new_scores, done
+
+
+def entry_costs(layer, in_bytes: bool, packed: tuple[int, int] | None = None):
+    """What keeping each entry of ``layer`` costs: 1 (an entry), its bytes, or, for a memory
+    packing its older messages (``packed``: bits, first exact token), each entry's bytes as it
+    will be held."""
+    if not in_bytes:
+        return 1.0
+    full = float(entry_bytes(layer))
+    if packed is None:
+        return full
+    from .quantizing import packed_entry_bytes
+
+    bits, exact_from = packed
+    old = (layer.token_index >= 0) & (layer.token_index < exact_from)
+    cheap = packed_entry_bytes(layer, bits)
+    return torch.where(old.cpu(), torch.tensor(cheap), torch.tensor(full)).double()
 
 
 def _scored_now(scorer: Scorer, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:

@@ -27,7 +27,15 @@ from ..compress.quantization import quantize
 from ..errors import InvalidInputError
 from ..states.state import KVState
 
-__all__ = ["GROUP", "REQUANTIZE_AFTER", "check_bits", "exact_old_entries", "hold_older_quantized"]
+__all__ = [
+    "GROUP",
+    "REQUANTIZE_AFTER",
+    "Packing",
+    "check_bits",
+    "exact_old_entries",
+    "hold_older_quantized",
+    "packed_entry_bytes",
+]
 
 GROUP = 32
 """Entries per key scale group (KIVI's group size; it divides the bundled models' head
@@ -78,3 +86,35 @@ def hold_older_quantized(
     # each layer's exact tail is what it holds of them
     tails = [max(int((layer.token_index >= exact_from).sum()), 1) for layer in state.layers]
     return quantize(state, bits, residual=tails, group=GROUP)
+
+
+def packed_entry_bytes(layer, bits: int) -> float:
+    """Bytes one entry (every KV head) takes on ``layer`` once packed in ``bits`` bits, KIVI
+    style as :func:`kvedit.compress.quantize` packs it: the codes, the keys' scale and zero
+    per channel shared by a group of :data:`GROUP` entries, the values' per entry and group of
+    channels (float16 scales where the layer is float16 or float32)."""
+    b, heads, _, d = layer.kv_shape
+    dv = layer.value_shape[3]
+    scale = 2  # float16 scale and zero (float32 for float64 layers: not counted here)
+    codes = (d + dv) * bits / 8
+    key_scales = 2 * scale * d / GROUP
+    value_scales = 2 * scale * max(dv // min(GROUP, dv), 1)
+    return b * heads * (codes + key_scales + value_scales)
+
+
+class Packing:
+    """How a memory with ``quantize`` packs its older messages (:func:`hold_older_quantized`):
+    ``bits``, each message's first token (``starts``) and the ``recent`` messages held exact.
+    :meth:`exact_from` is the first token held exact; :meth:`pack` packs a state as the memory
+    keeps it after a forgetting round."""
+
+    def __init__(self, bits: int, starts: Sequence[int], recent: int):
+        self.bits, self.starts, self.recent = bits, list(starts), recent
+
+    def exact_from(self, n_tokens: int) -> int:
+        if len(self.starts) <= self.recent:
+            return 0
+        return self.starts[len(self.starts) - self.recent] if self.recent else n_tokens
+
+    def pack(self, state: KVState) -> KVState:
+        return hold_older_quantized(state, self.bits, self.starts, self.recent, forgot=True)

@@ -439,3 +439,22 @@ def test_a_memory_under_a_budget_that_forgot_nothing_is_a_plain_capture(llama, p
     assert not mem.forgetting and mem.state.is_plain_capture
     fresh = kvedit.capture_tokens(model, tok, mem.renderer.render(mem.messages).ids)
     assert mem.state.digest == fresh.digest
+
+
+def test_a_byte_budget_with_quantize_prices_the_older_messages_packed(llama):
+    """Under max_bytes, the older messages are priced as they will be held (packed): the
+    memory fills its budget with more entries than the same bytes hold exact (a round priced
+    them exact and packed after, leaving a third of the budget unused)."""
+    model, tok = llama
+    whole = kvedit.Memory(model, tok, system="You are terse.")
+    for role, content in CHAT * 5:
+        whole.add(role, content)
+    budget = whole.nbytes // 4
+    kw = dict(system="You are terse.", forget="kvzip", max_bytes=budget, per_head=False)
+    packed, exact = kvedit.Memory(model, tok, quantize=4, **kw), kvedit.Memory(model, tok, **kw)
+    for role, content in CHAT * 5:
+        packed.add(role, content)
+        exact.add(role, content)
+        assert packed.nbytes <= budget and exact.nbytes <= budget
+    assert packed.forgetting and packed.nbytes >= 0.85 * budget
+    assert global_entries(packed.state) > 1.5 * global_entries(exact.state)
