@@ -232,6 +232,11 @@ class Budget:
         estimates: a headwise layer's padding, packed scales), at most :data:`BYTE_TRIES` times;
         the fullest state that fits is kept."""
         fixed = _fixed_bytes(state)
+        if fixed >= self.max_bytes:
+            raise InvalidInputError(
+                f"the budget is {self.describe()}; the sliding-window layers alone hold "
+                f"{fixed / 2**20:.2f} MiB (their windows, which no round forgets): raise max_bytes"
+            )
         packed = None if packing is None else (packing.bits, packing.exact_from(len(state)))
         room = (self.max_bytes - fixed) * self._low_water()
         best = None

@@ -458,3 +458,16 @@ def test_a_byte_budget_with_quantize_prices_the_older_messages_packed(llama):
         assert packed.nbytes <= budget and exact.nbytes <= budget
     assert packed.forgetting and packed.nbytes >= 0.85 * budget
     assert global_entries(packed.state) > 1.5 * global_entries(exact.state)
+
+
+def test_a_byte_budget_below_the_sliding_windows_is_refused_in_its_own_words(gemma3):
+    """Gemma-3's sliding-window layers hold their windows whatever a round does: a byte budget
+    they alone fill is refused saying so, the memory unchanged."""
+    model, tok = gemma3
+    mem = kvedit.Memory(model, tok, forget="kvzip", max_bytes=12_000, recent_tokens=0)
+    before = None
+    with pytest.raises(InvalidInputError, match="sliding-window layers alone hold"):
+        for i in range(40):
+            before = _snapshot(mem)
+            mem.add("user", f"Message {i}: the river is calm near the old bridge today.")
+    assert _snapshot(mem) == before
