@@ -104,6 +104,16 @@ def latest(runs: Sequence[Sequence[dict]]) -> tuple[list[dict], int]:
     return kept, sum(len(run) for run in runs) - len(kept)
 
 
+def only_methods(records: Sequence[dict], methods: Sequence[str]) -> list[dict]:
+    """The records of ``methods`` (names as :func:`budget_named` gives them) and ``reuse``'s;
+    a name no record has is refused, naming the ones there are."""
+    there = {r["method"] for r in records}
+    wanted = {m.strip() for m in methods if m.strip()}
+    if missing := sorted(wanted - there):
+        raise SystemExit(f"--methods: no records of {missing}; the runs hold {sorted(there)}")
+    return [r for r in records if r["method"] in wanted or r["method"] == "reuse"]
+
+
 def versus_reuse(records: Sequence[dict]) -> list[str]:
     """Per method and budget: mean over ``reuse``'s and the questions lost per bucket."""
     reuse = {r["id"]: r["correct"] for r in records if r["method"] == "reuse"}
@@ -180,8 +190,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="write the pooled accuracy plot to this PNG")
     p.add_argument("--title", default=None, help="the plot's title")
     p.add_argument("--bytes-plot", default=None, help="write accuracy against bytes to this PNG")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated: only these methods, as the table names them (reuse always kept)",
+    )
     args = p.parse_args(argv)
     records, replaced = latest([run_records(run) for run in args.runs])
+    if args.methods:
+        records = only_methods(records, args.methods.split(","))
     examples = sorted({r["example"] for r in records})
     summary = summarize_memory(records)
     table = format_memory_table(summary)

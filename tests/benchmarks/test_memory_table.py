@@ -121,3 +121,17 @@ def test_mean_bytes_pairs_each_method_and_budget_with_its_accuracy(tmp_path):
     assert got[("learned", 0.1)] == (2.5, 0.5) and got[("reuse", 1.0)] == (4.0, 1.0)
     pytest.importorskip("matplotlib")
     assert plot_bytes(rows, tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_methods_keeps_the_named_methods_and_reuse_and_refuses_an_unknown_name():
+    from benchmarks.memory_table import only_methods
+
+    rows = [
+        _record("c", "reuse", 1.0, 0, "early", 1.0),
+        _record("c", "learned", 0.1, 0, "early", 1.0),
+        _record("c", "learned:quantize=4", 0.1, 0, "early", 0.0),
+    ]
+    got = only_methods(rows, ["learned:quantize=4"])
+    assert [r["method"] for r in got] == ["reuse", "learned:quantize=4"]
+    with pytest.raises(SystemExit, match="no records of \\['window'\\]"):
+        only_methods(rows, ["window"])
