@@ -105,11 +105,16 @@ def _chunk_attention(state: KVState, start: int, end: int, own: bool) -> dict[in
     return out
 
 
-def to_kv_heads(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Query-head scores ``[batch, heads, n]`` summed over each KV head's group of query heads:
-    ``[batch, kv_heads, n]`` (grouped-query attention shares a KV head among ``heads //
-    kv_heads`` query heads)."""
+def to_kv_heads(probs: torch.Tensor, kv_heads: int, reduce: str = "sum") -> torch.Tensor:
+    """Query-head scores ``[batch, heads, n]`` reduced over each KV head's group of query heads
+    (``reduce``: ``"sum"`` or ``"max"``): ``[batch, kv_heads, n]`` (grouped-query attention
+    shares a KV head among ``heads // kv_heads`` query heads)."""
     b, heads, n = probs.shape
     if heads % kv_heads:
         raise InvalidInputError(f"{heads} query heads do not group into {kv_heads} KV heads")
-    return probs.reshape(b, kv_heads, heads // kv_heads, n).sum(dim=2)
+    grouped = probs.reshape(b, kv_heads, heads // kv_heads, n)
+    if reduce == "max":
+        return grouped.amax(dim=2)
+    if reduce != "sum":
+        raise ValueError(f"reduce is 'sum' or 'max', not {reduce!r}")
+    return grouped.sum(dim=2)

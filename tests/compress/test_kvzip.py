@@ -10,7 +10,8 @@ import kvedit
 from kvedit.compress import SCORERS, select
 from kvedit.compress.allocation import rank_keep
 from kvedit.compress.scorers import kvzip as kvzip_module
-from kvedit.compress.scorers.kvzip import REPEAT, SINKS, KVzip
+from kvedit.compress.scorers.kvzip import SINKS, KVzip
+from kvedit.compress.scorers.reconstruct import DEFAULT_PROMPT as REPEAT
 from kvedit.errors import InvalidInputError
 
 TEXT = " ".join(f"Person{i}'s code is {1000 + 37 * i}." for i in range(6))

@@ -34,15 +34,14 @@ from ...errors import InvalidInputError
 from ...states.observer import Observer
 from ...states.passes import appended_layers, run_model
 from ...states.state import KVState
+from ..observe import to_kv_heads
 from .base import Scorer, register_scorer
+from .reconstruct import DEFAULT_PROMPT
 
 __all__ = ["KVzip", "SINKS"]
 
 SINKS = 4
 """Leading tokens in every chunk's normalization (attention sinks, kvpress's ``n_sink``)."""
-
-REPEAT = "\n\nRepeat the previous context exactly.\n"
-"""The repeat instruction before a chunk's re-read (KVzip's, as plain text)."""
 
 QUERIES = 256
 """Re-read tokens run at once: memory ``[batch, heads, QUERIES, k]`` per layer; the scores do
@@ -84,7 +83,7 @@ class KVzip(Scorer):
 
     Attributes:
         chunk: tokens per chunk when :meth:`score` scores a whole state (kvpress's 2048).
-        prompt: the repeat instruction; None: :data:`REPEAT`.
+        prompt: the repeat instruction; None: :data:`~kvedit.compress.scorers.reconstruct.DEFAULT_PROMPT`.
     """
 
     chunk: int = 2048
@@ -114,7 +113,7 @@ class KVzip(Scorer):
         """The most tokens one chunk's re-read may hold after the prompt (the positions left
         after the state), at least 1."""
         model, _ = state.require_model()
-        prompt = state.encode(REPEAT if self.prompt is None else self.prompt, "prompt")
+        prompt = state.encode(DEFAULT_PROMPT if self.prompt is None else self.prompt, "prompt")
         limit = checks.positions_limit(model, state.max_positions)
         if limit is None:
             return self.chunk
@@ -141,18 +140,13 @@ class KVzip(Scorer):
                 f"tokens [{start}, {end}) are not in the {len(state)}-token state"
             )
         model, _ = state.require_model()
-        prompt = state.encode(REPEAT if self.prompt is None else self.prompt, "prompt")
+        prompt = state.encode(DEFAULT_PROMPT if self.prompt is None else self.prompt, "prompt")
         ids = state.token_ids[start:end].tolist()
         state.check_room(len(prompt) + len(ids), what="KVzip re-read")
         entries = {i: _in_range(state.layers[i], start, end).nonzero().flatten() for i in layers}
         sinks = {i: _sinks(state.layers[i], min(SINKS, start)) for i in layers}
         best = _reread_max(state, model, prompt, ids, entries, sinks)
-        out = {}
-        for i in layers:
-            b, heads, m = best[i].shape
-            kv_heads = state.layers[i].kv_shape[1]
-            out[i] = best[i].reshape(b, kv_heads, heads // kv_heads, m).amax(dim=2)
-        return out
+        return {i: to_kv_heads(best[i], state.layers[i].kv_shape[1], "max") for i in layers}
 
 
 def _sinks(layer: LayerKV, count: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ from ...errors import InvalidInputError
 from ...states.observer import Observer
 from ...states.passes import appended_layers, run_model
 from ...states.state import KVState
+from ..observe import to_kv_heads
 from .base import Scorer, register_scorer
 
 __all__ = ["DEFAULT_PROMPT", "Reconstruct"]
@@ -95,16 +96,7 @@ class Reconstruct(Scorer):
             part = ids[start : start + segment]
             for i, m in enumerate(_segment_max(state, model, prompt_ids, part, self.chunk)):
                 best[i] = m if best[i] is None else torch.maximum(best[i], m)
-        out = {}
-        for i in layers:
-            b, heads, n = best[i].shape
-            kv_heads = state.layers[i].kv_shape[1]
-            if heads % kv_heads:
-                raise InvalidInputError(
-                    f"{heads} query heads do not group into {kv_heads} KV heads"
-                )
-            out[i] = best[i].reshape(b, kv_heads, heads // kv_heads, n).amax(dim=2)
-        return out
+        return {i: to_kv_heads(best[i], state.layers[i].kv_shape[1], "max") for i in layers}
 
 
 def _held_tokens(state: KVState) -> list[int]:
