@@ -16,8 +16,8 @@ Scores (``--scores``), each ``[kv_heads, n]`` per global layer, higher kept firs
 * ``reconstruct``: kvedit's ``Reconstruct`` scorer (the memory's policy today) run once on the
   whole transcript: the largest attention an entry gets while the model re-reads the text after
   a repeat prompt, normalized over the whole cache.
-* ``kvzip``: KVzip's scoring as kvpress runs it: the text re-read in chunks of
-  :data:`KVZIP_CHUNK` tokens after the repeat prompt, an entry's score its largest attention from
+* ``kvzip``: KVzip's scoring as kvpress runs it (:class:`kvedit.compress.KVzip`): the text
+  re-read in chunks of 2,048 tokens after the repeat prompt, an entry's score its largest attention from
   its chunk's re-read, normalized over the sinks, the chunk and the re-read itself (not the
   whole cache).
 * ``arrival``: the same chunk-local scores with each *message* as its chunk, computed when the
@@ -54,62 +54,17 @@ import torch
 
 from benchmarks.common import add_model, markdown_table, parser, read_partial
 from kvedit.compress.masking import masked_union
-from kvedit.compress.scorers import Reconstruct
+from kvedit.compress.scorers import KVzip, Learned, make_scorer
 from kvedit.evals.memory_specs import build_conversations
 from kvedit.evals.metrics import best_subspan_em
 from kvedit.spans import word_index
-from kvedit.states.observer import Observer
-from kvedit.states.passes import recompute_last, run_model
+from kvedit.states.passes import recompute_last
 from kvedit.states.state import KVState
 
 SINKS = 4
 """Leading tokens always kept (attention sinks, as kvpress's ``n_sink``)."""
-KVZIP_CHUNK = 2048
-"""kvpress's ``KVzipPress`` chunk: the re-read's unit, and its scores' normalization."""
-REPEAT = "\n\nRepeat the previous context exactly.\n"
-"""The repeat prompt before a re-read (KVzip's)."""
 SCORES = ("reconstruct", "kvzip", "arrival", "learned")
 ALLOCATIONS = ("layer", "layers", "layers+words", "heads")
-
-
-class _ChunkMax(Observer):
-    """Per layer ``[heads, b - a]``: the largest attention the re-read queries (after the first
-    ``skip``) give the chunk's entries ``[a, b)``, renormalized over the sinks, the chunk and
-    the queries' own keys when ``local``."""
-
-    def __init__(self, layers, skip: int, a: int, b: int, n: int, local: bool):
-        super().__init__(layers)
-        self.skip, self.a, self.b, self.n, self.local = skip, a, b, n, local
-
-    def observe(self, layer_idx: int, probs: torch.Tensor) -> None:
-        p = probs[0, :, self.skip :].float()  # [heads, q, k]
-        part = p[..., self.a : self.b]
-        if self.local:
-            denom = p[..., : min(SINKS, self.a)].sum(-1) + part.sum(-1) + p[..., self.n :].sum(-1)
-            part = part / denom[..., None]
-        self.probs[layer_idx] = part.amax(dim=1)
-
-
-def chunk_scores(
-    state: KVState, chunks: Sequence[tuple[int, int]], *, local: bool = True
-) -> dict[int, torch.Tensor]:
-    """``{layer: [kv_heads, n]}``: each chunk ``[a, b)`` of ``state``'s tokens re-read after
-    :data:`REPEAT` on top of the whole state, its entries scored by :class:`_ChunkMax`."""
-    model, tok = state.require_model()
-    n = len(state)
-    out = {i: torch.zeros(state.layers[i].kv_shape[1], n) for i in state.global_layers}
-    prompt = tok.encode(REPEAT, add_special_tokens=False)
-    ids = state.token_ids.tolist()
-    for a, b in chunks:
-        run = prompt + ids[a:b]
-        observer = _ChunkMax(state.layers, len(prompt), a, b, n, local)
-        positions = torch.arange(state.next_position, state.next_position + len(run))
-        run_model(model, state.layers, torch.tensor([run]), positions[None], 1, plan=observer)
-        for i in out:
-            got = observer.probs[i]
-            kv = out[i].shape[0]
-            out[i][:, a:b] = got.reshape(kv, -1, b - a).amax(dim=1)
-    return out
 
 
 def allocate(
@@ -176,10 +131,15 @@ def run_conversation(
         turn = memory.add(role, content)
         if "arrival" in scores:
             t0 = time.perf_counter()
-            got = chunk_scores(memory.state, [(turn.start, turn.end)])
+            state = memory.state
+            got = KVzip().score_tokens(state, turn.start, turn.end, list(state.global_layers))
             for i, s in got.items():
+                full = torch.zeros(s.shape[1], len(state))
                 old = arrival.get(i)
-                arrival[i] = s if old is None else torch.cat([old, s[:, old.shape[1] :]], dim=1)
+                if old is not None:
+                    full[:, : old.shape[1]] = old
+                full[:, turn.start : turn.end] = s[0].float().cpu()
+                arrival[i] = full
             t_arrival += time.perf_counter() - t0
     state = memory.state
     n = len(state)
@@ -187,20 +147,12 @@ def run_conversation(
     seconds: dict[str, float] = {"arrival": t_arrival}
     for name in scores:
         t0 = time.perf_counter()
-        if name == "reconstruct":
-            got = Reconstruct().score(state, list(state.global_layers))
-            made[name] = {i: s[0].float() for i, s in got.items()}
-        elif name == "learned":
-            from kvedit.compress.scorers.learned import Learned
-
-            got = Learned(path=fit).score(state, list(state.global_layers))
-            made[name] = {i: s[0].float() for i, s in got.items()}
-        elif name == "kvzip":
-            made[name] = chunk_scores(
-                state, [(a, min(a + KVZIP_CHUNK, n)) for a in range(0, n, KVZIP_CHUNK)]
-            )
-        else:
+        if name == "arrival":
             made[name] = arrival
+        else:
+            scorer = Learned(path=fit) if name == "learned" else make_scorer(name)
+            got = scorer.score(state, list(state.global_layers))
+            made[name] = {i: s[0].float() for i, s in got.items()}
         seconds.setdefault(name, time.perf_counter() - t0)
     protected = torch.zeros(n, dtype=torch.bool)
     protected[:SINKS] = True
