@@ -472,8 +472,10 @@ class Memory:
         prompt, system = given.pop("prompt", None), given.pop("system", None)
         found = read_memory(path, model, tokenizer, max_positions)
         check_as_file(found, prompt, system)
-        merged = merged_keywords(found.keywords, given)
-        memory = cls(model, tokenizer, prompt=found.prompt, max_positions=max_positions, **merged)
+        merged = merged_keywords(found.attachment.keywords, given)
+        memory = cls(
+            model, tokenizer, prompt=found.attachment.prompt, max_positions=max_positions, **merged
+        )
         memory._held = held_from_file(found, memory.budget)
         memory._files[file_key(path)] = found.version
         return memory

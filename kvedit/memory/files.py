@@ -29,12 +29,18 @@ from ..errors import CorruptCacheError, FileChangedError, InvalidInputError, Inv
 from ..states.files.read import read_attached
 from ..states.files.write import SavedFile, save_file_version
 from ..states.state import KVState
-from .attached import ATTACHMENT_KIND, ATTACHMENT_VERSION, BUDGET_KEYWORDS, parse_attachment
+from .attached import (
+    ATTACHMENT_KIND,
+    ATTACHMENT_VERSION,
+    BUDGET_KEYWORDS,
+    Attachment,
+    parse_attachment,
+)
 from .budget import Budget
 from .forgetting import Round
 from .held import Held, scored_from_scratch
 from .records import Turn
-from .rendering import Message, Rendering
+from .rendering import Message
 
 __all__ = [
     "ATTACHMENT_KIND",
@@ -64,21 +70,21 @@ LOAD_KEYWORDS = ("max_positions", *BUDGET_KEYWORDS, "prompt", "system")
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFile:
-    """What a memory file holds: the ``state``, the ``prompt`` format, the ``messages``, their
-    ``turns``, the forgetting ``rounds``, the messages' ``rendering`` (its ids are the
-    state's), the ``Memory`` ``keywords`` of its budget (empty for a file that has none), and
-    the ``version`` of the file read (:func:`disk_version`)."""
+    """What a memory file holds: the ``state``, its checked ``attachment`` (the prompt format,
+    the messages, their turns, the forgetting rounds, the rendering, the budget's keywords),
+    the ``version`` of the file read (:func:`disk_version`), and the arrival ``scores`` it
+    holds as tensors (``{layer: [batch, kv_heads, n]}``, None without)."""
 
     state: KVState
-    prompt: str
-    messages: list[Message]
-    turns: list[Turn]
-    rounds: list[Round]
-    rendering: Rendering
-    keywords: dict
+    attachment: Attachment
     version: tuple | None = None
     scores: dict | None = None
-    scored_by: str | None = None
+
+    @property
+    def scored_by(self) -> str | None:
+        """The arrival policy that made :attr:`scores` (None without scores)."""
+        meta = self.attachment.scores
+        return None if meta is None else meta["policy"]
 
 
 def budget_keywords(budget: Budget | None, recent: int, quantize: int | None) -> dict:
@@ -161,18 +167,7 @@ def read_memory(
     )
     version = None if found.version is None else tuple(found.version[:4])
     scores = _file_scores(a, found, path)
-    return MemoryFile(
-        state,
-        a.prompt,
-        a.messages,
-        a.turns,
-        a.rounds,
-        a.rendering,
-        a.keywords,
-        version,
-        scores,
-        None if a.scores is None else a.scores["policy"],
-    )
+    return MemoryFile(state, a, version, scores)
 
 
 def load_keywords(given: Mapping[str, object]) -> dict:
@@ -194,16 +189,17 @@ def load_keywords(given: Mapping[str, object]) -> dict:
 def check_as_file(found: MemoryFile, prompt, system) -> None:
     """Refuse a ``prompt`` or ``system`` given to :meth:`kvedit.Memory.load` that is not the
     file's: a loaded memory keeps the file's messages and format (None: not given)."""
-    if prompt is not None and prompt != found.prompt:
+    held = found.attachment
+    if prompt is not None and prompt != held.prompt:
         raise InvalidInputError(
-            f"prompt={prompt!r}: the file's messages were rendered in the {found.prompt!r} "
+            f"prompt={prompt!r}: the file's messages were rendered in the {held.prompt!r} "
             "format, and a loaded memory keeps it (leave prompt= out)"
         )
     if system is not None:
-        first = found.messages[0] if found.messages else None
-        held = first.content if first is not None and first.role == "system" else None
-        if held != system:
-            has = "no system message" if held is None else f"the system message {held!r}"
+        first = held.messages[0] if held.messages else None
+        said = first.content if first is not None and first.role == "system" else None
+        if said != system:
+            has = "no system message" if said is None else f"the system message {said!r}"
             raise InvalidInputError(
                 f"system={system!r}: the file has {has}, and a loaded memory keeps the file's "
                 "messages (leave system= out)"
@@ -286,7 +282,8 @@ def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
         InvalidInputError: a memory that forgot per KV head under a policy that scores at each
             round (its scores of a slot would mix the tokens the heads hold there).
     """
-    turns = [replace(t, source="loaded", computed=0, kept=0) for t in found.turns]
+    held = found.attachment
+    turns = [replace(t, source="loaded", computed=0, kept=0) for t in held.turns]
     arrival = budget is not None and budget.scorer.arrival
     if budget is not None and not arrival and any(map(is_headwise, found.state.layers)):
         raise InvalidInputError(
@@ -300,9 +297,9 @@ def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
         scores = scored_from_scratch(budget, found.state)
     return Held(
         found.state,
-        tuple(found.messages),
-        found.rendering,
+        tuple(held.messages),
+        held.rendering,
         tuple(turns),
-        tuple(found.rounds),
+        tuple(held.rounds),
         scores if arrival else None,
     )
