@@ -404,15 +404,7 @@ def test_h2o_on_a_sliding_window_model_is_a_bad_option_and_the_file_is_left(
 
 def test_a_closed_output_pipe_ends_the_chat_without_a_message_and_saves(tmp_path):
     path = tmp_path / "chat.kv"
-    chat = subprocess.Popen(
-        [sys.executable, "-m", "kvedit", *CHAT, "--memory", str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    chat.stdout.readline()  # the start line
+    chat = _start_chat(path)
     chat.stdin.write(b"hello\n")
     chat.stdin.flush()
     while b"tok reused" not in chat.stdout.readline():  # the first answer's cost line

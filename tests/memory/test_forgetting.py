@@ -308,6 +308,15 @@ def test_a_file_whose_scores_do_not_fit_its_layers_is_refused(llama, tmp_path):
         kvedit.Memory.load(path, model, tok)
 
 
+def _saved_per_head_memory(model, tok, tmp_path):
+    """The path of a saved kvzip memory that forgot per KV head (some global layer headwise)."""
+    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=90, forget="kvzip")
+    for role, content in CHAT * 2:
+        mem.add(role, content)
+    assert any(is_headwise(mem.state.layers[i]) for i in mem.state.global_layers)
+    return mem.save(tmp_path / "m.kv")
+
+
 def test_a_per_head_memory_loaded_under_learned_is_refused_not_scored_from_mixed_slots(
     llama, tmp_path, learned_fit
 ):
@@ -316,11 +325,7 @@ def test_a_per_head_memory_loaded_under_learned_is_refused_not_scored_from_mixed
     that must score it whole is refused (as kvzip's whole-state scoring refuses it)."""
     model, tok = llama
     learned_fit(model, tok)
-    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=90, forget="kvzip")
-    for role, content in CHAT * 2:
-        mem.add(role, content)
-    assert any(is_headwise(mem.state.layers[i]) for i in mem.state.global_layers)
-    path = mem.save(tmp_path / "m.kv")
+    path = _saved_per_head_memory(model, tok, tmp_path)
     with pytest.raises(InvalidInputError, match="per head"):
         kvedit.Memory.load(path, model, tok, forget="learned")
     assert kvedit.Memory.load(path, model, tok).budget.policy == "kvzip"  # its own scores
@@ -332,11 +337,7 @@ def test_a_per_head_memory_loaded_under_a_round_policy_is_refused(llama, tmp_pat
     tokens on other heads (window: -1, the shared token_index, where they differ), so a
     per-head memory loaded with one is refused, not ranked by mixed slots."""
     model, tok = llama
-    mem = kvedit.Memory(model, tok, system="You are terse.", max_tokens=90, forget="kvzip")
-    for role, content in CHAT * 2:
-        mem.add(role, content)
-    assert any(is_headwise(mem.state.layers[i]) for i in mem.state.global_layers)
-    path = mem.save(tmp_path / "m.kv")
+    path = _saved_per_head_memory(model, tok, tmp_path)
     with pytest.raises(InvalidInputError, match="forgot per KV head"):
         kvedit.Memory.load(path, model, tok, forget=policy, per_head=False)
 
