@@ -68,12 +68,20 @@ def never_forgotten(n_tokens: int, ranges: Sequence[tuple[int, int]], recent_tok
     """How many of ``n_tokens`` tokens no round drops (without ``protect`` spans): the first
     :data:`SINK_TOKENS`, the ``ranges`` (system messages), the last ``recent_tokens`` and the
     last one."""
-    spans = [(0, SINK_TOKENS), (n_tokens - max(recent_tokens, 1), n_tokens), *ranges]
-    count, reach = 0, 0
-    for start, stop in sorted((max(a, 0), min(b, n_tokens)) for a, b in spans):
-        count += max(stop - max(start, reach), 0)
-        reach = max(reach, stop)
-    return count
+    return int(_kept_always(n_tokens, ranges, recent_tokens).sum())
+
+
+def _kept_always(n: int, ranges: Sequence[tuple[int, int]], recent_tokens: int) -> torch.Tensor:
+    """``BoolTensor[n]``: the tokens no round drops whatever the ``protect`` spans
+    (:func:`never_forgotten`)."""
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[: min(SINK_TOKENS, n)] = True
+    keep[max(n - recent_tokens, 0) :] = True
+    if n:
+        keep[-1] = True
+    for start, end in ranges:
+        keep[max(start, 0) : end] = True
+    return keep
 
 
 def span_to_json(span) -> dict:
@@ -157,19 +165,10 @@ class Budget:
             return f"{self.max_bytes / 2**20:.2f} MiB"
         return f"{self.max_entries} entries per layer"
 
-    def protected_tokens(
-        self, state: KVState, ranges: Sequence[tuple[int, int]], upto: int | None = None
-    ) -> torch.Tensor:
+    def protected_tokens(self, state: KVState, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
         """``BoolTensor[len(state)]``: the tokens no round drops (module docstring); ``ranges``:
         token ranges ``[start, end)`` of the system messages."""
-        n = len(state)
-        keep = torch.zeros(n, dtype=torch.bool)
-        keep[: min(SINK_TOKENS, n)] = True
-        keep[max(n - self.recent_tokens, 0) :] = True
-        if n:
-            keep[-1] = True
-        for start, end in ranges:
-            keep[start:end] = True
+        keep = _kept_always(len(state), ranges, self.recent_tokens)
         for span in self.protect:
             try:
                 keep[state.token_indices(span)] = True
