@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from ..cache import is_headwise
 from ..focusing.choice import Focus
 from ..states.state import KVState
 from .budget import Budget
@@ -95,7 +96,7 @@ def held_line(state: KVState) -> str:
     mid = counted[len(counted) // 2]
     heads = (
         " (each KV head its own)"
-        if any(hasattr(state.layers[i], "head_index") for i in state.counted_layers)
+        if any(is_headwise(state.layers[i]) for i in state.counted_layers)
         else ""
     )
     return (

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..cache import LayerKV, keep_per_head
+from ..cache import LayerKV, is_headwise, keep_per_head
 from ..compress.allocation import rank_keep
 from ..compress.scorers import SCORERS, Scorer, make_scorer
 from ..errors import InvalidInputError, UnsupportedModelError
@@ -147,8 +147,8 @@ def entry_bytes(layer) -> int:
     dv = layer.value_shape[3]
     exact = layer.packed_keys.residual if layer.packed else layer.keys  # new entries: exact
     bias = 0 if layer.bias is None else 4 * layer.bias.shape[1]
-    index = getattr(layer, "head_index", None)  # a headwise layer's slots: token and position
-    slots = 0 if index is None else 2 * heads * index.element_size()
+    # a headwise layer's slots: a token and a position per head
+    slots = 2 * heads * layer.head_index.element_size() if is_headwise(layer) else 0
     return b * heads * (d + dv) * exact.element_size() + b * bias + slots
 
 
@@ -197,8 +197,7 @@ def forget(
         layers[i], s = _cut(state.layers[i], kept[i], None if scores is None else scores[i])
         if new_scores is not None:
             new_scores[i] = s
-    params = {"policy": policy, "room": float(room), "before": int(before)}
-    params["per_head"] = per_head
+    params = {"policy": policy, "room": float(room), "before": int(before), "per_head": per_head}
     out = state.replace(layers=layers).with_step(Step("compression", "forget", params, exact=False))
     done = Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
     return out, new_scores, done
@@ -250,7 +249,7 @@ def _word_max(scores: dict[int, torch.Tensor], state: KVState) -> dict[int, torc
 def _slots(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index, positions)`` ``[kv_heads, n]``: the token each head's slot holds (``-1``: a
     headwise layer's padding) and its position."""
-    if hasattr(layer, "head_index"):
+    if is_headwise(layer):
         return layer.head_index.cpu(), layer.head_positions.cpu()
     heads = layer.kv_shape[1]
     return layer.token_index.cpu()[None].expand(heads, -1), layer.positions.cpu()[None].expand(

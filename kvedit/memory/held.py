@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from .. import checks
+from ..cache import is_headwise
 from ..errors import InvalidTypeError, StateAlteredError
 from ..states.state import KVState
 from .budget import Budget
@@ -90,8 +91,9 @@ def scored_from_scratch(budget: Budget | None, state: KVState) -> Scores | None:
     out = {}
     for i in layers:
         s = got[i][0].float().cpu()
-        index = getattr(state.layers[i], "head_index", None)
-        out[i] = s if index is None else s.masked_fill(index.cpu() < 0, float("-inf"))
+        layer = state.layers[i]
+        padding = layer.head_index.cpu() < 0 if is_headwise(layer) else None
+        out[i] = s if padding is None else s.masked_fill(padding, float("-inf"))
     return out
 
 

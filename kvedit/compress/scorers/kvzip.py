@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from ... import checks
-from ...cache import LayerKV, refuse_headwise
+from ...cache import LayerKV, is_headwise, refuse_headwise
 from ...errors import InvalidInputError
 from ...states.observer import Observer
 from ...states.passes import appended_layers, run_model
@@ -153,9 +153,8 @@ def _sinks(layer: LayerKV, count: int) -> torch.Tensor:
     """The layer's entries of the first ``count`` tokens: their slot indices, or a headwise
     layer's ``[kv_heads, n]`` bool mask (its heads hold them in different slots, which its
     shared ``token_index`` does not name)."""
-    index = getattr(layer, "head_index", None)
-    if index is not None:
-        return (index >= 0) & (index < count)
+    if is_headwise(layer):
+        return (layer.head_index >= 0) & (layer.head_index < count)
     return ((layer.token_index >= 0) & (layer.token_index < count)).nonzero().flatten()
 
 
