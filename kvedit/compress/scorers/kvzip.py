@@ -105,7 +105,7 @@ class KVzip(Scorer):
         for start in range(0, len(state), chunk):
             end = min(len(state), start + chunk)
             for i, s in self.score_tokens(state, start, end, layers).items():
-                held = _in_range(state.layers[i], start, end).cpu()
+                held = state.layers[i].entries_for(torch.arange(start, end)).cpu()
                 out[i][..., held] = s.cpu()
         return out
 
@@ -143,7 +143,8 @@ class KVzip(Scorer):
         prompt = state.encode(DEFAULT_PROMPT if self.prompt is None else self.prompt, "prompt")
         ids = state.token_ids[start:end].tolist()
         state.check_room(len(prompt) + len(ids), what="KVzip re-read")
-        entries = {i: _in_range(state.layers[i], start, end).nonzero().flatten() for i in layers}
+        tokens = torch.arange(start, end)
+        entries = {i: state.layers[i].entries_for(tokens) for i in layers}
         sinks = {i: _sinks(state.layers[i], min(SINKS, start)) for i in layers}
         best = _reread_max(state, model, prompt, ids, entries, sinks)
         return {i: to_kv_heads(best[i], state.layers[i].kv_shape[1], "max") for i in layers}
@@ -156,11 +157,6 @@ def _sinks(layer: LayerKV, count: int) -> torch.Tensor:
     if is_headwise(layer):
         return (layer.head_index >= 0) & (layer.head_index < count)
     return ((layer.token_index >= 0) & (layer.token_index < count)).nonzero().flatten()
-
-
-def _in_range(layer: LayerKV, start: int, end: int) -> torch.Tensor:
-    """``BoolTensor[len(layer)]``: the layer's entries of tokens ``[start, end)``."""
-    return (layer.token_index >= start) & (layer.token_index < end)
 
 
 @torch.no_grad()

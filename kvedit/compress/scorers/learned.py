@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from ...cache import LayerKV, refuse_headwise
+from ...cache import LayerKV, is_headwise, refuse_headwise
 from ...errors import CacheMismatchError, CorruptCacheError, InvalidInputError
 from ...states.state import KVState
 from .base import Scorer, register_scorer
@@ -82,8 +82,9 @@ def entry_features(state: KVState, layer: int, entries: torch.Tensor | None = No
     model, _ = state.require_model()
     held: LayerKV = state.layers[layer]
     keys, values = held.dense_kv()
-    positions = getattr(held, "head_positions", None)
-    if positions is None:
+    if is_headwise(held):
+        positions = held.head_positions
+    else:
         positions = held.positions[None].expand(keys.shape[1], -1)
     if entries is not None:
         keys, values = keys[..., entries, :], values[..., entries, :]
@@ -303,8 +304,8 @@ class Learned(Scorer):
         ``[start, end)``, in the layer's order."""
         fit = self.fitted(state)
         out = {}
+        tokens = torch.arange(start, end)
         for i in layers:
-            index = state.layers[i].token_index
-            entries = ((index >= start) & (index < end)).nonzero().flatten()
+            entries = state.layers[i].entries_for(tokens)
             out[i] = fit.predict(i, entry_features(state, i, entries))[None]
         return out
