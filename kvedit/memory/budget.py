@@ -272,10 +272,16 @@ class Budget:
             room = nxt if fits else min(nxt, room * (1 - BYTE_STEP))
         if best is not None:
             return best
+        windows = (
+            f"the sliding-window layers hold {fixed / 2**20:.2f} MiB of it (their windows, "
+            f"{_window_bytes(state) / 2**20:.2f} MiB once full) and "
+            if fixed
+            else ""
+        )
         raise InvalidInputError(
-            f"the budget is {self.describe()}; the protected part (the first {SINK_TOKENS} "
-            f"tokens, system message, the last {self.recent_tokens} tokens, protect= spans) "
-            "alone takes more: raise max_bytes, or protect less"
+            f"the budget is {self.describe()}; {windows}the protected part (the first "
+            f"{SINK_TOKENS} tokens, system message, the last {self.recent_tokens} tokens, "
+            "protect= spans) takes the rest and more: raise max_bytes, or protect less"
         )
 
 
@@ -312,6 +318,13 @@ def _fixed_bytes(state: KVState) -> int:
     """Bytes of the layers no round forgets (sliding-window ones)."""
     counted = set(state.counted_layers)
     return sum(layer.nbytes for i, layer in enumerate(state.layers) if i not in counted)
+
+
+def _window_bytes(state: KVState) -> int:
+    """Bytes the sliding-window layers of ``state`` hold once their windows are full."""
+    return sum(
+        layer.window * entry_bytes(layer) for layer in state.layers if layer.window is not None
+    )
 
 
 def _protected_entries(state: KVState, protected: torch.Tensor) -> int:

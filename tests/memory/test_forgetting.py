@@ -461,6 +461,24 @@ def test_a_byte_budget_with_quantize_prices_the_older_messages_packed(llama):
     assert global_entries(packed.state) > 1.5 * global_entries(exact.state)
 
 
+def test_a_byte_budget_the_windows_and_the_protected_part_fill_names_both(gemma3):
+    """A byte budget above what Gemma-3's sliding windows hold, but under that plus the
+    protected part, is refused naming the windows' bytes (now and once full) beside the
+    protected part: the protected part alone is far under the budget, so naming only it (as
+    the refusal did) sent the user to protect less when the windows were what filled it."""
+    model, tok = gemma3
+    system = "You are terse and keep every fact the user tells you."
+    with pytest.raises(InvalidInputError) as refused:
+        mem = kvedit.Memory(
+            model, tok, system=system, forget="kvzip", max_bytes=24_000, recent_tokens=8
+        )
+        for i in range(40):
+            mem.add("user", f"Message {i}: the river is calm near the old bridge today.")
+    said = str(refused.value)
+    assert "the sliding-window layers hold" in said and "once full" in said
+    assert "the protected part" in said
+
+
 def test_a_byte_budget_below_the_sliding_windows_is_refused_in_its_own_words(gemma3):
     """Gemma-3's sliding-window layers hold their windows whatever a round does: a byte budget
     they alone fill is refused saying so, the memory unchanged."""
