@@ -24,6 +24,7 @@ Everything else is a :class:`Refusal` with a reason (its HTTP status in :data:`S
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "admit",
     "fingerprint_problem",
     "requested_digest",
+    "requested_turn",
 ]
 
 STATUS: dict[str, int] = {
@@ -97,13 +99,20 @@ class Refusal:
         return f"kvedit refused the request ({self.reason}): {self.detail}"
 
 
+_KEYS = {"digest", "turn"}  # "turn": set by kvedit serve's chat memories, never by a client
+_TURN = re.compile(r"[0-9a-f]{32}")
+
+
 def requested_digest(params: object) -> tuple[str | None, str]:
     """``(the digest a request's kv_transfer_params name or None, why they are malformed)``."""
     own = params.get("kvedit") if isinstance(params, dict) else None
     if own is None:
         return None, ""
-    if not isinstance(own, dict) or set(own) - {"digest"}:
+    if not isinstance(own, dict) or set(own) - _KEYS:
         return None, f'kv_transfer_params["kvedit"] must be {{"digest": ...}}, not {own!r}'
+    turn = own.get("turn")
+    if turn is not None and not (isinstance(turn, str) and _TURN.fullmatch(turn)):
+        return None, f'kv_transfer_params["kvedit"]["turn"] must be 32 hex digits, not {turn!r}'
     digest = own.get("digest")
     if digest is None:
         return None, ""
@@ -111,6 +120,14 @@ def requested_digest(params: object) -> tuple[str | None, str]:
         return files.check_digest(digest), ""
     except KVEditError as e:
         return None, str(e)
+
+
+def requested_turn(params: object) -> str | None:
+    """The turn id a chat memory's request carries (its K/V are saved under it), or None.
+    Malformed parameters give None here; :func:`requested_digest` refuses them."""
+    own = params.get("kvedit") if isinstance(params, dict) else None
+    turn = own.get("turn") if isinstance(own, dict) else None
+    return turn if isinstance(turn, str) and _TURN.fullmatch(turn) else None
 
 
 def fingerprint_problem(meta: dict, fingerprint: str | None) -> str | None:

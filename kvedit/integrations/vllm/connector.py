@@ -44,6 +44,13 @@ its blocks through :meth:`get_block_ids_with_load_errors`: with
 request with ``finish_reason == "error"``; with ``"recompute"`` it computes the blocks itself
 (the state's answer only for an unedited state). The scheduler's outcome
 (``kv_transfer_params["kvedit"]``) is decided before the load, so it still says "served".
+
+**Saving a chat turn.** A request carrying ``{"kvedit": {"turn": T}}`` (``kvedit serve``'s chat
+memories set it, :mod:`~kvedit.integrations.vllm.chat`) that ends as asked keeps its blocks
+(``request_finished`` returns True); the next step's :meth:`~KVEditConnector.wait_for_save`
+reads the tokens vLLM computed back from the paged cache (:mod:`~kvedit.integrations.vllm.saving`:
+the layout probed through the backend's own writer) and writes them for the server
+(:mod:`~kvedit.integrations.vllm.turns`); ``get_finished`` then lets vLLM free the blocks.
 """
 
 from __future__ import annotations
@@ -65,8 +72,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import KVEditError
-from . import files, heads
-from .admission import Refusal, admit
+from . import files, heads, saving, turns
+from .admission import Refusal, admit, requested_turn
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,6 +109,7 @@ class LoadSpec:
 @dataclass
 class KVEditConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[saving.SaveSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +156,10 @@ class KVEditConnector(KVConnectorBase_V1):
         self._outcome: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._load_errors: set[int] = set()
+        self._saves: list[saving.SaveSpec] = []  # scheduler: finished turns for the next step
+        self._saved: set[str] = set()  # worker: requests whose save is done (or failed)
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._saver = saving.Saver(self.block_size)
         self._files: OrderedDict[tuple[str, str], tuple[dict, dict]] = OrderedDict()
         self._layer_group: dict[str, int] = {
             name: g
@@ -306,6 +318,7 @@ class KVEditConnector(KVConnectorBase_V1):
                     spec = self._pending.pop(rid)
                     spec.block_ids = block_ids
                     meta.loads.append(spec)
+        meta.saves, self._saves = self._saves, []
         return meta
 
     def request_finished(
@@ -315,7 +328,12 @@ class KVEditConnector(KVConnectorBase_V1):
         self._matches.pop(rid, None)
         self._pending.pop(rid, None)
         outcome = self._outcome.pop(rid, None)
-        return False, ({"kvedit": outcome} if outcome is not None else None)
+        turn = requested_turn(getattr(request, "kv_transfer_params", None))
+        spec = saving.save_spec(request, turn, outcome, block_ids) if turn else None
+        if spec is not None:  # the blocks are freed once the worker reports the save
+            self._saves.append(spec)
+            outcome = {**(outcome or {"served": 0}), "turn": turn, "saved": len(spec.token_ids)}
+        return spec is not None, ({"kvedit": outcome} if outcome is not None else None)
 
     # ------------------------------------------------------------------ worker side
 
@@ -426,10 +444,45 @@ class KVEditConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return
+        return  # turns are saved whole once finished (wait_for_save), not layer by layer
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVEditConnectorMetadata):
+            return
+        for spec in meta.saves:
+            try:
+                self._save(spec)
+            except (KVEditError, OSError, ValueError, RuntimeError, KeyError, IndexError) as e:
+                logger.warning("kvedit connector: turn %s not saved (%s)", spec.turn, e)
+                try:
+                    turns.write_turn_error(self.root, spec.turn, str(e))
+                except KVEditError as err:
+                    logger.warning("kvedit connector: cannot record it either (%s)", err)
+            self._saved.add(spec.req_id)  # its blocks may be freed either way
+
+    def _save(self, spec: saving.SaveSpec) -> None:
+        """Gather the turn's K/V from every layer and write them (:mod:`.saving`)."""
+        parallel = self._vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise KVEditError("chat memories are saved from one worker only (no TP/PP)")
+        context = self._vllm_config.compilation_config.static_forward_context
+        keys, values = self._saver.gather(
+            self._kv_caches,
+            context,
+            extract_layer_index,
+            spec.block_ids,
+            spec.start,
+            spec.start + len(spec.token_ids),
+        )
+        turns.write_turn(self.root, spec.turn, spec.start, spec.token_ids, keys, values)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._saved = self._saved, set()
+        return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
