@@ -39,10 +39,12 @@ ORIGINS = ("capture", "projection", "blend", "unknown")
 ``projection`` of another model's state, a ``blend`` of separately cached passages, or
 ``unknown`` (a file written before kvedit 0.3 recorded nothing)."""
 
-STEP_KINDS = ("edit", "compression", "cast", "reread", "approximation")
+STEP_KINDS = ("edit", "compression", "cast", "reread", "approximation", "computed")
 """What a step did: an ``edit`` of attention (bias, scaled keys, copies), a ``compression``
 (selection, quantization, merging), a dtype ``cast``, a ``reread`` (entries appended at new
-positions), or an ``approximation`` (another engine realising an edit approximately)."""
+positions), an ``approximation`` (another engine realising an edit approximately), or
+entries ``computed`` by another engine (vLLM's kernels: kvedit's own entries only within float
+tolerance)."""
 
 
 def _canonical(value: Any) -> Any:
