@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from .arguments import max_positions_arg, nonempty, port, positive, read_input
+from .arguments import byte_size, max_positions_arg, nonempty, port, positive, read_input
 
 _SERVE_EPILOG = """\
 Further arguments after -- go to vLLM's server as they are, e.g.
@@ -45,6 +45,24 @@ def serve_parser(sub) -> None:
         help="a published cache a worker cannot load: end the request with an error (default), "
         "or let vLLM compute the prompt (the right answer only for unedited caches)",
     )
+    p.add_argument(
+        "--no-memories",
+        dest="memories",
+        action="store_false",
+        help="serve /v1/chat/completions as vLLM does (default: from each conversation's memory)",
+    )
+    p.add_argument(
+        "--memory-max-bytes",
+        type=byte_size("--memory-max-bytes"),
+        default=None,
+        metavar="SIZE",
+        help="each conversation's memory holds at most this (e.g. 8MiB; default: no budget)",
+    )
+    p.add_argument(
+        "--forget",
+        default=None,
+        help="what a memory over its budget forgets: learned (default), knorm or window",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command, do not run it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(run=_run_serve)
@@ -65,6 +83,9 @@ def _run_serve(args) -> int:
         vllm_args=extra,
         dry_run=args.dry_run,
         load_failure=args.on_load_failure,
+        memories=args.memories,
+        memory_max_bytes=args.memory_max_bytes,
+        forget=args.forget,
     )
     if args.dry_run:  # serve() printed the command (quoted) to stderr; stdout gets it too
         print(shlex.join(argv))

@@ -37,7 +37,7 @@ from ...errors import KVEditError
 from . import files
 from .admission import Admitted, Refusal, admit, fingerprint_problem, requested_digest
 
-__all__ = ["CONFIG_ENV", "MAX_BODY_BYTES", "RequestCheck"]
+__all__ = ["CONFIG_ENV", "MAX_BODY_BYTES", "RequestCheck", "read_body", "replay"]
 
 CONFIG_ENV = "KVEDIT_SERVE_CONFIG"
 """The environment variable holding the connector's ``--kv-transfer-config`` JSON."""
@@ -99,14 +99,14 @@ class RequestCheck:
         ):
             await self.app(scope, receive, send)
             return
-        body, messages = await _read_body(receive)
+        body, messages = await read_body(receive)
         refusal = None
         if body is not None:
             refusal = await asyncio.to_thread(self.decide, body)
         if refusal is not None:
             await _answer(send, refusal)
             return
-        await self.app(scope, _replay(messages, receive), send)
+        await self.app(scope, replay(messages, receive), send)
 
     def decide(self, body: bytes) -> Refusal | None:
         """The refusal a request body gets, or None (it goes on to vLLM)."""
@@ -201,7 +201,7 @@ def _token_prompts(prompt: object) -> list[list[int]] | None:
     return None
 
 
-async def _read_body(receive: Receive) -> tuple[bytes | None, list[Message]]:
+async def read_body(receive: Receive) -> tuple[bytes | None, list[Message]]:
     """``(the whole body, or None past MAX_BODY_BYTES or on a disconnect; the messages read)``."""
     messages: list[Message] = []
     size = 0
@@ -220,16 +220,16 @@ async def _read_body(receive: Receive) -> tuple[bytes | None, list[Message]]:
             return b"".join(chunks), messages
 
 
-def _replay(messages: list[Message], receive: Receive) -> Receive:
+def replay(messages: list[Message], receive: Receive) -> Receive:
     """A ``receive`` giving the messages already read, then the client's own."""
     pending = list(messages)
 
-    async def replay() -> Message:
+    async def replayed() -> Message:
         if pending:
             return pending.pop(0)
         return await receive()
 
-    return replay
+    return replayed
 
 
 async def _answer(send: Send, refusal: Refusal) -> None:

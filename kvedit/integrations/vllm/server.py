@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from ...errors import InvalidInputError
 from . import files
+from .chat import CHAT_ENV
+from .conversations import SERVABLE_POLICIES
 from .engines import (
     CPU_KV_CACHE_BYTES,
     check_load_failure,
@@ -36,13 +38,23 @@ from .request_check import CONFIG_ENV
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["REQUEST_CHECK", "SERVER_MODULE", "serve", "serve_command", "serve_environment"]
+__all__ = [
+    "CHAT_MEMORIES",
+    "REQUEST_CHECK",
+    "SERVER_MODULE",
+    "serve",
+    "serve_command",
+    "serve_environment",
+]
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module vLLM's OpenAI-compatible server runs as."""
 
 REQUEST_CHECK = "kvedit.integrations.vllm.request_check.RequestCheck"
 """The middleware that answers a refused request with its reason (vLLM's ``--middleware``)."""
+
+CHAT_MEMORIES = "kvedit.integrations.vllm.chat.ChatMemories"
+"""The middleware that serves chat conversations from their memories (outermost)."""
 
 _REFUSED = {
     "--kv-transfer-config": "kvedit serve sets the KV connector itself",
@@ -83,8 +95,11 @@ def serve_command(
     cpu: bool | None = None,
     python: str = sys.executable,
     load_failure: str = "fail",
+    memories: bool = True,
 ) -> list[str]:
-    """The command that serves ``model`` with the caches published under ``root``.
+    """The command that serves ``model`` with the caches published under ``root``, and with
+    ``memories`` chat conversations from their memories under ``root/memories``
+    (:mod:`~kvedit.integrations.vllm.chat`).
 
     Args:
         model: a kvedit model name, a Hugging Face folder or ``.gguf`` file, or a loaded model
@@ -146,6 +161,8 @@ def serve_command(
         "--middleware",
         REQUEST_CHECK,
     ]
+    if memories:  # added last, so outermost: the request check sees the rewritten body
+        argv += ["--middleware", CHAT_MEMORIES]
     if on_cpu() if cpu is None else cpu:
         argv.append("--enforce-eager")
         if not any(_names(a, flag) for a in vllm_args for flag in _MEMORY):
@@ -163,15 +180,21 @@ def serve(
     vllm_args: Sequence[str] = (),
     dry_run: bool = False,
     load_failure: str = "fail",
+    memories: bool = True,
+    memory_max_bytes: int | None = None,
+    forget: str | None = None,
 ) -> list[str]:
-    """Print :func:`serve_command`'s command to stderr (with the environment variable
+    """Print :func:`serve_command`'s command to stderr (with the environment variables
     :func:`serve_environment` adds) and run it in place of this process (it returns only with
-    ``dry_run``, giving the command).
+    ``dry_run``, giving the command). ``memory_max_bytes``: each conversation's byte budget;
+    ``forget``: its policy (:data:`~kvedit.integrations.vllm.conversations.SERVABLE_POLICIES`).
 
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
+        InvalidInputError: a budget or policy without memories, a bad budget or policy.
     """
     require_vllm("kvedit serve")
+    chat = chat_config(model, root, memories, memory_max_bytes, forget)
     argv = serve_command(
         model,
         root,
@@ -180,20 +203,62 @@ def serve(
         served_model_name=served_model_name,
         vllm_args=vllm_args,
         load_failure=load_failure,
+        memories=memories,
     )
-    env = serve_environment(argv)
-    # the command as a shell runs it, with the request check's configuration
-    print(f"{CONFIG_ENV}={shlex.quote(env[CONFIG_ENV])} {shlex.join(argv)}", file=sys.stderr)
+    env = serve_environment(argv, chat)
+    # the command as a shell runs it, with the middlewares' configuration
+    shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in (CONFIG_ENV, CHAT_ENV) if k in env)
+    print(f"{shown} {shlex.join(argv)}", file=sys.stderr)
     sys.stderr.flush()
     if not dry_run:
         os.execve(argv[0], argv, env)
     return argv
 
 
-def serve_environment(argv: Sequence[str]) -> dict[str, str]:
+def chat_config(
+    model: str | os.PathLike,
+    root: str | os.PathLike,
+    memories: bool,
+    max_bytes: int | None,
+    forget: str | None,
+) -> dict | None:
+    """The chat memories' configuration (:data:`~kvedit.integrations.vllm.chat.CHAT_ENV`), or
+    None without ``memories``; checked before any work.
+
+    Raises:
+        InvalidInputError: a budget or a policy without memories, a budget that is not a
+            positive number of bytes, or a policy a served memory cannot use.
+    """
+    if not memories:
+        if max_bytes is not None or forget is not None:
+            raise InvalidInputError("--memory-max-bytes and --forget need the chat memories on")
+        return None
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    ):
+        raise InvalidInputError(f"memory_max_bytes must be a positive int, not {max_bytes!r}")
+    if forget is not None and forget not in SERVABLE_POLICIES:
+        raise InvalidInputError(
+            f"forget={forget!r} cannot serve: a served memory forgets with one of "
+            f"{list(SERVABLE_POLICIES)} (the others run the model)"
+        )
+    folder, _ = model_folder(model)
+    return {
+        "root": str(files.check_root(root)),
+        "model": folder,
+        "max_bytes": max_bytes,
+        "forget": forget,
+    }
+
+
+def serve_environment(argv: Sequence[str], chat: dict | None = None) -> dict[str, str]:
     """The environment :func:`serve` runs ``argv`` (:func:`serve_command`'s) in: this one, plus
     the connector's configuration for the request check
-    (:data:`~kvedit.integrations.vllm.request_check.CONFIG_ENV`)."""
+    (:data:`~kvedit.integrations.vllm.request_check.CONFIG_ENV`) and the chat memories'
+    (:data:`~kvedit.integrations.vllm.chat.CHAT_ENV`, when ``chat``)."""
     argv = list(argv)
     config = argv[argv.index("--kv-transfer-config") + 1]
-    return {**os.environ, CONFIG_ENV: config}
+    env = {**os.environ, CONFIG_ENV: config}
+    if chat is not None:
+        env[CHAT_ENV] = json.dumps(chat)
+    return env

@@ -15,6 +15,7 @@ import kvedit
 from kvedit.errors import KVEditError
 from kvedit.integrations.vllm import kv_transfer_params, publish
 from kvedit.integrations.vllm.admission import STATUS
+from kvedit.integrations.vllm.chat import CHAT_ENV
 from kvedit.integrations.vllm.engines import connector_config
 from kvedit.integrations.vllm.request_check import CONFIG_ENV, RequestCheck
 from kvedit.integrations.vllm.server import serve_command, serve_environment
@@ -250,11 +251,33 @@ def test_the_printed_serve_command_carries_the_checks_configuration(tmp_path, mo
 
     monkeypatch.setattr(server, "require_vllm", lambda what: None)
     monkeypatch.setattr(server, "model_folder", lambda model: ("/models/m", "f1ngerprint"))
-    argv = server.serve("m", tmp_path, dry_run=True)
+    argv = server.serve("m", tmp_path, dry_run=True, memory_max_bytes=2048, forget="knorm")
     words = shlex.split(capsys.readouterr().err.strip().splitlines()[-1])
-    name, _, config = words[0].partition("=")
-    assert name == CONFIG_ENV and json.loads(config) == json.loads(serve_environment(argv)[name])
-    assert words[1:] == argv
+    env = dict(w.partition("=")[::2] for w in words[:2])
+    assert set(env) == {CONFIG_ENV, CHAT_ENV}
+    assert json.loads(env[CONFIG_ENV]) == json.loads(serve_environment(argv)[CONFIG_ENV])
+    chat = json.loads(env[CHAT_ENV])
+    assert (chat["model"], chat["max_bytes"], chat["forget"]) == ("/models/m", 2048, "knorm")
+    assert words[2:] == argv and argv[-2:] == ["--middleware", server.CHAT_MEMORIES]
+
+
+def test_chat_memory_options_are_checked_before_anything_runs(tmp_path, monkeypatch):
+    """A budget or a policy without the memories, a policy that runs the model, and a budget
+    that is no positive count of bytes are refused before vLLM is started."""
+    from kvedit.errors import InvalidInputError
+    from kvedit.integrations.vllm import server
+
+    monkeypatch.setattr(server, "require_vllm", lambda what: None)
+    monkeypatch.setattr(server, "model_folder", lambda model: ("/models/m", "f1ngerprint"))
+    for kw, match in (
+        ({"memories": False, "forget": "learned"}, "need the chat memories"),
+        ({"forget": "kvzip"}, "cannot serve"),
+        ({"memory_max_bytes": 0}, "positive"),
+    ):
+        with pytest.raises(InvalidInputError, match=match):
+            server.serve("m", tmp_path, dry_run=True, **kw)
+    argv = server.serve("m", tmp_path, dry_run=True, memories=False)
+    assert server.CHAT_MEMORIES not in argv and CHAT_ENV not in server.serve_environment(argv)
 
 
 # ------------------------------------------------------------------ a file's claims
