@@ -71,6 +71,7 @@ BUDGET_KEYWORDS = (
     "recent",
     "recent_tokens",
     "per_head",
+    "per_layer",
     "protect",
     "quantize",
 )
@@ -224,8 +225,9 @@ def _budget(value) -> dict:
     for key in ("recent", "recent_tokens"):
         if key in kw:
             _int(f"budget.{key}", kw[key])
-    if kw.get("per_head") is not None and not isinstance(kw["per_head"], bool):
-        raise _Bad("budget.per_head", f"is {kw['per_head']!r}, not a bool or null")
+    for key in ("per_head", "per_layer"):
+        if kw.get(key) is not None and not isinstance(kw[key], bool):
+            raise _Bad(f"budget.{key}", f"is {kw[key]!r}, not a bool or null")
     if kw.get("quantize") is not None and (
         isinstance(kw["quantize"], bool) or kw["quantize"] not in BITS
     ):

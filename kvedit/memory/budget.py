@@ -108,7 +108,7 @@ def span_from_json(item: Mapping):
 @dataclass(frozen=True)
 class Budget:
     """How much a memory may hold and how it forgets (``Memory(max_tokens=, max_bytes=,
-    forget=, recent_tokens=, protect=, per_head=)``; module docstring).
+    forget=, recent_tokens=, protect=, per_head=, per_layer=)``; module docstring).
 
     Attributes:
         max_entries: the most entries a global layer holds on average when a question comes
@@ -119,6 +119,8 @@ class Budget:
         protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
             takes them); a span not (yet) in the text protects nothing.
         per_head: each KV head keeps its own entries (an arrival policy only).
+        per_layer: each global layer keeps its own entries (False: every global layer keeps
+            the same tokens, what a stock serving kernel holds exactly).
     """
 
     max_entries: int | None
@@ -127,6 +129,7 @@ class Budget:
     recent_tokens: int = RECENT_TOKENS
     protect: tuple = ()
     per_head: bool = False
+    per_layer: bool = True
 
     @property
     def scorer(self) -> Scorer:
@@ -142,6 +145,7 @@ class Budget:
             "forget": self.policy,
             "recent_tokens": self.recent_tokens,
             "per_head": self.per_head,
+            "per_layer": self.per_layer,
             "protect": [span_to_json(span) for span in self.protect],
         }
 
@@ -157,6 +161,7 @@ class Budget:
             data["recent_tokens"],
             tuple(span_from_json(item) for item in data["protect"]),
             data["per_head"],
+            data.get("per_layer", True),  # files written before it kept none: per layer
         )
 
     def describe(self) -> str:
@@ -216,7 +221,14 @@ class Budget:
             )
         room = max(self._low_water() * self.max_entries, needed)
         return forget(
-            state, scores, protected, self.policy, room, at_message, per_head=self.per_head
+            state,
+            scores,
+            protected,
+            self.policy,
+            room,
+            at_message,
+            per_head=self.per_head,
+            per_layer=self.per_layer,
         )
 
     def _low_water(self) -> float:
@@ -251,6 +263,7 @@ class Budget:
                     room,
                     at_message,
                     per_head=self.per_head,
+                    per_layer=self.per_layer,
                     in_bytes=True,
                     packed=packed,
                 )
@@ -345,6 +358,7 @@ def budget_from(
     protect,
     per_head: bool | None = None,
     quantize: int | None = None,
+    per_layer: bool | None = None,
 ) -> Budget | None:
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
@@ -378,13 +392,21 @@ def budget_from(
             "quantize= holds the older messages packed, the same entries on every KV head: "
             "give per_head=False with it"
         )
+    per_layer = True if per_layer is None else checks.flag("per_layer", per_layer)
+    if not per_layer and per_head:
+        raise InvalidInputError(
+            "per_layer=False keeps the same tokens on every layer and every KV head: give "
+            "per_head=False with it"
+        )
     if per_head is None:  # a byte budget would pay for the padding of unequal heads
-        per_head = scorer.arrival and several and quantize is None and max_bytes is None
+        per_head = (
+            scorer.arrival and several and quantize is None and max_bytes is None and per_layer
+        )
     protect = () if protect is None else tuple(as_span_list(protect))
     if max_bytes is not None:
         max_bytes = checks.count("max_bytes", max_bytes, minimum=1)
-        return Budget(None, max_bytes, forget, recent_tokens, protect, per_head)
+        return Budget(None, max_bytes, forget, recent_tokens, protect, per_head, per_layer)
     if max_tokens is None:
         return None
     max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    return Budget(max_tokens, None, forget, recent_tokens, protect, per_head)
+    return Budget(max_tokens, None, forget, recent_tokens, protect, per_head, per_layer)

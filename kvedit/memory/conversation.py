@@ -80,7 +80,9 @@ class Memory:
     :data:`~kvedit.memory.forgetting.DEFAULT_POLICY` where a fit exists for the model, else
     :data:`~kvedit.memory.forgetting.FALLBACK_POLICY`); the first tokens, the system message,
     the last ``recent_tokens`` tokens and the ``protect`` spans are never forgotten.
-    ``per_head`` (None: where the policy allows it) lets each KV head keep its own entries.
+    ``per_head`` (None: where the policy allows it) lets each KV head keep its own entries;
+    ``per_layer=False`` keeps the same tokens on every global layer (what ``kvedit serve``'s
+    memories hold: a stock kernel serves one slot per token for all layers).
     Each round is a history step (the memory is no longer a plain capture) and a
     :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
     holds the messages before the last ``recent`` in that many bits
@@ -106,6 +108,7 @@ class Memory:
         quantize: int | None = None,
         recent_tokens: int = RECENT_TOKENS,
         per_head: bool | None = None,
+        per_layer: bool | None = None,
     ) -> None:
         check_model(model, tokenizer)
         if prompt is None:
@@ -131,6 +134,7 @@ class Memory:
             protect,
             per_head,
             self.quantize,
+            per_layer,
         )
         """The :class:`~kvedit.memory.budget.Budget` (None: nothing is ever forgotten)."""
         self.recent = checks.count("recent", recent)

@@ -161,12 +161,14 @@ def forget(
     at_message: int = 0,
     *,
     per_head: bool = False,
+    per_layer: bool = True,
     in_bytes: bool = False,
     packed: tuple[int, int] | None = None,
 ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round]:
     """``state`` with its global layers cut to ``room``: entries per layer on average, or
     bytes (``in_bytes``), by ``policy`` (a registered scorer's name), each KV head keeping its
-    own entries with ``per_head``. ``packed``: ``(bits, first exact token)``, for a memory that
+    own entries with ``per_head``; without ``per_layer`` every global layer keeps the same
+    tokens (:func:`kept_tokens`). ``packed``: ``(bits, first exact token)``, for a memory that
     holds its older messages packed: in bytes, an entry of a token before that is priced as it
     will be held, packed in ``bits`` bits.
 
@@ -190,7 +192,10 @@ def forget(
     held = {i: _slots(state.layers[i])[0] >= 0 for i in chosen}
     cost = {i: entry_costs(state.layers[i], in_bytes, packed) for i in chosen}
     total = room if in_bytes else room * len(chosen)
-    kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head)
+    if per_layer:
+        kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head)
+    else:
+        kept = kept_tokens(state, ranked, must, held, cost, total)
     layers = list(state.layers)
     new_scores = None if scores is None else {}
     for i in chosen:
@@ -198,6 +203,8 @@ def forget(
         if new_scores is not None:
             new_scores[i] = s
     params = {"policy": policy, "room": float(room), "before": int(before), "per_head": per_head}
+    if not per_layer:
+        params["per_layer"] = False
     out = state.replace(layers=layers).with_step(Step("compression", "forget", params, exact=False))
     done = Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
     return out, new_scores, done
@@ -278,6 +285,34 @@ def _kept(ranked, must, held, cost, total: float, shared: bool, per_head: bool) 
         )
         out.update(one)
     return out
+
+
+def kept_tokens(state: KVState, ranked, must, held, cost, total: float) -> dict:
+    """One choice of tokens kept on every global layer: what a stock serving kernel (vLLM: one
+    cache slot per token for all layers) holds exactly. A token's score is the largest of its
+    entries' over the layers and KV heads, its cost the sum of its entries'.
+
+    Raises:
+        InvalidInputError: the global layers hold different tokens (a memory forgotten per
+            layer or per head).
+    """
+    layers = list(ranked)
+    first = state.layers[layers[0]]
+    for i in layers:
+        layer = state.layers[i]
+        if is_headwise(layer) or not torch.equal(layer.token_index, first.token_index):
+            raise InvalidInputError(
+                "per_layer=False keeps the same tokens on every global layer, but this "
+                f"memory's layer {i} holds other tokens than layer {layers[0]} (it forgot per "
+                "layer or per head): load it with per_layer=True"
+            )
+    score = torch.stack([ranked[i].float().amax(dim=0) for i in layers]).amax(dim=0)
+    need = torch.stack([m.reshape(-1, m.shape[-1]).any(dim=0) for m in must.values()]).any(dim=0)
+    price = sum(cost[i] for i in layers)
+    one = rank_keep({0: score[None]}, {0: need}, total, {0: price}, held={0: held[layers[0]][:1]})[
+        0
+    ]
+    return dict.fromkeys(layers, one)
 
 
 def _cut(layer, kept: torch.Tensor, scores: torch.Tensor | None):

@@ -136,6 +136,29 @@ def test_each_kv_head_keeps_its_own_entries_or_all_the_same(llama):
         heads.ask("Code?", max_new_tokens=2, focus=True)
 
 
+@pytest.mark.parametrize("policy", ["kvzip", "knorm"])
+def test_per_layer_false_keeps_the_same_tokens_on_every_layer_and_saves_so(llama, tmp_path, policy):
+    """per_layer=False: one choice of tokens for every global layer (what a stock serving kernel
+    holds), under the budget; the file keeps it; with per_head=True it is refused."""
+    model, tok = llama
+    kw = dict(system="You are terse.", max_tokens=60, forget=policy, per_head=False)
+    mem, layered = kvedit.Memory(model, tok, per_layer=False, **kw), kvedit.Memory(model, tok, **kw)
+    for role, content in CHAT * 3:
+        mem.add(role, content)
+        layered.add(role, content)
+    glob = mem.state.global_layers
+    first = mem.state.layers[glob[0]].token_index
+    assert all(torch.equal(mem.state.layers[i].token_index, first) for i in glob)
+    assert len(first) <= 60 and mem.forgetting
+    if policy == "kvzip":  # a shared ranking keeps other tokens on other layers
+        held = [layered.state.layers[i].token_index for i in glob]
+        assert not all(torch.equal(h, held[0]) for h in held)
+    loaded = kvedit.Memory.load(mem.save(tmp_path / "m.kvstate"), model, tok)
+    assert loaded.budget.per_layer is False
+    with pytest.raises(InvalidInputError, match="per_head=False"):
+        kvedit.Memory(model, tok, max_tokens=60, forget="kvzip", per_head=True, per_layer=False)
+
+
 def test_arrival_scores_are_made_once_per_message_never_by_a_re_read(llama, monkeypatch):
     from kvedit.compress.scorers.kvzip import KVzip
 

@@ -20,8 +20,9 @@ and the answer. The connector saves the K/V it computed (:mod:`~kvedit.integrati
 relative: by ``next_position - slots``, nothing when nothing was forgotten), appends them up to
 where the conversation re-rendered with the answer differs (the answer's last sampled token has
 no K/V yet: it is computed with the next message), scores them on arrival, fits the memory to
-its byte budget (:class:`~kvedit.memory.budget.Budget`, head-uniform: a stock kernel serves one
-slot count per layer) and stores the result. The history records that vLLM computed entries
+its byte budget (:class:`~kvedit.memory.budget.Budget` with ``per_head=False,
+per_layer=False``: every layer and KV head keeps the same tokens, which a stock kernel, one slot
+per token for all layers, serves exactly) and stores the result. The history records that vLLM computed entries
 (a ``computed`` step): no served memory's digest claims a transformers capture.
 
 Shapes: a saved turn's K/V are ``[n, kv_heads, head_dim]`` per layer; a memory's layers
@@ -170,7 +171,10 @@ class Conversations:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise InvalidInputError(f"max_bytes must be a positive int, not {max_bytes!r}")
         empty = empty_state(self.model, self.tokenizer)
-        return budget_from(empty, None, max_bytes, self.forget, RECENT_TOKENS, None, False)
+        # one choice of tokens for every layer and head: vLLM serves it exactly (no null slots)
+        return budget_from(
+            empty, None, max_bytes, self.forget, RECENT_TOKENS, None, False, None, False
+        )
 
     def plan(self, messages: Sequence[Mapping], params: object = None) -> Plan:
         """How to serve a chat request with ``messages`` (OpenAI's ``[{"role", "content"}]``,

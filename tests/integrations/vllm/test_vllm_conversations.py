@@ -103,14 +103,22 @@ def test_without_a_budget_each_turn_is_served_from_the_last_memory_and_holds_a_c
     assert not list((tmp_path / turns.TURNS).iterdir())  # the turns' files are gone
 
 
-def test_under_a_byte_budget_a_memory_never_holds_more_and_keys_move_back(llama, tmp_path):
+@pytest.mark.parametrize("policy", ["learned", "knorm"])
+def test_under_a_byte_budget_a_memory_never_holds_more_and_keys_move_back(
+    llama, tmp_path, policy, learned_fit
+):
     model, tok = llama
-    conv = Conversations(tmp_path, model, tok, forget="knorm")
+    learned_fit(model, tok)  # learned ranks all layers together: they would keep unequal counts
+    conv = Conversations(tmp_path, model, tok, forget=policy)
     per_token = kvedit.capture_tokens(model, tok, [1]).nbytes
     budget = 64 * per_token
     done = converse(conv, model, tok, params={"kvedit": {"max_bytes": budget}})
     assert all(said["memory_bytes"] <= budget for _, said, _ in done)
     assert sum(said["forgot"] for _, said, _ in done) > 0
+    for _, said, _ in done:  # every layer keeps the same tokens: served exactly, no null slot
+        (stock,) = files.PublishedIndex(tmp_path).with_digest(said["memory_digest"])
+        header = files.read_header(stock[0])
+        assert header["exact"] and not any(header["null_entries"])
     plan, said, emulated = done[-1]
     assert len(plan.slots) < plan.held  # served from a memory that forgot: keys were moved
     (path,) = (tmp_path / MEMORIES).glob(f"*-{said['memory_digest']}.safetensors")
