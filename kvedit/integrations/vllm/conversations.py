@@ -11,7 +11,8 @@ conversation id), or names one by digest (``kv_transfer_params={"kvedit": {"dige
 Its stock form (:func:`~kvedit.integrations.vllm.publish_stock`) is published under ``ROOT`` with
 the same digest, for the connector to load. A memory never changes: a turn makes a new one
 (its ``parent`` named in the file), so two servers answering one conversation at once make two
-memories, never a merged one.
+memories, never a merged one. A conversation keeps its last two memories: storing one removes
+its parent's parent (a retried turn is still served from its memory).
 
 **A turn.** The engine's prompt is the memory's slots followed by the rest of the rendering
 (the messages after what the memory holds and the generation prompt); vLLM computes only those
@@ -312,7 +313,25 @@ class Conversations:
         attached = {} if scores is None else {f"scores.{i}": t for i, t in scores.items()}
         save_file_version(state, path, attachment=attachment, attached=attached)
         self._remember(digest, _Memory(state, scores, attachment))
+        self._prune(plan)
         return digest
+
+    def _prune(self, plan: Plan) -> None:
+        """Remove the memory two turns back (the parent of the one that served ``plan``): a
+        conversation keeps its last two memories, so a turn retried is still served from its
+        memory, and the files do not grow with every turn."""
+        if plan.memory is None:
+            return
+        with self._lock:  # the commit has just loaded it
+            parent = self._ram.get(plan.digest)
+        old = parent.meta.get("parent") if parent is not None else None
+        if not isinstance(old, str):
+            return
+        for folder in (self.folder, self.root):
+            for path, _ in files.PublishedIndex(folder).with_digest(old):
+                path.unlink(missing_ok=True)
+        with self._lock:
+            self._ram.pop(old, None)
 
     def _load(self, path: Path) -> _Memory:
         digest = files.digest_of(path)
