@@ -22,6 +22,10 @@ Speed and memory:
 * ``gpu_seam_check``: the attention seam on CUDA: unsteered bit-identical, exact continuation.
 * ``vllm_reuse``: vLLM serving a published cache against computing the context (vLLM venv).
 * ``vllm_serve``: vLLM's answers from edited caches against kvedit's own (vLLM venv).
+* ``memory_serve``: conversations through the openai client, ``kvedit serve``'s memories against
+  vLLM's prefix cache: TTFT per turn, tokens computed, bytes held (vLLM venv).
+* ``memory_serve_exact``: a conversation served by ``kvedit serve`` against the same one in an
+  in-process ``kvedit.Memory``: answers and entries turn by turn (vLLM venv).
 
 Accuracy:
 
