@@ -48,6 +48,7 @@ from ...errors import InvalidInputError, KVEditError
 from ...memory.budget import RECENT_TOKENS, Budget, budget_from
 from ...memory.held import Scores, arrived
 from ...memory.protection import system_text_ranges
+from ...memory.records import MAX_MESSAGES
 from ...memory.rendering import Message, Rendering, common_prefix, renderer_for
 from ...provenance import Step
 from ...states.capturing import empty_state
@@ -59,7 +60,14 @@ from . import files
 from .publishing import publish_stock
 from .turns import SavedTurn, remove_turn, wait_turn
 
-__all__ = ["MEMORIES", "SERVABLE_POLICIES", "Conversations", "Plan", "message_of"]
+__all__ = [
+    "MAX_CONVERSATION_CHARS",
+    "MEMORIES",
+    "SERVABLE_POLICIES",
+    "Conversations",
+    "Plan",
+    "message_of",
+]
 
 MEMORIES = "memories"
 """The folder under the publish root that holds the conversations' memories."""
@@ -67,6 +75,10 @@ MEMORIES = "memories"
 SERVABLE_POLICIES = ("learned", "knorm", "window")
 """Forgetting policies a served memory may use: they score entries from their K/V alone (the
 others run the model, which the serving path never does)."""
+
+MAX_CONVERSATION_CHARS = 4_000_000
+"""The most characters a served conversation's messages hold: every turn renders them all (a
+few seconds at this size), and a longer one is refused before any work."""
 
 _ATTACHMENT = "kvedit-served-memory"
 _RAM_BYTES = 1 << 30  # memories kept in this process after use: the next turn needs no read
@@ -184,7 +196,9 @@ class Conversations:
 
         Raises:
             InvalidInputError: messages kvedit cannot render (a non-text content, an unknown
-                role), bad kvedit parameters, or a named digest no memory of these messages has.
+                role), more than ``MAX_MESSAGES`` messages or
+                :data:`MAX_CONVERSATION_CHARS` characters, bad kvedit parameters, or a named
+                digest no memory of these messages has.
         """
         own = params.get("kvedit") if isinstance(params, dict) else None
         if own is not None and (not isinstance(own, dict) or set(own) - {"digest", "max_bytes"}):
@@ -195,7 +209,15 @@ class Conversations:
         own = own or {}
         max_bytes = own.get("max_bytes", self.max_bytes)
         self._budget(max_bytes)  # checked before any work
+        if not isinstance(messages, Sequence) or len(messages) > MAX_MESSAGES:
+            raise InvalidInputError(f"a served conversation holds at most {MAX_MESSAGES} messages")
         parsed = tuple(message_of(m) for m in messages)
+        chars = sum(len(m.content) for m in parsed)
+        if chars > MAX_CONVERSATION_CHARS:
+            raise InvalidInputError(
+                f"the messages hold {chars} characters; a served conversation holds at most "
+                f"{MAX_CONVERSATION_CHARS}"
+            )
         rendering = self.renderer.render(parsed, generation_prompt=True)
         ids = list(rendering.ids)
         found = self._find(ids, own.get("digest"))

@@ -19,7 +19,7 @@ import kvedit
 from kvedit import rope
 from kvedit.errors import InvalidInputError, KVEditError
 from kvedit.integrations.vllm import files, turns
-from kvedit.integrations.vllm.conversations import MEMORIES, Conversations
+from kvedit.integrations.vllm.conversations import MAX_CONVERSATION_CHARS, MEMORIES, Conversations
 from kvedit.memory.rendering import Message
 from kvedit.states.capturing import empty_state, extend_ids
 from kvedit.states.files.read import read_attached
@@ -150,6 +150,9 @@ def test_what_cannot_be_served_is_refused_before_any_work(llama, tmp_path):
     ):
         with pytest.raises(KVEditError, match=match):
             conv.plan(messages, params)
+    huge = {"role": "user", "content": "x" * (MAX_CONVERSATION_CHARS + 1)}
+    with pytest.raises(InvalidInputError, match="at most"):
+        conv.plan([SYSTEM, huge])
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     with pytest.raises(InvalidInputError, match="text only"):
         conv.plan([SYSTEM, image])
