@@ -6,7 +6,9 @@ For a chat request (streaming or not) the middleware plans the turn
 request's earlier messages, or the one its ``kv_transfer_params`` names), rewrites the body so
 vLLM takes the memory's slots and the new tokens as its prompt
 (``kv_transfer_params.prompt_token_ids``) and the connector loads the memory and saves the turn,
-passes it to vLLM, and once the answer is complete folds the turn into the next memory
+passes it to vLLM (with the prompt format's own stop strings, as ``Memory.ask`` stops: the
+``"plain"`` format's next message label), and once the answer is complete folds the turn into
+the next memory
 (:meth:`~kvedit.integrations.vllm.conversations.Conversations.commit`) before the response ends.
 The response's ``kv_transfer_params.kvedit`` says what happened:
 
@@ -96,6 +98,11 @@ class ChatMemories:
             await _error(send, 400, str(e))
             return
         request["kv_transfer_params"] = plan.kv_transfer_params
+        stops = conversations.renderer.stops  # the prompt format's own: the next message's label
+        if stops:
+            given = request.get("stop") or []
+            given = [given] if isinstance(given, str) else list(given)
+            request["stop"] = [*given, *(s for s in stops if s not in given)]
         new_body = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))

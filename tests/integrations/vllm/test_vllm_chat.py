@@ -37,9 +37,10 @@ class FakePlan:
 
 
 class FakeConversations:
-    def __init__(self, fail: Exception | None = None):
+    def __init__(self, fail: Exception | None = None, stops: tuple = ()):
         self.fail = fail
         self.committed: list[str] = []
+        self.renderer = type("Renderer", (), {"stops": stops})()
 
     def plan(self, messages, params):
         if params and params.get("kvedit", {}).get("digest") == "bad":
@@ -129,6 +130,15 @@ def test_a_whole_response_ends_with_what_happened_to_the_memory():
     }
     assert headers[b"content-length"] == str(len(data)).encode()
     assert conversations.committed == ["Hello world"]
+
+
+def test_the_prompt_formats_stop_strings_are_added_to_the_clients():
+    """A plain-format memory stops where Memory.ask stops: at the next message's label."""
+    seen: list = []
+    mw = ChatMemories(vllm_app(stream=False, seen=seen), FakeConversations(stops=("\nUser:",)))
+    call(mw, {"messages": MESSAGES, "stop": "END"})
+    call(mw, {"messages": MESSAGES})
+    assert [body["stop"] for _, body in seen] == [["END", "\nUser:"], ["\nUser:"]]
 
 
 def test_a_streamed_response_gets_one_more_chunk_before_done():
