@@ -46,8 +46,9 @@ request with ``finish_reason == "error"``; with ``"recompute"`` it computes the 
 (``kv_transfer_params["kvedit"]``) is decided before the load, so it still says "served".
 
 **Saving a chat turn.** A request carrying ``{"kvedit": {"turn": T}}`` (``kvedit serve``'s chat
-memories set it, :mod:`~kvedit.integrations.vllm.chat`) that ends as asked keeps its blocks
-(``request_finished`` returns True); the next step's :meth:`~KVEditConnector.wait_for_save`
+memories set it, :mod:`~kvedit.integrations.vllm.chat`) that ends (EOS, a stop, ``max_tokens``,
+or aborted: vLLM's front end aborts a request that met a stop string) keeps its blocks
+(``request_finished`` returns True; one that failed gets a record saying so at once); the next step's :meth:`~KVEditConnector.wait_for_save`
 reads the tokens vLLM computed back from the paged cache (:mod:`~kvedit.integrations.vllm.saving`:
 the layout probed through the backend's own writer) and writes them for the server
 (:mod:`~kvedit.integrations.vllm.turns`); ``get_finished`` then lets vLLM free the blocks.
@@ -329,7 +330,14 @@ class KVEditConnector(KVConnectorBase_V1):
         self._pending.pop(rid, None)
         outcome = self._outcome.pop(rid, None)
         turn = requested_turn(getattr(request, "kv_transfer_params", None))
-        spec = saving.save_spec(request, turn, outcome, block_ids) if turn else None
+        spec = None
+        try:
+            spec = saving.save_spec(request, turn, outcome, block_ids) if turn else None
+        except KVEditError as e:  # said at once: the server does not wait for it
+            try:
+                turns.write_turn_error(self.root, turn, str(e))
+            except KVEditError as err:
+                logger.warning("kvedit connector: turn %s: %s; not recorded (%s)", turn, e, err)
         if spec is not None:  # the blocks are freed once the worker reports the save
             self._saves.append(spec)
             outcome = {**(outcome or {"served": 0}), "turn": turn, "saved": len(spec.token_ids)}

@@ -58,7 +58,7 @@ from ...states.state import KVState
 from ...states.view import LastInput
 from . import files
 from .publishing import publish_stock
-from .turns import SavedTurn, remove_turn, wait_turn
+from .turns import SavedTurn, remove_turn, sweep_turns, wait_turn
 
 __all__ = [
     "MAX_CONVERSATION_CHARS",
@@ -222,6 +222,7 @@ class Conversations:
         ids = list(rendering.ids)
         found = self._find(ids, own.get("digest"))
         turn = secrets.token_hex(16)
+        sweep_turns(self.root)  # turns whose clients left
         if found is None:
             return Plan(parsed, rendering, None, None, [], 0, turn, max_bytes)
         path, held = found

@@ -35,9 +35,10 @@ Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 ``do_kv_cache_update`` for one layer."""
 
 
-SAVED_STATUS = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-"""How a request must have ended for its turn to be saved (a stop, EOS or ``max_tokens``; not
-an aborted or failed one)."""
+SAVED_STATUS = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED")
+"""How a request must have ended for its turn to be saved: EOS or a stop id, ``max_tokens``, or
+aborted (vLLM's front end aborts a request that met a stop *string*, and one whose client left;
+the server keeps a turn only when the answer ended as asked, and sweeps what nobody took)."""
 
 
 @dataclass
@@ -55,12 +56,17 @@ class SaveSpec:
 def save_spec(request: Any, turn: str, outcome: dict | None, block_ids: Any) -> SaveSpec | None:
     """What to save of a finished ``request`` (vLLM's ``Request``) that carries ``turn``: the
     tokens after the ones loaded (``outcome["served"]``) up to the last one with K/V (the
-    answer's last sampled token has none); None when it ended otherwise than as asked or its
-    load was refused."""
-    if getattr(request.status, "name", "") not in SAVED_STATUS:
-        return None
+    answer's last sampled token has none).
+
+    Raises:
+        KVEditError: it ended otherwise (an error, ignored) or its load was refused: nothing
+            of it can be saved (the caller records why, so nobody waits for it).
+    """
+    status = getattr(request.status, "name", "")
+    if status not in SAVED_STATUS:
+        raise KVEditError(f"the request ended {status}: nothing to save")
     if outcome is not None and "refused" in outcome:
-        return None
+        raise KVEditError(f"its memory was refused ({outcome['refused']})")
     end = min(request.num_computed_tokens, request.num_tokens - 1)
     start = outcome.get("served", 0) if outcome is not None else 0
     ids = [int(t) for t in request.all_token_ids[start:end]]

@@ -25,7 +25,20 @@ from safetensors.torch import save_file
 from ...atomic import atomic_write
 from ...errors import KVEditError
 
-__all__ = ["TURNS", "SavedTurn", "remove_turn", "wait_turn", "write_turn", "write_turn_error"]
+__all__ = [
+    "STALE_TURN_SECONDS",
+    "TURNS",
+    "SavedTurn",
+    "remove_turn",
+    "sweep_turns",
+    "wait_turn",
+    "write_turn",
+    "write_turn_error",
+]
+
+STALE_TURN_SECONDS = 600.0
+"""A saved turn nobody took for this long (its client left) is swept: a turn is taken within
+the request that made it."""
 
 TURNS = "turns"
 """The folder under the publish root that saved turns pass through."""
@@ -115,3 +128,22 @@ def remove_turn(root: str | os.PathLike, turn: str) -> None:
     """Remove a turn's files once it is folded into its memory (or given up)."""
     for p in (_path(root, turn), _path(root, turn, error=True)):
         p.unlink(missing_ok=True)
+
+
+def sweep_turns(root: str | os.PathLike, max_age: float = STALE_TURN_SECONDS) -> int:
+    """Remove saved turns older than ``max_age`` seconds (a client that left before its answer
+    ended); returns how many files went."""
+    folder = Path(root) / TURNS
+    now, gone = time.time(), 0
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        try:
+            if now - entry.stat().st_mtime > max_age:
+                os.unlink(entry.path)
+                gone += 1
+        except FileNotFoundError:
+            continue
+    return gone

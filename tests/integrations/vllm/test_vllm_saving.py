@@ -101,8 +101,23 @@ def test_a_turn_saves_the_tokens_after_the_loaded_ones_up_to_the_last_with_kv():
     assert (spec.start, spec.token_ids, spec.block_ids) == (4, list(range(104, 112)), [7, 8])
     spec = saving.save_spec(request(computed=13), "t", None, [7, 8])
     assert spec.start == 0 and spec.token_ids == list(range(100, 112))  # never the last token
-    assert saving.save_spec(request("FINISHED_ABORTED"), "t", None, [7]) is None
-    assert saving.save_spec(request(), "t", {"refused": "corrupt"}, [7]) is None
+    # vLLM's front end aborts a request that met a stop string: its turn is saved
+    assert saving.save_spec(request("FINISHED_ABORTED"), "t", None, [7]).token_ids
+    with pytest.raises(KVEditError, match="FINISHED_ERROR"):
+        saving.save_spec(request("FINISHED_ERROR"), "t", None, [7])
+    with pytest.raises(KVEditError, match="refused"):
+        saving.save_spec(request(), "t", {"refused": "corrupt"}, [7])
+
+
+def test_turns_nobody_took_are_swept(tmp_path):
+    import os
+
+    keys, values = [torch.zeros(1, H, D)], [torch.ones(1, H, D)]
+    old = turns.write_turn(tmp_path, "e" * 32, 0, [9], keys, values)
+    new = turns.write_turn_error(tmp_path, "f" * 32, "gone")
+    os.utime(old, (time.time() - 2 * turns.STALE_TURN_SECONDS,) * 2)
+    assert turns.sweep_turns(tmp_path) == 1
+    assert not old.exists() and new.exists()
 
 
 def test_a_saved_turn_round_trips_and_an_error_or_a_timeout_is_said(tmp_path):
