@@ -138,16 +138,18 @@ class Budget:
     def to_json(self) -> dict:
         """The budget as a memory file's ``budget`` holds it: the ``Memory`` keywords that give
         it again (``max_tokens``, ``max_bytes``, ``forget``, ``recent_tokens``, ``per_head``,
-        ``protect``: each span as :func:`span_to_json` writes it)."""
-        return {
+        ``protect``: each span as :func:`span_to_json` writes it; ``per_layer`` when False)."""
+        out = {
             "max_tokens": self.max_entries,
             "max_bytes": self.max_bytes,
             "forget": self.policy,
             "recent_tokens": self.recent_tokens,
             "per_head": self.per_head,
-            "per_layer": self.per_layer,
             "protect": [span_to_json(span) for span in self.protect],
         }
+        if not self.per_layer:  # written only when off: files that keep none read as per layer
+            out["per_layer"] = False
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping) -> Budget:
