@@ -26,6 +26,8 @@ Speed and memory:
   vLLM's prefix cache: TTFT per turn, tokens computed, bytes held (vLLM venv).
 * ``memory_serve_exact``: a conversation served by ``kvedit serve`` against the same one in an
   in-process ``kvedit.Memory``: answers and entries turn by turn (vLLM venv).
+* ``memory_serve_recall``: facts conversations through ``kvedit serve`` under a byte budget
+  against an in-process ``kvedit.Memory`` with the same budget: questions answered (vLLM venv).
 
 Accuracy:
 
