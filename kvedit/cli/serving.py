@@ -63,13 +63,6 @@ def serve_parser(sub) -> None:
         default=None,
         help="what a memory over its budget forgets: learned (default), knorm or window",
     )
-    p.add_argument(
-        "--memory-approximate",
-        action="store_true",
-        help="forget as an in-process kvedit.Memory does (each layer its own count) and serve "
-        "it with null slots, approximately; every such memory and response says so (default: "
-        "every layer keeps the same tokens, served exactly)",
-    )
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command, do not run it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(run=_run_serve)
@@ -93,7 +86,6 @@ def _run_serve(args) -> int:
         memories=args.memories,
         memory_max_bytes=args.memory_max_bytes,
         forget=args.forget,
-        memory_approximate=args.memory_approximate,
     )
     if args.dry_run:  # serve() printed the command (quoted) to stderr; stdout gets it too
         print(shlex.join(argv))

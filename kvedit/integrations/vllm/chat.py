@@ -15,9 +15,8 @@ The response's ``kv_transfer_params.kvedit`` says what happened:
 * ``digest``: the memory that served the request (None: a new conversation);
 * ``served``: prompt tokens taken from it; ``computed``: prompt tokens vLLM computed;
 * ``memory_digest``, ``memory_bytes``: the memory after this turn (the answer included);
-  ``forgot``: entries forgotten this turn; ``approximate`` (true) when the memory is served
-  only approximately (``kvedit serve --memory-approximate``); ``error`` when the turn could not
-  be kept (the answer stands; the next turn is served from the last memory kept).
+  ``forgot``: entries forgotten this turn; ``error`` when the turn could not be kept (the
+  answer stands; the next turn is served from the last memory kept).
 
 A streaming response gets it in one more chunk before ``data: [DONE]`` (``"choices": []``).
 Requests the memories cannot render (non-text content, ``echo``, ``n`` > 1, token-id prompts)
@@ -25,8 +24,7 @@ go to vLLM unchanged. A bad kvedit parameter (an unknown digest, a bad ``max_byt
 answered 400 with its reason, before vLLM sees the request.
 
 Configured by the environment variable :data:`CHAT_ENV` (JSON: ``root``, ``model``,
-``max_bytes``, ``forget``, ``approximate``), which :func:`~kvedit.integrations.vllm.server.serve`
-sets.
+``max_bytes``, ``forget``), which :func:`~kvedit.integrations.vllm.server.serve` sets.
 """
 
 from __future__ import annotations
@@ -75,7 +73,6 @@ class ChatMemories:
                 max_bytes=cfg.get("max_bytes"),
                 forget=cfg.get("forget"),
                 timeout=float(cfg.get("timeout", 60.0)),
-                approximate=bool(cfg.get("approximate", False)),
             )
         return self._conversations
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ... import checks, rope
+from ... import rope
 from ...errors import InvalidInputError, KVEditError
 from ...memory.budget import RECENT_TOKENS, Budget, budget_from
 from ...memory.held import Scores, arrived
@@ -58,7 +58,6 @@ from ...states.state import KVState
 from ...states.view import LastInput
 from . import files
 from .publishing import publish_stock
-from .servable import realize
 from .turns import SavedTurn, remove_turn, sweep_turns, wait_turn
 
 __all__ = [
@@ -143,11 +142,6 @@ class Conversations:
         prompt: the prompt format (``"chat"``/``"plain"``; None: chat when the tokenizer has a
             template).
         timeout: seconds a commit waits for vLLM's worker to save a turn.
-        approximate: forget as an in-process memory does (one ranking over the layers, which
-            keep unequal counts; ``per_layer=True``) and serve it with null slots padding the
-            shorter layers, which vLLM attends only approximately: every such memory carries
-            an approximation step in its history (and digest), and the response says
-            ``"approximate": true``. Default: every layer keeps the same tokens, served exactly.
     """
 
     def __init__(
@@ -160,7 +154,6 @@ class Conversations:
         forget: str | None = None,
         prompt: str | None = None,
         timeout: float = 60.0,
-        approximate: bool = False,
     ) -> None:
         self.root = files.check_root(root)
         self.folder = self.root / MEMORIES
@@ -176,7 +169,6 @@ class Conversations:
                 f"{list(SERVABLE_POLICIES)} (they score entries from their K/V; the others run "
                 "the model, which the serving path never does)"
             )
-        self.approximate = checks.flag("approximate", approximate)
         self.max_bytes = self._budget(max_bytes) and max_bytes
         self.timeout = float(timeout)
         self.index = files.PublishedIndex(self.folder)
@@ -192,10 +184,9 @@ class Conversations:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise InvalidInputError(f"max_bytes must be a positive int, not {max_bytes!r}")
         empty = empty_state(self.model, self.tokenizer)
-        # one choice of tokens for every layer and head: vLLM serves it exactly (no null
-        # slots); approximate: the layers' own counts, padded with null slots
+        # one choice of tokens for every layer and head: vLLM serves it exactly (no null slots)
         return budget_from(
-            empty, None, max_bytes, self.forget, RECENT_TOKENS, None, False, None, self.approximate
+            empty, None, max_bytes, self.forget, RECENT_TOKENS, None, False, None, False
         )
 
     def plan(self, messages: Sequence[Mapping], params: object = None) -> Plan:
@@ -278,11 +269,10 @@ class Conversations:
             saved = wait_turn(self.root, plan.turn, self.timeout)
             parent = self._load(plan.memory) if plan.memory is not None else None
             state, scores, forgot = self._next(plan, saved, answer, parent)
-            digest, exact = self._store(state, scores, plan)
+            digest = self._store(state, scores, plan)
         finally:
             remove_turn(self.root, plan.turn)
-        said = {"memory_digest": digest, "memory_bytes": state.nbytes, "forgot": forgot}
-        return said if exact else {**said, "approximate": True}
+        return {"memory_digest": digest, "memory_bytes": state.nbytes, "forgot": forgot}
 
     def _next(
         self, plan: Plan, saved: SavedTurn, answer: str, parent: _Memory | None
@@ -335,12 +325,10 @@ class Conversations:
         state, scores, _ = budget.fit(state, scores, ranges, len(plan.messages))
         return state, scores, before - sum(len(x) for x in state.layers)
 
-    def _store(self, state: KVState, scores: Scores | None, plan: Plan) -> tuple[str, bool]:
+    def _store(self, state: KVState, scores: Scores | None, plan: Plan) -> str:
         """Publish ``state``'s stock form and write the memory (both atomic; the memory last,
-        so a memory found always has its stock file); ``(digest, exact)``. An approximate
-        realisation (``approximate``) labels the memory itself, so its digest says so."""
-        state, stock = realize(state, approximate=self.approximate)
-        publish_stock(stock, self.root, approximate=self.approximate)
+        so a memory found always has its stock file)."""
+        _, stock, _ = publish_stock(state, self.root)
         digest = stock.digest or state.digest
         ids = state.token_ids.tolist()
         path = self.folder / files.file_name(ids, digest)
@@ -349,7 +337,7 @@ class Conversations:
         save_file_version(state, path, attachment=attachment, attached=attached)
         self._remember(digest, _Memory(state, scores, attachment))
         self._prune(plan)
-        return digest, stock.exact
+        return digest
 
     def _prune(self, plan: Plan) -> None:
         """Remove the memory two turns back (the parent of the one that served ``plan``): a

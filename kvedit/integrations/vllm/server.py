@@ -183,21 +183,18 @@ def serve(
     memories: bool = True,
     memory_max_bytes: int | None = None,
     forget: str | None = None,
-    memory_approximate: bool = False,
 ) -> list[str]:
     """Print :func:`serve_command`'s command to stderr (with the environment variables
     :func:`serve_environment` adds) and run it in place of this process (it returns only with
     ``dry_run``, giving the command). ``memory_max_bytes``: each conversation's byte budget;
-    ``forget``: its policy (:data:`~kvedit.integrations.vllm.conversations.SERVABLE_POLICIES`);
-    ``memory_approximate``: forget per layer and serve with null slots, labelled approximate
-    (:class:`~kvedit.integrations.vllm.conversations.Conversations`).
+    ``forget``: its policy (:data:`~kvedit.integrations.vllm.conversations.SERVABLE_POLICIES`).
 
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
         InvalidInputError: a budget or policy without memories, a bad budget or policy.
     """
     require_vllm("kvedit serve")
-    chat = chat_config(model, root, memories, memory_max_bytes, forget, memory_approximate)
+    chat = chat_config(model, root, memories, memory_max_bytes, forget)
     argv = serve_command(
         model,
         root,
@@ -224,7 +221,6 @@ def chat_config(
     memories: bool,
     max_bytes: int | None,
     forget: str | None,
-    approximate: bool = False,
 ) -> dict | None:
     """The chat memories' configuration (:data:`~kvedit.integrations.vllm.chat.CHAT_ENV`), or
     None without ``memories``; checked before any work.
@@ -234,10 +230,8 @@ def chat_config(
             positive number of bytes, or a policy a served memory cannot use.
     """
     if not memories:
-        if max_bytes is not None or forget is not None or approximate:
-            raise InvalidInputError(
-                "--memory-max-bytes, --forget and --memory-approximate need the chat memories on"
-            )
+        if max_bytes is not None or forget is not None:
+            raise InvalidInputError("--memory-max-bytes and --forget need the chat memories on")
         return None
     if max_bytes is not None and (
         isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
@@ -254,7 +248,6 @@ def chat_config(
         "model": folder,
         "max_bytes": max_bytes,
         "forget": forget,
-        "approximate": bool(approximate),
     }
 
 

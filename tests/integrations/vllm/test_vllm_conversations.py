@@ -161,21 +161,3 @@ def test_what_cannot_be_served_is_refused_before_any_work(llama, tmp_path):
     with pytest.raises(KVEditError, match="layout"):
         conv.commit(plan, "ok")
     assert not list((tmp_path / MEMORIES).iterdir())  # nothing stored
-
-
-def test_approximate_memories_forget_per_layer_and_say_so(llama, tmp_path, learned_fit):
-    """approximate=True: one ranking over the layers (unequal counts), served with null slots:
-    the memory's history has an approximation step and the commit says approximate."""
-    model, tok = llama
-    learned_fit(model, tok)
-    conv = Conversations(tmp_path, model, tok, forget="learned", approximate=True)
-    budget = 64 * kvedit.capture_tokens(model, tok, [1]).nbytes
-    done = converse(conv, model, tok, params={"kvedit": {"max_bytes": budget}})
-    _, said, _ = done[-1]
-    assert said.get("approximate") is True and said["memory_bytes"] <= budget
-    (path,) = (tmp_path / MEMORIES).glob(f"*-{said['memory_digest']}.safetensors")
-    memory = read_attached(path, model, tok).state
-    assert len({len(memory.layers[i]) for i in memory.global_layers}) > 1  # unequal counts
-    assert any(s.kind == "approximation" for s in memory.history.steps)
-    (stock,) = files.PublishedIndex(tmp_path).with_digest(said["memory_digest"])
-    assert not files.read_header(stock[0])["exact"]
