@@ -65,10 +65,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--facts", type=int, default=9, help="facts (and questions) per conversation")
     ap.add_argument("--budget", type=float, default=0.25, help="fraction of the bytes")
     ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument(
+        "--layers",
+        choices=["same", "own"],
+        default="same",
+        help="the in-process memory: the same tokens on every layer (per_layer=False, what the "
+        "server serves) or each layer its own count (per_layer=True)",
+    )
+    ap.add_argument("--in-process-only", action="store_true", help="no server")
     ap.add_argument("--out", default=str(RUNS / "memory_serve_recall.json"))
     args = ap.parse_args(argv)
-    import openai
-
     import kvedit
     from kvedit.evals.metrics import best_subspan_em
     from kvedit.evals.tasks.memory_facts import facts_examples
@@ -87,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_bytes=budgets[conv.id],
             forget="learned",
             per_head=False,
-            per_layer=False,
+            per_layer=args.layers == "own",
         )
         for role, content in conv.messages:
             mem.add(role, content)
@@ -104,6 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "budget_bytes": budgets[conv.id],
                 }
             )
+    summary = {
+        "model": args.model,
+        "questions": len(rows),
+        "budget": args.budget,
+        "layers": args.layers,
+        "in_process_correct": sum(r["in_process_correct"] for r in rows),
+    }
+    if args.in_process_only:
+        write_json(args.out, {"summary": summary, "rows": rows, "command": sys.argv})
+        print(summary)
+        return 0
+    import openai
+
     root = Path(tempfile.mkdtemp(prefix="kvedit-recall-"))
     port = free_port()
     cmd = [sys.executable, "-m", "kvedit", "serve", "--model", args.model, "--root", str(root)]
@@ -118,14 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row, answer in zip(rows, served, strict=True):
         row["served"] = answer
         row["served_correct"] = best_subspan_em(answer, row["answers"])
-    summary = {
-        "model": args.model,
-        "questions": len(rows),
-        "budget": args.budget,
-        "in_process_correct": sum(r["in_process_correct"] for r in rows),
-        "served_correct": sum(r["served_correct"] for r in rows),
-        "same_answers": sum(r["in_process"] == r["served"] for r in rows),
-    }
+    summary["served_correct"] = sum(r["served_correct"] for r in rows)
+    summary["same_answers"] = sum(r["in_process"] == r["served"] for r in rows)
     write_json(args.out, {"summary": summary, "rows": rows, "command": sys.argv})
     print(summary)
     return 0
