@@ -123,7 +123,7 @@ class _Response:
         self._chunks: list[bytes] = []
         self._pending = b""  # a streamed event not yet complete
         self._answer: list[str] = []
-        self._outcome: dict | None = None
+        self._finish: str | None = None  # a streamed answer's finish reason
         self._status = 200
 
     async def send(self, message: dict) -> None:
@@ -187,8 +187,6 @@ class _Response:
         if not more:
             body += self._pending
         await self._send({"type": "http.response.body", "body": body, "more_body": more})
-
-    _finish: str | None = None
 
     def _read_chunk(self, payload: str) -> None:
         try:

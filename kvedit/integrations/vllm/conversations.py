@@ -169,7 +169,8 @@ class Conversations:
                 f"{list(SERVABLE_POLICIES)} (they score entries from their K/V; the others run "
                 "the model, which the serving path never does)"
             )
-        self.max_bytes = self._budget(max_bytes) and max_bytes
+        self._budget(max_bytes)  # checked before any work
+        self.max_bytes = max_bytes
         self.timeout = float(timeout)
         self.index = files.PublishedIndex(self.folder)
         self._ram: OrderedDict[str, _Memory] = OrderedDict()
