@@ -222,6 +222,11 @@ class Budget:
                 f"protect= spans) holds {needed}: raise max_tokens/max_bytes, or protect less"
             )
         room = max(self._low_water() * self.max_entries, needed)
+        return self._round(state, scores, protected, room, at_message)
+
+    def _round(self, state, scores, protected, room, at_message, **bytes_kw):
+        """:func:`forget` ``state`` to ``room`` with this budget's policy, heads and layers
+        (``bytes_kw``: ``in_bytes``, ``packed`` for a byte budget)."""
         return forget(
             state,
             scores,
@@ -231,6 +236,7 @@ class Budget:
             at_message,
             per_head=self.per_head,
             per_layer=self.per_layer,
+            **bytes_kw,
         )
 
     def _low_water(self) -> float:
@@ -257,17 +263,8 @@ class Budget:
             if room < 0:
                 break
             try:
-                out = forget(
-                    state,
-                    scores,
-                    protected,
-                    self.policy,
-                    room,
-                    at_message,
-                    per_head=self.per_head,
-                    per_layer=self.per_layer,
-                    in_bytes=True,
-                    packed=packed,
+                out = self._round(
+                    state, scores, protected, room, at_message, in_bytes=True, packed=packed
                 )
             except InvalidInputError:  # the protected entries alone cost more than the room
                 break
