@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import torch
@@ -88,3 +89,24 @@ def edit_file_header(path, change, reseal: bool = False) -> None:
     raw += b" " * ((8 - len(raw) % 8) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def asgi_post(app, raw: bytes, path: str, chunk: int = 0) -> list[dict]:
+    """The messages an ASGI ``app`` sends for one POST of ``raw`` to ``path`` (the body in
+    chunks of ``chunk`` bytes when given)."""
+    parts = [raw[i : i + chunk] for i in range(0, len(raw), chunk)] if chunk else [raw]
+    incoming = [
+        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+        for i, p in enumerate(parts)
+    ]
+    sent: list[dict] = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    asyncio.run(app(scope, receive, send))
+    return sent

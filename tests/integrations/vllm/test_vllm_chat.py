@@ -11,9 +11,10 @@ app stands in for vLLM's server and a stand-in for the memories records what the
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
+
+from helpers import asgi_post
 
 from kvedit.errors import InvalidInputError, KVEditError
 from kvedit.integrations.vllm.chat import ChatMemories
@@ -93,18 +94,7 @@ def vllm_app(stream: bool, finish: str = "stop", seen: list | None = None):
 
 def call(middleware, body: dict, path="/v1/chat/completions"):
     """``(status, headers, body bytes)`` of one POST through ``middleware``."""
-    sent: list[dict] = []
-    raw = json.dumps(body).encode()
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
-    asyncio.run(middleware(scope, receive, send))
+    sent = asgi_post(middleware, json.dumps(body).encode(), path)
     start = next(m for m in sent if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return start["status"], dict(start.get("headers", [])), data

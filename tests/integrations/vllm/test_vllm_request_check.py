@@ -9,7 +9,7 @@ import asyncio
 import json
 
 import pytest
-from helpers import edit_file_header
+from helpers import asgi_post, edit_file_header
 
 import kvedit
 from kvedit.errors import KVEditError
@@ -47,21 +47,7 @@ def call(check: RequestCheck, body: object, path: str = "/v1/completions", chunk
     """``(status, JSON body)`` of one POST through ``check`` (the body sent in chunks of
     ``chunk`` bytes when given)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    parts = [raw[i : i + chunk] for i in range(0, len(raw), chunk)] if chunk else [raw]
-    incoming = [
-        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
-        for i, p in enumerate(parts)
-    ]
-    sent: list[dict] = []
-
-    async def receive():
-        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
-    asyncio.run(check(scope, receive, send))
+    sent = asgi_post(check, raw, path, chunk)
     status = sent[0]["status"]
     return status, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
