@@ -173,6 +173,7 @@ class Conversations:
         self.max_bytes = max_bytes
         self.timeout = float(timeout)
         self.index = files.PublishedIndex(self.folder)
+        self.published = files.PublishedIndex(self.root)  # the memories' stock files
         self._ram: OrderedDict[str, _Memory] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -250,7 +251,7 @@ class Conversations:
     def _slots(self, path: Path) -> list[int]:
         """The stock slot ids of the memory in ``path`` (its published file's ids)."""
         digest = files.digest_of(path)
-        published = files.PublishedIndex(self.root).with_digest(digest)
+        published = self.published.with_digest(digest)
         if not published:
             raise KVEditError(f"the memory {digest} has no published stock file under {self.root}")
         return list(files.read_header(published[0][0])["token_ids"])
@@ -351,8 +352,8 @@ class Conversations:
         old = parent.meta.get("parent") if parent is not None else None
         if not isinstance(old, str):
             return
-        for folder in (self.folder, self.root):
-            for path, _ in files.PublishedIndex(folder).with_digest(old):
+        for index in (self.index, self.published):
+            for path, _ in index.with_digest(old):
                 path.unlink(missing_ok=True)
         with self._lock:
             self._ram.pop(old, None)
