@@ -108,6 +108,15 @@ CLI_CASES = [
     ("demo-trials-0", ["demo", "--trials", "0"], 2, "at least 1"),
     ("serve-empty-root", ["serve", "--root", ""], 2, "--root"),
     ("serve-port-text", ["serve", "--port", "http"], 2, "port number"),
+    ("serve-forget-runs-model", ["serve", "--forget", "kvzip"], 2, "cannot serve"),
+    (
+        "serve-forget-no-memories",
+        ["serve", "--no-memories", "--forget", "learned"],
+        2,
+        "need the chat memories on",
+    ),
+    ("serve-memory-bytes-0", ["serve", "--memory-max-bytes", "0"], 2, "--memory-max-bytes"),
+    ("serve-memory-bytes-text", ["serve", "--memory-max-bytes", "lots"], 2, "--memory-max-bytes"),
     ("unknown-model", ["publish", "--context", "context.txt", "--model", "nope"], 2, "nope"),
 ]
 

@@ -66,7 +66,9 @@ __all__ = [
     "SERVABLE_POLICIES",
     "Conversations",
     "Plan",
+    "check_max_bytes",
     "message_of",
+    "served_policy",
 ]
 
 MEMORIES = "memories"
@@ -162,13 +164,7 @@ class Conversations:
         if prompt is None:
             prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
         self.renderer = renderer_for(prompt, tokenizer)
-        self.forget = forget or "learned"
-        if self.forget not in SERVABLE_POLICIES:
-            raise InvalidInputError(
-                f"forget={self.forget!r} cannot serve: a served memory forgets with one of "
-                f"{list(SERVABLE_POLICIES)} (they score entries from their K/V; the others run "
-                "the model, which the serving path never does)"
-            )
+        self.forget = served_policy(forget)
         self._budget(max_bytes)  # checked before any work
         self.max_bytes = max_bytes
         self.timeout = float(timeout)
@@ -181,10 +177,8 @@ class Conversations:
 
     def _budget(self, max_bytes: int | None) -> Budget | None:
         """The budget of ``max_bytes`` (checked: a positive count of bytes), or None."""
-        if max_bytes is None:
+        if check_max_bytes(max_bytes) is None:
             return None
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise InvalidInputError(f"max_bytes must be a positive int, not {max_bytes!r}")
         empty = empty_state(self.model, self.tokenizer)
         # one choice of tokens for every layer and head: vLLM serves it exactly (no null slots)
         return budget_from(
@@ -383,6 +377,35 @@ class Conversations:
                 len(self._ram) > 1 and sum(m.state.nbytes for m in self._ram.values()) > _RAM_BYTES
             ):
                 self._ram.popitem(last=False)
+
+
+def served_policy(forget: str | None) -> str:
+    """The policy a served memory forgets with: ``forget`` (None: ``learned``).
+
+    Raises:
+        InvalidInputError: a policy that is not one of :data:`SERVABLE_POLICIES`.
+    """
+    policy = forget or "learned"
+    if policy not in SERVABLE_POLICIES:
+        raise InvalidInputError(
+            f"forget={policy!r} cannot serve: a served memory forgets with one of "
+            f"{list(SERVABLE_POLICIES)} (they score entries from their K/V; the others run "
+            "the model, which the serving path never does)"
+        )
+    return policy
+
+
+def check_max_bytes(max_bytes: object, name: str = "max_bytes") -> int | None:
+    """``max_bytes`` (None: no budget) if it is a positive int.
+
+    Raises:
+        InvalidInputError: anything else, named ``name``.
+    """
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise InvalidInputError(f"{name} must be a positive int, not {max_bytes!r}")
+    return max_bytes
 
 
 def message_of(m: object) -> Message:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ...errors import InvalidInputError
 from . import files
 from .chat import CHAT_ENV
-from .conversations import SERVABLE_POLICIES
+from .conversations import check_max_bytes, served_policy
 from .engines import (
     CPU_KV_CACHE_BYTES,
     check_load_failure,
@@ -193,6 +193,7 @@ def serve(
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
         InvalidInputError: a budget or policy without memories, a bad budget or policy.
     """
+    check_chat_options(memories, memory_max_bytes, forget)  # before vLLM is looked for
     require_vllm("kvedit serve")
     chat = chat_config(model, root, memories, memory_max_bytes, forget)
     argv = serve_command(
@@ -215,6 +216,24 @@ def serve(
     return argv
 
 
+def check_chat_options(memories: bool, max_bytes: int | None, forget: str | None) -> bool:
+    """Whether the chat memories are on, their options checked (before vLLM or the model is
+    looked at).
+
+    Raises:
+        InvalidInputError: a budget or a policy without memories, a budget that is not a
+            positive number of bytes, or a policy a served memory cannot use.
+    """
+    if not memories:
+        if max_bytes is not None or forget is not None:
+            raise InvalidInputError("--memory-max-bytes and --forget need the chat memories on")
+        return False
+    check_max_bytes(max_bytes, "memory_max_bytes")
+    if forget is not None:
+        served_policy(forget)
+    return True
+
+
 def chat_config(
     model: str | os.PathLike,
     root: str | os.PathLike,
@@ -229,19 +248,8 @@ def chat_config(
         InvalidInputError: a budget or a policy without memories, a budget that is not a
             positive number of bytes, or a policy a served memory cannot use.
     """
-    if not memories:
-        if max_bytes is not None or forget is not None:
-            raise InvalidInputError("--memory-max-bytes and --forget need the chat memories on")
+    if not check_chat_options(memories, max_bytes, forget):
         return None
-    if max_bytes is not None and (
-        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
-    ):
-        raise InvalidInputError(f"memory_max_bytes must be a positive int, not {max_bytes!r}")
-    if forget is not None and forget not in SERVABLE_POLICIES:
-        raise InvalidInputError(
-            f"forget={forget!r} cannot serve: a served memory forgets with one of "
-            f"{list(SERVABLE_POLICIES)} (the others run the model)"
-        )
     folder, _ = model_folder(model)
     return {
         "root": str(files.check_root(root)),
