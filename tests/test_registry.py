@@ -182,3 +182,36 @@ def test_a_scorer_name_taken_is_refused():
     assert SCORERS["knorm"].__name__ == "KNorm"
     with pytest.raises(InvalidInputError, match="unknown scorer 'nope'; known: h2o, knorm"):
         kvedit.compress.make_scorer("nope")
+
+
+# ------------------------------------------------------- a scorer says whether it reads the model
+
+
+def test_reads_model_is_said_truthfully_by_every_scorer(llama, learned_fit, monkeypatch):
+    """``reads_model`` (#66): a scorer that says False scores with the model unable to run; one
+    that says True fails there. The safe side is the default: a new scorer reads the model
+    unless it says otherwise."""
+    model, tok = llama
+    learned_fit(model, tok)
+    state = kvedit.capture(model, tok, "The river is calm near the old bridge. " * 3)
+    layers = state.counted_layers
+
+    def no_pass(*args, **kwargs):
+        raise RuntimeError("the model ran")
+
+    monkeypatch.setattr(model, "forward", no_pass)
+    assert Scorer.reads_model is True
+    assert {n for n, cls in SCORERS.items() if not cls.reads_model} >= {"learned", "knorm"}
+    for name, cls in SCORERS.items():
+        if name == NAME:
+            continue
+        if cls.reads_model:
+            with pytest.raises(RuntimeError, match="the model ran"):
+                cls().score(state, layers)
+        else:
+            scores = cls().score(state, layers)
+            assert set(scores) == set(layers), name
+    from kvedit.compress import AdaKV
+
+    assert AdaKV(SCORERS["knorm"]()).reads_model is False
+    assert AdaKV(SCORERS["kvzip"]()).reads_model is True

@@ -76,6 +76,11 @@ class AdaKV(Scorer):
     def name(self) -> str:  # type: ignore[override]
         return f"adakv({self.scorer.name})"
 
+    @property
+    def reads_model(self) -> bool:  # type: ignore[override]
+        """Whether the wrapped scorer runs the model."""
+        return self.scorer.reads_model
+
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         return self.scorer.score(state, layers)
 

@@ -14,8 +14,10 @@ A scorer also says what a forgetting :class:`kvedit.Memory` (``forget=NAME``, an
 name) may do with it, as class attributes, so no list of names elsewhere has to know:
 ``arrival`` (it scores entries once, when they arrive, :meth:`Scorer.score_tokens`, and the
 scores are kept: nothing is re-read), ``shared`` (its scores compare across layers, so one
-ranking shares the budget among them), ``whole_words`` (a word is kept or forgotten whole), and
-:meth:`Scorer.refuses` (why it cannot serve a state's model).
+ranking shares the budget among them), ``whole_words`` (a word is kept or forgotten whole),
+``reads_model`` (it runs the model, a forward pass over the state, to score: a server, whose
+model runs in another engine, may use only scorers that do not), and :meth:`Scorer.refuses`
+(why it cannot serve a state's model).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class Scorer:
     """Its scores compare across layers: a memory ranks all global layers' entries together."""
     whole_words: ClassVar[bool] = False
     """A memory keeps or forgets a word whole (an entry's score its word's best)."""
+    reads_model: ClassVar[bool] = True
+    """It runs the model (a forward pass over the state) to score; False: it scores from the
+    cache alone (its K/V, positions and indices, and what the model's config says), so a server
+    whose model runs in another engine may use it. True unless a scorer says otherwise."""
 
     def refuses(self, state: KVState) -> str | None:
         """Why this scorer cannot score ``state``'s model (None when it can)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +37,8 @@ class H2O(Scorer):
         window: The last ``window`` tokens are always kept (0: none but the last token).
         chunk: Tokens run at once when re-reading the text (memory ``[heads, chunk, n]``).
     """
+
+    reads_model: ClassVar[bool] = True  # a forward pass over the state
 
     window: int = 32
     chunk: int = 512

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,6 +24,8 @@ __all__ = ["KNorm"]
 @dataclass(frozen=True)
 class KNorm(Scorer):
     """Minus the L2 norm of each cached key ``[batch, kv_heads, n]``."""
+
+    reads_model: ClassVar[bool] = False
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         return {i: -state.layers[i].keys.float().norm(dim=-1) for i in layers}

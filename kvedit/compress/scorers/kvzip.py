@@ -91,6 +91,7 @@ class KVzip(Scorer):
 
     arrival: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    reads_model: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         checks.count("chunk", self.chunk, minimum=1)

@@ -273,6 +273,7 @@ class Learned(Scorer):
 
     arrival: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    reads_model: ClassVar[bool] = False  # its fit reads K/V; the model only names the fit
 
     def refuses(self, state: KVState) -> str | None:
         try:

@@ -69,6 +69,7 @@ class Reconstruct(Scorer):
 
     shared: ClassVar[bool] = True
     whole_words: ClassVar[bool] = True
+    reads_model: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         checks.count("chunk", self.chunk, minimum=1)

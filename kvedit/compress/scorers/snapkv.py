@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,8 @@ class SnapKV(Scorer):
         window: The last ``window`` tokens are always kept (and observe when ``query`` is None).
         kernel: Odd width of the max-pool over neighbouring entries' scores.
     """
+
+    reads_model: ClassVar[bool] = True  # a forward pass over the state
 
     query: str | None = None
     window: int = 32

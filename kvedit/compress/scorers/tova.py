@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,8 @@ __all__ = ["TOVA"]
 @dataclass(frozen=True)
 class TOVA(Scorer):
     """The last token's attention, averaged over the layer's query heads."""
+
+    reads_model: ClassVar[bool] = True  # a forward pass over the state
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         probs = window_attention(state, 1)

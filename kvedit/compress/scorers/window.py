@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,6 +24,8 @@ __all__ = ["Window"]
 @dataclass(frozen=True)
 class Window(Scorer):
     """Each entry's token index ``[batch, kv_heads, n]``: newer entries score higher."""
+
+    reads_model: ClassVar[bool] = False
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         out = {}
