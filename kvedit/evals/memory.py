@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from kvedit.atomic import atomic_write
@@ -106,6 +106,7 @@ __all__ = [
     "parse_memory_spec",
     "plot_memory",
     "resumed_records",
+    "run_settings",
     "run_conversation",
     "summarize_memory",
 ]
@@ -113,18 +114,73 @@ __all__ = [
 # ---------------------------------------------------------------------------------- the run
 
 
-def resumed_records(out: Path, settings: dict, conversations: Sequence[Conversation]) -> list[dict]:
+def run_settings(
+    model_name: str,
+    task: str,
+    methods: Sequence[MemoryMethod],
+    budgets: Sequence[float],
+    **sizes: int | None,
+) -> dict:
+    """What ``partial.settings.json`` records of a run, and ``--resume`` compares: the model,
+    the task, ``sizes`` (``seed``, ``n_examples``, ``size``, ``questions``,
+    ``max_new_tokens``), the methods (their specs, sorted), the budgets (descending), each
+    method's parameters as they resolved, and kvedit's source."""
+    from kvedit.version import source_digest
+
+    return {
+        "model": model_name,
+        "task": task,
+        **sizes,
+        "methods": sorted(m.spec for m in methods),
+        "budgets": sorted((float(b) for b in budgets), reverse=True),
+        "params": {m.spec: to_dict(m.params) for m in methods},
+        "source": source_digest(),
+    }
+
+
+def resumed_records(
+    out: Path,
+    settings: dict,
+    conversations: Sequence[Conversation],
+    asked: Collection[tuple[str, float]],
+) -> list[dict]:
     """The records ``--resume`` keeps from ``out/partial.jsonl``: those of the same settings
-    (``partial.settings.json``) and of a conversation with the same digest.
+    (``partial.settings.json``, :func:`run_settings`: the same methods and budgets included)
+    and of a conversation with the same digest. ``asked``: the ``(method spec, budget)`` pairs
+    this run computes; a record of any other is refused, never reported.
 
     Raises:
-        InvalidInputError: naming the file (and the line): settings missing or of another run,
-            a line that is not a whole memory record (:func:`check_memory_record`).
+        InvalidInputError: naming the file (and the line): settings missing or of another run
+            (what differs), a line that is not a whole memory record
+            (:func:`check_memory_record`) or a record of a method or budget not asked.
     """
     partial = out / "partial.jsonl"
     if not partial.exists():
         return []
-    settings_path = out / "partial.settings.json"
+    _check_resumed_settings(partial, out / "partial.settings.json", settings)
+    digests = {c.id: c.digest() for c in conversations}
+    sizes = {c.id: len(c.probes) for c in conversations}
+    records = []
+    for line, r in read_numbered_records(partial, "--resume"):
+        check_memory_record(r, f"--resume {partial}:{line}")
+        if (r["method"], float(r["budget"])) not in asked:
+            raise InvalidInputError(
+                f"--resume {partial}:{line}: a record of method {r['method']!r} at budget "
+                f"{r['budget']!r}, which this run does not ask (methods "
+                f"{', '.join(settings['methods'])}); the file was edited: delete it or pass "
+                "--overwrite"
+            )
+        records.append(r)
+    kept = [r for r in records if digests.get(r["example"]) == r["digest"]]
+    groups: dict[tuple, list[dict]] = {}
+    for r in kept:  # a conversation's records are kept whole or not at all
+        groups.setdefault((r["example"], r["method"], float(r["budget"])), []).append(r)
+    return [r for key, rs in groups.items() if len(rs) == sizes[key[0]] for r in rs]
+
+
+def _check_resumed_settings(partial: Path, settings_path: Path, settings: dict) -> None:
+    """Refuse ``settings_path`` missing, lacking a key of ``settings`` or differing from it
+    (naming each key that differs: methods, budgets, parameters...)."""
     if not settings_path.exists():
         raise InvalidInputError(
             f"--resume: {partial} has no {settings_path.name}, so the run it came from cannot "
@@ -135,24 +191,17 @@ def resumed_records(out: Path, settings: dict, conversations: Sequence[Conversat
     if missing:
         raise InvalidInputError(
             f"--resume {settings_path}: it lacks {', '.join(missing)}, so it is not the settings "
-            "of a kvedit eval memory run; pass --overwrite to start again"
+            "of this kvedit's eval memory run; pass --overwrite to start again"
         )
-    differ = [
-        f"{k} {theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v
-    ]
+    keys = [k for k, v in settings.items() if theirs.get(k) != v]
+    if "methods" in keys:  # their parameters differ too: the methods say it
+        keys.remove("params")
+    differ = [f"{k} {theirs.get(k)!r} (now {settings[k]!r})" for k in keys]
     if differ:
-        raise InvalidInputError(f"--resume: {partial} came from another run: " + ", ".join(differ))
-    digests = {c.id: c.digest() for c in conversations}
-    sizes = {c.id: len(c.probes) for c in conversations}
-    records = [
-        check_memory_record(r, f"--resume {partial}:{line}")
-        for line, r in read_numbered_records(partial, "--resume")
-    ]
-    kept = [r for r in records if digests.get(r["example"]) == r["digest"]]
-    groups: dict[tuple, list[dict]] = {}
-    for r in kept:  # a conversation's records are kept whole or not at all
-        groups.setdefault((r["example"], r["method"], float(r["budget"])), []).append(r)
-    return [r for key, rs in groups.items() if len(rs) == sizes[key[0]] for r in rs]
+        raise InvalidInputError(
+            f"--resume: {partial} came from another run: " + ", ".join(differ) + "; run it "
+            "with its settings, or pass --overwrite to start again"
+        )
 
 
 def _pairs(
@@ -232,23 +281,18 @@ def evaluate(
     first records).
     """
     from kvedit.models import load_model
-    from kvedit.version import __version__, source_digest
+    from kvedit.version import __version__
 
     parsed = _parse_methods(methods)
     budgets = parse_budgets(",".join(str(b) for b in budgets))
     conversations = build_conversations(task, n_examples, seed, size, questions)
-    settings = {
-        "model": model_name,
-        "task": task,
-        "seed": seed,
-        "n_examples": n_examples,
-        "size": size,
-        "questions": questions,
-        "max_new_tokens": max_new_tokens,
-        "source": source_digest(),
-    }
+    sizes = {"seed": seed, "n_examples": n_examples, "size": size, "questions": questions}
+    settings = run_settings(
+        model_name, task, parsed, budgets, **sizes, max_new_tokens=max_new_tokens
+    )
     out = Path(out)
-    done = resumed_records(out, settings, conversations) if resume else []
+    asked = {(m.spec, b) for m, b in _pairs(parsed, budgets)}
+    done = resumed_records(out, settings, conversations, asked) if resume else []
     model, tokenizer = load_model(model_name)
     check_budgets_fit(
         default_renderer(tokenizer), conversations, _pairs(parsed, budgets), task, max_new_tokens

@@ -303,32 +303,32 @@ def test_a_refused_run_makes_no_folder(tmp_path, no_model, capsys):
     assert not out.exists()
 
 
+def _settings(methods=("reuse",), budgets=(1.0, 0.5, 0.25, 0.1)) -> dict:
+    """The settings of a run of :data:`RUN` with ``methods`` at ``budgets``."""
+    parsed = [memory.parse_memory_spec(m) for m in methods]
+    sizes = {"seed": 0, "n_examples": 2, "size": 40, "questions": None, "max_new_tokens": 2}
+    return memory.run_settings("tiny-llama", "facts", parsed, budgets, **sizes)
+
+
 def test_resume_keeps_whole_conversations_and_drops_a_cut_line(finished, tmp_path, capsys):
     data = json.loads((finished / "results.json").read_text())
     out = tmp_path / "cut"
     out.mkdir()
-    settings = {
-        "model": "tiny-llama",
-        "task": "facts",
-        "seed": 0,
-        "n_examples": 2,
-        "size": 40,
-        "max_new_tokens": 2,
-        "source": data["extra"]["kvedit"]["source"],
-    }
+    settings = _settings()
     (out / "partial.settings.json").write_text(json.dumps(settings))
     kept = [r for r in data["examples"] if r["method"] == "reuse"]
     lines = "".join(json.dumps(r) + "\n" for r in kept)
     (out / "partial.jsonl").write_text(lines + json.dumps(kept[0])[:20])
     conversations = memory.build_conversations("facts", 2, 0, 40)
-    resumed = memory.resumed_records(out, settings, conversations)
+    asked = {("reuse", 1.0)}
+    resumed = memory.resumed_records(out, settings, conversations, asked)
     assert resumed == kept
     assert "last line is cut" in capsys.readouterr().err
     short = "".join(json.dumps(r) + "\n" for r in kept[:-1])  # one conversation incomplete
     (out / "partial.jsonl").write_text(short)
-    assert memory.resumed_records(out, settings, conversations) == kept[:6]
+    assert memory.resumed_records(out, settings, conversations, asked) == kept[:6]
     with pytest.raises(InvalidInputError, match="another run"):
-        memory.resumed_records(out, {**settings, "seed": 1}, conversations)
+        memory.resumed_records(out, {**settings, "seed": 1}, conversations, asked)
 
 
 # ------------------------------------------------------------------------------ hardening (#56)
@@ -381,23 +381,11 @@ def test_an_empty_out_is_refused(tmp_path, monkeypatch, no_model, capsys):
     assert os.listdir(tmp_path) == []
 
 
-def _partial(out, data, **changes) -> None:
-    """``out`` holding an interrupted run's files (the reuse records of ``data``)."""
-    from kvedit.version import source_digest
-
+def _partial(out, data, methods=("reuse",), budgets=(1.0, 0.5, 0.25, 0.1), **changes) -> None:
+    """``out`` holding an interrupted run's files (the records of ``data`` of ``methods``)."""
     out.mkdir(exist_ok=True)
-    settings = {
-        "model": "tiny-llama",
-        "task": "facts",
-        "seed": 0,
-        "n_examples": 2,
-        "size": 40,
-        "questions": None,
-        "max_new_tokens": 2,
-        "source": source_digest(),
-    }
-    (out / "partial.settings.json").write_text(json.dumps(settings))
-    kept = [{**r, **changes} for r in data["examples"] if r["method"] == "reuse"]
+    (out / "partial.settings.json").write_text(json.dumps(_settings(methods, budgets)))
+    kept = [{**r, **changes} for r in data["examples"] if r["method"] in methods]
     (out / "partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
@@ -479,3 +467,67 @@ def test_a_refusal_after_the_model_loads_writes_nothing(finished, monkeypatch, c
         "kvedit eval memory: error: the first conversation cannot be run"
     ]
     assert _snapshot(finished) == before
+
+
+# ------------------------------------------------------------------------------ hardening (#65)
+
+
+@pytest.mark.parametrize(
+    ("now", "says"),
+    [
+        (["--methods", "reuse"], "methods ['reuse', 'window'] (now ['reuse'])"),
+        (["--methods", "reuse,knorm"], "methods ['reuse', 'window'] (now ['knorm', 'reuse'])"),
+        (["--methods", "reuse,window", "--budgets", "1.0"], "budgets [1.0, 0.5] (now [1.0])"),
+    ],
+)
+def test_resume_with_other_methods_or_budgets_is_refused_naming_what_differs(
+    finished, tmp_path, no_model, capsys, now, says
+):
+    """A killed run of reuse and window resumed with fewer or other methods, or other budgets,
+    is refused (exit 2, before the model loads): its records would be reported as this run's."""
+    out = tmp_path / "killed"
+    data = json.loads((finished / "results.json").read_text())
+    _partial(out, data, methods=("reuse", "window"), budgets=(1.0, 0.5))
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli_main([*RUN, *now, "--out", str(out), "--resume"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvedit eval memory: error: --resume: {out / 'partial.jsonl'} came ")
+    assert says in line and "params" not in line.split(says)[0]
+    assert _snapshot(out) == before
+
+
+def test_resume_refuses_a_record_of_a_method_not_asked(finished, tmp_path, no_model, capsys):
+    """An edited record whose method (or budget) the run does not ask is refused by its line,
+    never reported as a result."""
+    out = tmp_path / "edited"
+    data = json.loads((finished / "results.json").read_text())
+    _partial(out, data)
+    lines = (out / "partial.jsonl").read_text().splitlines(keepends=True)
+    for line_no, change in ((3, {"method": "knorm"}), (2, {"budget": 0.5})):
+        edited = list(lines)
+        edited[line_no - 1] = json.dumps({**json.loads(lines[line_no - 1]), **change}) + "\n"
+        (out / "partial.jsonl").write_text("".join(edited))
+        capsys.readouterr()
+        assert cli_main([*RUN, "--methods", "reuse", "--out", str(out), "--resume"]) == 2
+        (said,) = capsys.readouterr().err.splitlines()
+        value = change.get("method", change.get("budget"))
+        assert said.startswith(
+            f"kvedit eval memory: error: --resume {out / 'partial.jsonl'}:{line_no}: a record "
+        )
+        assert f"{value!r}" in said and "which this run does not ask (methods reuse)" in said
+
+
+def test_resume_with_the_same_methods_reports_only_them(finished, tmp_path, capsys):
+    """The killed run's records are kept (not recomputed) and results.json holds only the
+    methods asked."""
+    out = tmp_path / "again"
+    data = json.loads((finished / "results.json").read_text())
+    _partial(out, data, methods=("reuse", "window"), budgets=(1.0, 0.5))
+    args = [*RUN, "--methods", "window,reuse", "--budgets", "0.5,1.0", "--out", str(out)]
+    assert cli_main([*args, "--resume"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert set(again["methods"]) == {"reuse", "window"}
+    assert sorted(json.dumps(r, sort_keys=True) for r in again["examples"]) == sorted(
+        json.dumps(r, sort_keys=True) for r in data["examples"]
+    )
