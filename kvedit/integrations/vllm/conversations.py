@@ -32,12 +32,11 @@ Shapes: a saved turn's K/V are ``[n, kv_heads, head_dim]`` per layer; a memory's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +48,13 @@ from ...memory.budget import RECENT_TOKENS, Budget, budget_from
 from ...memory.held import Scores, arrived
 from ...memory.protection import system_text_ranges
 from ...memory.records import MAX_MESSAGES
-from ...memory.rendering import Message, Rendering, common_prefix, renderer_for
+from ...memory.rendering import Message, Rendering, check_readable, common_prefix, renderer_for
 from ...provenance import Step
 from ...states.capturing import empty_state
-from ...states.files.read import read_attached
-from ...states.files.write import save_file_version
 from ...states.state import KVState
 from ...states.view import LastInput
 from . import files
-from .publishing import publish_stock
+from .memories import MEMORIES, Memory, MemoryFiles
 from .turns import SavedTurn, remove_turn, sweep_turns, wait_turn
 
 __all__ = [
@@ -71,9 +68,6 @@ __all__ = [
     "served_policy",
 ]
 
-MEMORIES = "memories"
-"""The folder under the publish root that holds the conversations' memories."""
-
 SERVABLE_POLICIES = ("learned", "knorm", "window")
 """Forgetting policies a served memory may use: they score entries from their K/V alone (the
 others run the model, which the serving path never does)."""
@@ -81,9 +75,6 @@ others run the model, which the serving path never does)."""
 MAX_CONVERSATION_CHARS = 4_000_000
 """The most characters a served conversation's messages hold: every turn renders them all (a
 few seconds at this size), and a longer one is refused before any work."""
-
-_ATTACHMENT = "kvedit-served-memory"
-_RAM_BYTES = 1 << 30  # memories kept in this process after use: the next turn needs no read
 
 
 @dataclass(frozen=True)
@@ -99,6 +90,9 @@ class Plan:
         held: the rendering's tokens the memory holds.
         turn: the id the connector saves this turn's K/V under.
         max_bytes: the conversation's byte budget (None: nothing is forgotten).
+        budget: that budget, built once (None: nothing is forgotten).
+        fallback: ``{"from": digest, "why": reason}`` when the conversation's latest memory was
+            damaged and an earlier one serves (None otherwise).
     """
 
     messages: tuple[Message, ...]
@@ -109,6 +103,8 @@ class Plan:
     held: int
     turn: str
     max_bytes: int | None
+    budget: Budget | None = None
+    fallback: dict | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -124,13 +120,6 @@ class Plan:
         return {"prompt_token_ids": self.prompt_token_ids, "kvedit": own}
 
 
-@dataclass
-class _Memory:
-    state: KVState
-    scores: Scores | None
-    meta: dict = field(default_factory=dict)
-
-
 class Conversations:
     """The memories of the conversations ``kvedit serve`` answers, under ``root`` (the publish
     root the connector loads from).
@@ -141,8 +130,6 @@ class Conversations:
             RoPE movers and scorer fit; never run).
         max_bytes: each conversation's byte budget (None: nothing is forgotten).
         forget: the policy (one of :data:`SERVABLE_POLICIES`; None: ``learned``).
-        prompt: the prompt format (``"chat"``/``"plain"``; None: chat when the tokenizer has a
-            template).
         timeout: seconds a commit waits for vLLM's worker to save a turn.
     """
 
@@ -154,28 +141,22 @@ class Conversations:
         *,
         max_bytes: int | None = None,
         forget: str | None = None,
-        prompt: str | None = None,
         timeout: float = 60.0,
     ) -> None:
         self.root = files.check_root(root)
-        self.folder = self.root / MEMORIES
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.model, self.tokenizer = model, tokenizer
-        if prompt is None:
-            prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+        prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
         self.renderer = renderer_for(prompt, tokenizer)
         self.forget = served_policy(forget)
-        self._budget(max_bytes)  # checked before any work
+        self.budget = self._budget(max_bytes)  # checked before any work, built once
         self.max_bytes = max_bytes
         self.timeout = float(timeout)
-        self.index = files.PublishedIndex(self.folder)
-        self.published = files.PublishedIndex(self.root)  # the memories' stock files
-        self._ram: OrderedDict[str, _Memory] = OrderedDict()
-        self._lock = threading.Lock()
+        self.memories = MemoryFiles(self.root, model, tokenizer)
+        self.folder = self.memories.folder
 
     # ------------------------------------------------------------------ planning
 
-    def _budget(self, max_bytes: int | None) -> Budget | None:
+    def _budget(self, max_bytes: object) -> Budget | None:
         """The budget of ``max_bytes`` (checked: a positive count of bytes), or None."""
         if check_max_bytes(max_bytes) is None:
             return None
@@ -191,10 +172,11 @@ class Conversations:
         "max_bytes": N}}``, both optional).
 
         Raises:
-            InvalidInputError: messages kvedit cannot render (a non-text content, an unknown
-                role), more than ``MAX_MESSAGES`` messages or
+            InvalidInputError: messages kvedit cannot render (none, a non-text content, an
+                unknown role, a lone surrogate), more than ``MAX_MESSAGES`` messages or
                 :data:`MAX_CONVERSATION_CHARS` characters, bad kvedit parameters, or a named
                 digest no memory of these messages has.
+            KVEditError: the named memory is damaged; ``ROOT/memories`` is not a folder.
         """
         own = params.get("kvedit") if isinstance(params, dict) else None
         if own is not None and (not isinstance(own, dict) or set(own) - {"digest", "max_bytes"}):
@@ -203,52 +185,39 @@ class Conversations:
                 f"not {own!r}"
             )
         own = own or {}
-        max_bytes = own.get("max_bytes", self.max_bytes)
-        self._budget(max_bytes)  # checked before any work
-        if not isinstance(messages, Sequence) or len(messages) > MAX_MESSAGES:
-            raise InvalidInputError(f"a served conversation holds at most {MAX_MESSAGES} messages")
-        parsed = tuple(message_of(m) for m in messages)
-        chars = sum(len(m.content) for m in parsed)
-        if chars > MAX_CONVERSATION_CHARS:
-            raise InvalidInputError(
-                f"the messages hold {chars} characters; a served conversation holds at most "
-                f"{MAX_CONVERSATION_CHARS}"
-            )
+        max_bytes, budget = self.max_bytes, self.budget
+        if "max_bytes" in own:
+            max_bytes = own["max_bytes"]
+            budget = self._budget(max_bytes)  # checked before any work, built once
+        parsed = _parse(messages)
         rendering = self.renderer.render(parsed, generation_prompt=True)
-        ids = list(rendering.ids)
-        found = self._find(ids, own.get("digest"))
-        turn = secrets.token_hex(16)
+        digest = own.get("digest")
+        digest = None if digest is None else files.check_digest(digest)
+        self.memories.check_folder()
         sweep_turns(self.root)  # turns whose clients left
+        self.memories.sweep()  # what killed writers left among the memories
+        found = self.memories.find(list(rendering.ids), digest)
+        turn = secrets.token_hex(16)
         if found is None:
-            return Plan(parsed, rendering, None, None, [], 0, turn, max_bytes)
-        path, held = found
-        slots = self._slots(path)
-        return Plan(parsed, rendering, path, files.digest_of(path), slots, held, turn, max_bytes)
+            return Plan(parsed, rendering, None, None, [], 0, turn, max_bytes, budget)
+        return Plan(
+            parsed,
+            rendering,
+            found.path,
+            found.digest,
+            found.slots,
+            found.held,
+            turn,
+            max_bytes,
+            budget,
+            found.fallback,
+        )
 
-    def _find(self, ids: list[int], digest: object) -> tuple[Path, int] | None:
-        """``(memory file, tokens it holds)``: the named one, else the longest memory whose
-        ids start ``ids`` (the whole prompt excluded: vLLM computes at least one token)."""
-        if digest is not None:
-            digest = files.check_digest(digest)
-            got = self.index.find(ids[:-1], digest)
-            if got is None:
-                raise InvalidInputError(
-                    f"no memory with digest {digest} under {self.folder} starts these messages"
-                )
-            return got
-        found = self.index.candidates(ids[:-1])
-        if found is None:
-            return None
-        n, paths = found
-        return next(iter(paths.values())), n
-
-    def _slots(self, path: Path) -> list[int]:
-        """The stock slot ids of the memory in ``path`` (its published file's ids)."""
-        digest = files.digest_of(path)
-        published = self.published.with_digest(digest)
-        if not published:
-            raise KVEditError(f"the memory {digest} has no published stock file under {self.root}")
-        return list(files.read_header(published[0][0])["token_ids"])
+    def drop_turn(self, turn: str) -> None:
+        """Remove turn ``turn``'s saved files, whatever became of its request (idempotent;
+        never raises: what cannot be removed now is swept later)."""
+        with contextlib.suppress(OSError):
+            remove_turn(self.root, turn)
 
     # ------------------------------------------------------------------ committing
 
@@ -258,27 +227,36 @@ class Conversations:
         says (``memory_digest``, ``memory_bytes``, ``forgot``).
 
         Raises:
-            KVEditError: the worker saved nothing (its reason), or the saved turn does not
-                continue the memory.
+            KVEditError: the worker saved nothing (its reason), the memory that served the
+                turn is not the plan's (its file changed), or the saved turn does not continue
+                the memory.
         """
         try:
             saved = wait_turn(self.root, plan.turn, self.timeout)
-            parent = self._load(plan.memory) if plan.memory is not None else None
+            parent = None
+            if plan.memory is not None:
+                parent = self.memories.load(plan.memory, list(plan.rendering.ids))
             state, scores, forgot = self._next(plan, saved, answer, parent)
-            digest = self._store(state, scores, plan)
+            digest = self.memories.store(state, scores, plan.digest)
+            self.memories.prune(plan.digest)
         finally:
             remove_turn(self.root, plan.turn)
         return {"memory_digest": digest, "memory_bytes": state.nbytes, "forgot": forgot}
 
     def _next(
-        self, plan: Plan, saved: SavedTurn, answer: str, parent: _Memory | None
+        self, plan: Plan, saved: SavedTurn, answer: str, parent: Memory | None
     ) -> tuple[KVState, Scores | None, int]:
         base = parent.state if parent is not None else empty_state(self.model, self.tokenizer)
         n_held = len(base)
-        if saved.start != len(plan.slots) or n_held != plan.held:
+        if n_held != plan.held:
+            raise KVEditError(
+                f"turn {plan.turn}: the memory {plan.memory} holds {n_held} tokens, the plan "
+                f"{plan.held}"
+            )
+        if saved.start != len(plan.slots):
             raise KVEditError(
                 f"turn {plan.turn}: vLLM saved tokens from {saved.start}, the memory has "
-                f"{len(plan.slots)} slots for {plan.held} tokens"
+                f"{len(plan.slots)} slots"
             )
         # as kvedit.Memory keeps an answer: stripped (a cut answer's trailing space is not
         # part of what a client sends back), so the memory starts the next turn either way
@@ -312,7 +290,7 @@ class Conversations:
             last_logits=torch.zeros_like(base.last_logits),
             last_input=LastInput(n - 1, int(base.next_position) + keep - 1),
         ).with_step(Step("computed", "vllm", {"tokens": keep}, exact=False))
-        budget = self._budget(plan.max_bytes)
+        budget = plan.budget
         scores = arrived(budget, state, parent.scores if parent else None, n_held, n)
         if budget is None:
             return state, None, 0
@@ -321,63 +299,6 @@ class Conversations:
         state, scores, _ = budget.fit(state, scores, ranges, len(plan.messages))
         return state, scores, before - sum(len(x) for x in state.layers)
 
-    def _store(self, state: KVState, scores: Scores | None, plan: Plan) -> str:
-        """Publish ``state``'s stock form and write the memory (both atomic; the memory last,
-        so a memory found always has its stock file)."""
-        _, stock, _ = publish_stock(state, self.root)
-        digest = stock.digest or state.digest
-        ids = state.token_ids.tolist()
-        path = self.folder / files.file_name(ids, digest)
-        attachment = {"kind": _ATTACHMENT, "parent": plan.digest, "max_bytes": plan.max_bytes}
-        attached = {} if scores is None else {f"scores.{i}": t for i, t in scores.items()}
-        save_file_version(state, path, attachment=attachment, attached=attached)
-        self._remember(digest, _Memory(state, scores, attachment))
-        self._prune(plan)
-        return digest
-
-    def _prune(self, plan: Plan) -> None:
-        """Remove the memory two turns back (the parent of the one that served ``plan``): a
-        conversation keeps its last two memories, so a turn retried is still served from its
-        memory, and the files do not grow with every turn."""
-        if plan.memory is None:
-            return
-        with self._lock:  # the commit has just loaded it
-            parent = self._ram.get(plan.digest)
-        old = parent.meta.get("parent") if parent is not None else None
-        if not isinstance(old, str):
-            return
-        for index in (self.index, self.published):
-            for path, _ in index.with_digest(old):
-                path.unlink(missing_ok=True)
-        with self._lock:
-            self._ram.pop(old, None)
-
-    def _load(self, path: Path) -> _Memory:
-        digest = files.digest_of(path)
-        with self._lock:
-            if digest in self._ram:
-                self._ram.move_to_end(digest)
-                return self._ram[digest]
-        found = read_attached(path, self.model, self.tokenizer)
-        if not found.trusted or (found.attachment or {}).get("kind") != _ATTACHMENT:
-            raise KVEditError(f"{path} is not a memory this installation served")
-        tensors = found.tensors or {}
-        scores = {
-            int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith("scores.")
-        } or None
-        memory = _Memory(found.state, scores, found.attachment)
-        self._remember(digest, memory)
-        return memory
-
-    def _remember(self, digest: str, memory: _Memory) -> None:
-        with self._lock:
-            self._ram[digest] = memory
-            self._ram.move_to_end(digest)
-            while (
-                len(self._ram) > 1 and sum(m.state.nbytes for m in self._ram.values()) > _RAM_BYTES
-            ):
-                self._ram.popitem(last=False)
-
 
 def served_policy(forget: str | None) -> str:
     """The policy a served memory forgets with: ``forget`` (None: ``learned``).
@@ -385,7 +306,7 @@ def served_policy(forget: str | None) -> str:
     Raises:
         InvalidInputError: a policy that is not one of :data:`SERVABLE_POLICIES`.
     """
-    policy = forget or "learned"
+    policy = "learned" if forget is None else forget
     if policy not in SERVABLE_POLICIES:
         raise InvalidInputError(
             f"forget={policy!r} cannot serve: a served memory forgets with one of "
@@ -406,6 +327,26 @@ def check_max_bytes(max_bytes: object, name: str = "max_bytes") -> int | None:
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise InvalidInputError(f"{name} must be a positive int, not {max_bytes!r}")
     return max_bytes
+
+
+def _parse(messages: object) -> tuple[Message, ...]:
+    """A served conversation's messages, checked before any work (:func:`message_of`)."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise InvalidInputError(f"a chat request's messages are a list, not {messages!r:.80}")
+    if not messages:
+        raise InvalidInputError("a chat request needs at least one message; it has none")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidInputError(f"a served conversation holds at most {MAX_MESSAGES} messages")
+    parsed = tuple(message_of(m) for m in messages)
+    chars = sum(len(m.content) for m in parsed)
+    if chars > MAX_CONVERSATION_CHARS:
+        raise InvalidInputError(
+            f"the messages hold {chars} characters; a served conversation holds at most "
+            f"{MAX_CONVERSATION_CHARS}"
+        )
+    for i, m in enumerate(parsed):
+        check_readable(f"message {i} ({m.role})", m.content)
+    return parsed
 
 
 def message_of(m: object) -> Message:

@@ -374,6 +374,11 @@ class PublishedIndex:
     def candidates(self, prompt_ids: list[int]) -> tuple[int, dict[str, Path]] | None:
         """``(n, {digest: path})``: the longest published prefix of ``prompt_ids`` and every
         file published for it (one per digest), or None."""
+        return next(self.prefixes(prompt_ids), None)
+
+    def prefixes(self, prompt_ids: list[int]) -> Iterator[tuple[int, dict[str, Path]]]:
+        """``(n, {digest: path})`` for every published prefix of ``prompt_ids``, longest
+        first: the files published for it (one per digest)."""
         prompt_ids = list(prompt_ids)
         listing = self._listing()
         for n, ids in self._prefixes(prompt_ids):
@@ -381,5 +386,4 @@ class PublishedIndex:
             paths = {d: self.root / f"{n}-{key}-{d}.safetensors" for d in listing[n].get(key, [])}
             paths = {d: p for d, p in paths.items() if p.exists()}
             if paths:
-                return n, paths
-        return None
+                yield n, paths

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ...atomic import atomic_write
+from ...atomic import atomic_write, is_temp_name, left_by_dead_writer, remove_temp
 from ...errors import KVEditError
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "TURNS",
     "SavedTurn",
     "remove_turn",
+    "sweep_folder",
     "sweep_turns",
     "wait_turn",
     "write_turn",
@@ -132,18 +133,31 @@ def remove_turn(root: str | os.PathLike, turn: str) -> None:
 
 def sweep_turns(root: str | os.PathLike, max_age: float = STALE_TURN_SECONDS) -> int:
     """Remove saved turns older than ``max_age`` seconds (a client that left before its answer
-    ended); returns how many files went."""
-    folder = Path(root) / TURNS
+    ended) and whatever else is in ``ROOT/turns`` (a killed writer's temporary file or folder,
+    anything put there): returns how many entries went. Never raises."""
+    return sweep_folder(Path(root) / TURNS, max_age, everything=True)
+
+
+def sweep_folder(folder: str | os.PathLike, max_age: float, *, everything: bool) -> int:
+    """Remove the leftovers in ``folder``: at once, the temporary files and folders
+    (:func:`kvedit.atomic.temp_name`) of a writer of this machine no longer running; once older
+    than ``max_age`` seconds, any other temporary one and, with ``everything``, any entry
+    (files, folders, links). Returns how many entries went; never raises (an entry that cannot
+    be removed is left for the next sweep)."""
     now, gone = time.time(), 0
     try:
         entries = list(os.scandir(folder))
-    except FileNotFoundError:
+    except OSError:  # no folder (yet), or not one: nothing to sweep
         return 0
     for entry in entries:
-        try:
-            if now - entry.stat().st_mtime > max_age:
-                os.unlink(entry.path)
-                gone += 1
-        except FileNotFoundError:
+        temp = is_temp_name(entry.name)
+        if not (temp or everything):
             continue
+        try:
+            old = now - entry.stat(follow_symlinks=False).st_mtime > max_age
+        except OSError:
+            continue
+        if old or (temp and left_by_dead_writer(entry.path)):
+            remove_temp(Path(entry.path))
+            gone += not os.path.lexists(entry.path)
     return gone

@@ -1,0 +1,253 @@
+"""The memory files of ``kvedit serve``'s chat conversations (``ROOT/memories``) and their
+published stock files (``ROOT``): found, checked, read, stored, pruned and swept.
+
+Used by :class:`~kvedit.integrations.vllm.conversations.Conversations` (the module doc there
+says what a memory is). Every memory is checked before any of its K/V is used:
+
+* its seal and kind (a memory this installation served), and that its token ids are the ones
+  its name addresses (``<n>-<ids key>-<digest>``: a file copied over another of the same length
+  is refused, naming the file and the mismatch);
+* its stock file (what the connector loads) present and intact (its seal, per file version).
+
+A request that names no memory is served from the longest intact memory of its messages: when
+the latest memory of a conversation is damaged (bad seal, its stock file missing or damaged),
+its parent (kept beside it) serves, and :class:`Found` says which memory was passed over and
+why. Leftovers in ``ROOT/memories`` (a killed writer's temporary file or folder) are swept
+(:func:`~kvedit.integrations.vllm.turns.sweep_folder`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...atomic import STALE_TEMP_SECONDS
+from ...errors import InvalidInputError, KVEditError, StorageError
+from ...memory.held import Scores
+from ...states.files.read import read_attached
+from ...states.files.write import save_file_version
+from ...states.state import KVState
+from . import files
+from .publishing import publish_stock
+from .turns import sweep_folder
+
+__all__ = ["MEMORIES", "Found", "MemoryFiles"]
+
+MEMORIES = "memories"
+"""The folder under the publish root that holds the conversations' memories."""
+
+ATTACHMENT = "kvedit-served-memory"
+"""The ``kind`` of a served memory's attachment (its header says which memory it follows)."""
+
+_RAM_BYTES = 1 << 30  # memories kept in this process after use: the next turn needs no read
+_SWEEP_SECONDS = 10.0  # the memories' folder is swept at most this often
+_VERIFIED = 64  # stock file versions whose verification is remembered
+
+
+@dataclass
+class Memory:
+    """A memory as read: its state, its entry scores and its attachment."""
+
+    state: KVState
+    scores: Scores | None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The memory that serves a request: its file, the tokens it holds, its digest, its stock
+    slot ids, and ``fallback`` (``{"from": digest, "why": reason}``) when a longer memory of the
+    same messages was damaged and passed over (None otherwise)."""
+
+    path: Path
+    held: int
+    digest: str
+    slots: list[int]
+    fallback: dict | None = None
+
+
+class MemoryFiles:
+    """The memories under ``root/memories`` and their stock files under ``root``."""
+
+    def __init__(self, root: Path, model, tokenizer) -> None:
+        self.root, self.folder = root, root / MEMORIES
+        self.model, self.tokenizer = model, tokenizer
+        self.index = files.PublishedIndex(self.folder)
+        self.published = files.PublishedIndex(self.root)  # the memories' stock files
+        self._ram: OrderedDict[str, Memory] = OrderedDict()
+        self._verified: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._swept = 0.0
+        self.check_folder()
+
+    def check_folder(self) -> None:
+        """Make ``ROOT/memories`` if it is missing; refuse one that is not a folder.
+
+        Raises:
+            StorageError: it is a file, a broken link, or cannot be made.
+        """
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as e:
+            raise StorageError(
+                f"{self.folder} is not a folder: kvedit serve keeps the conversations' "
+                "memories there; remove it or serve another --root"
+            ) from e
+        except OSError as e:
+            raise StorageError(f"cannot make {self.folder}: {e}") from e
+
+    def sweep(self) -> int:
+        """Remove what killed writers left in the memories' folder (at most every
+        ``_SWEEP_SECONDS``); returns how many entries went."""
+        now = time.monotonic()
+        if now - self._swept < _SWEEP_SECONDS:
+            return 0
+        self._swept = now
+        return sweep_folder(self.folder, STALE_TEMP_SECONDS, everything=False)
+
+    # ------------------------------------------------------------------ finding
+
+    def find(self, ids: list[int], digest: str | None) -> Found | None:
+        """The memory that serves a prompt of ``ids``: the one named by ``digest``, else the
+        longest intact memory whose ids start ``ids`` (the whole prompt excluded: vLLM
+        computes at least one token); None for a new conversation.
+
+        Raises:
+            InvalidInputError: ``digest`` names no memory of these ids.
+            KVEditError: the named memory is damaged (why, naming the file).
+        """
+        if digest is not None:
+            got = self.index.find(ids[:-1], digest)
+            if got is None:
+                raise InvalidInputError(
+                    f"no memory with digest {digest} under {self.folder} starts these messages"
+                )
+            return Found(got[0], got[1], digest, self._checked(got[0], ids))
+        passed: dict | None = None
+        for n, paths in self.index.prefixes(ids[:-1]):
+            for name, path in paths.items():
+                try:
+                    return Found(path, n, name, self._checked(path, ids), passed)
+                except (KVEditError, OSError) as e:
+                    passed = passed or {"from": name, "why": str(e)}
+        return None
+
+    def _checked(self, path: Path, ids: list[int]) -> list[int]:
+        """The stock slot ids of the memory in ``path``, after checking the memory (read) and
+        its stock file (verified)."""
+        self.load(path, ids)
+        return self._slots(files.digest_of(path))
+
+    def _slots(self, digest: str) -> list[int]:
+        """The stock slot ids of memory ``digest`` (its published file's ids, the file's seal
+        verified once per version)."""
+        published = self.published.with_digest(digest)
+        if not published:
+            raise KVEditError(f"the memory {digest} has no published stock file under {self.root}")
+        path = published[0][0]
+        st = path.stat()
+        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            if key in self._verified:
+                self._verified.move_to_end(key)
+                return self._verified[key]
+        slots = list(files.verify(path)["token_ids"])
+        with self._lock:
+            self._verified[key] = slots
+            while len(self._verified) > _VERIFIED:
+                self._verified.popitem(last=False)
+        return slots
+
+    # ------------------------------------------------------------------ reading
+
+    def load(self, path: Path, ids: list[int] | None = None) -> Memory:
+        """The memory in ``path`` (kept in RAM after use), checked: its seal and kind, its
+        token ids the ones its name addresses and, with ``ids``, a prefix of them.
+
+        Raises:
+            KVEditError: a file that is not a memory served here, or whose ids are not its
+                name's or do not start ``ids`` (naming the file and the mismatch).
+        """
+        digest = files.digest_of(path)
+        with self._lock:
+            memory = self._ram.get(digest)
+            if memory is not None:
+                self._ram.move_to_end(digest)
+        if memory is None:
+            memory = self._read(path, digest)
+            self.remember(digest, memory)
+        held = memory.state.token_ids.tolist()
+        if ids is not None and ids[: len(held)] != held:
+            raise KVEditError(f"{path.name}: the memory's token ids do not start the request's")
+        return memory
+
+    def _read(self, path: Path, digest: str) -> Memory:
+        found = read_attached(path, self.model, self.tokenizer)
+        if not found.trusted or (found.attachment or {}).get("kind") != ATTACHMENT:
+            raise KVEditError(f"{path} is not a memory this installation served")
+        ids = found.state.token_ids.tolist()
+        named = int(path.name.split("-", 1)[0])
+        if len(ids) != named:
+            raise KVEditError(
+                f"{path}: the memory file holds {len(ids)} token ids, its name says {named} "
+                "(a file copied over another?): not served"
+            )
+        if path.name != files.file_name(ids, digest):
+            raise KVEditError(
+                f"{path}: the memory file's {len(ids)} token ids are not the ones its name "
+                f"addresses (ids key {files.ids_key(ids)}; a file copied over another?): "
+                "not served"
+            )
+        if found.state.digest != digest:
+            raise KVEditError(
+                f"{path}: the memory file's digest is {found.state.digest}, its name's {digest} "
+                "(a file copied over another?): not served"
+            )
+        tensors = found.tensors or {}
+        scores = {
+            int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith("scores.")
+        } or None
+        return Memory(found.state, scores, found.attachment or {})
+
+    def remember(self, digest: str, memory: Memory) -> None:
+        with self._lock:
+            self._ram[digest] = memory
+            self._ram.move_to_end(digest)
+            while (
+                len(self._ram) > 1 and sum(m.state.nbytes for m in self._ram.values()) > _RAM_BYTES
+            ):
+                self._ram.popitem(last=False)
+
+    # ------------------------------------------------------------------ writing
+
+    def store(self, state: KVState, scores: Scores | None, parent: str | None) -> str:
+        """Publish ``state``'s stock form and write the memory (both atomic; the memory last,
+        so a memory found always has its stock file); returns its digest."""
+        _, stock, _ = publish_stock(state, self.root)
+        digest = stock.digest or state.digest
+        path = self.folder / files.file_name(state.token_ids.tolist(), digest)
+        attachment = {"kind": ATTACHMENT, "parent": parent}
+        attached = {} if scores is None else {f"scores.{i}": t for i, t in scores.items()}
+        save_file_version(state, path, attachment=attachment, attached=attached)
+        self.remember(digest, Memory(state, scores, attachment))
+        return digest
+
+    def prune(self, digest: str | None) -> None:
+        """Remove the parent of memory ``digest`` (the one that served a turn just kept): a
+        conversation keeps its last two memories, so a turn retried is still served from its
+        memory, and the files do not grow with every turn."""
+        if digest is None:
+            return
+        with self._lock:  # the commit has just loaded it
+            served = self._ram.get(digest)
+        old = served.meta.get("parent") if served is not None else None
+        if not isinstance(old, str):
+            return
+        for index in (self.index, self.published):
+            for path, _ in index.with_digest(old):
+                path.unlink(missing_ok=True)
+        with self._lock:
+            self._ram.pop(old, None)
