@@ -23,6 +23,17 @@ Requests the memories cannot render (non-text content, ``echo``, ``n`` > 1, toke
 go to vLLM unchanged. A bad kvedit parameter (an unknown digest, a bad ``max_bytes``) is
 answered 400 with its reason, before vLLM sees the request.
 
+``fallback`` (``{"from": digest, "why": ...}``) when the conversation's latest memory was
+damaged and its parent served.
+
+The turn id in the rewritten body is the middleware's own: the inner scope carries it
+(:data:`TURN_SCOPE_KEY`), and the request check refuses a turn any client set. Once the
+response has ended (or the client left) the turn's files are removed, and again
+:data:`ABANDONED_TURN_SECONDS` later (a worker saving an aborted turn writes it after the
+request ended), so no turn of a client that left waits for a later request to be swept.
+A refusal is answered 400 (500 when the fault is the server's: ``ROOT/memories`` unusable),
+with kvedit's message, never a traceback.
+
 Configured by the environment variable :data:`CHAT_ENV` (JSON: ``root``, ``model``,
 ``max_bytes``, ``forget``), which :func:`~kvedit.integrations.vllm.server.serve` sets.
 """
@@ -34,11 +45,15 @@ import json
 import os
 from typing import Any
 
-from ...errors import KVEditError
+from ...errors import KVEditError, StorageError
 from .conversations import Conversations, Plan, message_of
-from .request_check import ASGIApp, Receive, Scope, Send, read_body, replay
+from .request_check import TURN_SCOPE_KEY, ASGIApp, Receive, Scope, Send, read_body, replay
 
-__all__ = ["CHAT_ENV", "ChatMemories"]
+__all__ = ["ABANDONED_TURN_SECONDS", "CHAT_ENV", "TURN_SCOPE_KEY", "ChatMemories"]
+
+ABANDONED_TURN_SECONDS = 30.0
+"""A turn's files are removed again this long after its response ended: what a worker saved
+for a request whose client left (it saves once the request is over, within a step)."""
 
 CHAT_ENV = "KVEDIT_CHAT_MEMORIES"
 """The environment variable holding the chat memories' configuration (JSON)."""
@@ -62,17 +77,12 @@ class ChatMemories:
 
     def conversations(self) -> Conversations:
         if self._conversations is None:
-            import kvedit
+            from ...models import load_model
 
             cfg = self._config or {}
-            model, tok = kvedit.load_model(cfg["model"])
+            model, tok = load_model(cfg["model"])
             self._conversations = Conversations(
-                cfg["root"],
-                model,
-                tok,
-                max_bytes=cfg.get("max_bytes"),
-                forget=cfg.get("forget"),
-                timeout=float(cfg.get("timeout", 60.0)),
+                cfg["root"], model, tok, max_bytes=cfg.get("max_bytes"), forget=cfg.get("forget")
             )
         return self._conversations
 
@@ -94,8 +104,14 @@ class ChatMemories:
             plan = await asyncio.to_thread(
                 conversations.plan, request["messages"], request.get("kv_transfer_params")
             )
+        except StorageError as e:  # the server's fault: its folders
+            await _error(send, 500, str(e))
+            return
         except KVEditError as e:
             await _error(send, 400, str(e))
+            return
+        except OSError as e:
+            await _error(send, 500, f"kvedit's chat memories cannot use {conversations.root}: {e}")
             return
         request["kv_transfer_params"] = plan.kv_transfer_params
         stops = conversations.renderer.stops  # the prompt format's own: the next message's label
@@ -106,10 +122,15 @@ class ChatMemories:
         new_body = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))
-        inner = {**scope, "headers": headers}
+        inner = {**scope, "headers": headers, TURN_SCOPE_KEY: plan.turn}
         sent = [{"type": "http.request", "body": new_body, "more_body": False}]
         response = _Response(send, plan, conversations)
-        await self.app(inner, replay(sent, receive), response.send)
+        try:
+            await self.app(inner, replay(sent, receive), response.send)
+        finally:  # kept or not, the turn's files go (a late save: once more, later)
+            conversations.drop_turn(plan.turn)
+            loop = asyncio.get_running_loop()
+            loop.call_later(ABANDONED_TURN_SECONDS, conversations.drop_turn, plan.turn)
 
 
 class _Response:
@@ -210,6 +231,8 @@ class _Response:
             "memory_bytes": None,
             "forgot": 0,
         }
+        if plan.fallback is not None:
+            said["fallback"] = plan.fallback
         if finish not in ("stop", "length"):
             said["error"] = f"the answer ended with {finish!r}: the turn is not kept"
             return said

@@ -37,13 +37,18 @@ from ...errors import KVEditError
 from . import files
 from .admission import Admitted, Refusal, admit, fingerprint_problem, requested_digest
 
-__all__ = ["CONFIG_ENV", "MAX_BODY_BYTES", "RequestCheck", "read_body", "replay"]
+__all__ = ["CONFIG_ENV", "MAX_BODY_BYTES", "TURN_SCOPE_KEY", "RequestCheck", "read_body", "replay"]
 
 CONFIG_ENV = "KVEDIT_SERVE_CONFIG"
 """The environment variable holding the connector's ``--kv-transfer-config`` JSON."""
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """Bodies larger than this are passed to vLLM unread (its own limits apply)."""
+
+TURN_SCOPE_KEY = "kvedit.turn"
+"""The ASGI scope key under which kvedit's chat middleware passes the turn id it set in the
+body: a ``kv_transfer_params["kvedit"]["turn"]`` without it was set by a client, and refused
+(a worker would write a turn file nobody collects)."""
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions")
 _VERIFIED = 64  # file versions whose verification is remembered
@@ -102,14 +107,15 @@ class RequestCheck:
         body, messages = await read_body(receive)
         refusal = None
         if body is not None:
-            refusal = await asyncio.to_thread(self.decide, body)
+            refusal = await asyncio.to_thread(self.decide, body, scope.get(TURN_SCOPE_KEY))
         if refusal is not None:
             await _answer(send, refusal)
             return
         await self.app(scope, replay(messages, receive), send)
 
-    def decide(self, body: bytes) -> Refusal | None:
-        """The refusal a request body gets, or None (it goes on to vLLM)."""
+    def decide(self, body: bytes, turn: str | None = None) -> Refusal | None:
+        """The refusal a request body gets, or None (it goes on to vLLM). ``turn``: the turn
+        id kvedit's chat middleware set (any other turn in the body is a client's: refused)."""
         try:
             request = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -117,6 +123,13 @@ class RequestCheck:
         if not isinstance(request, dict):
             return None
         params = request.get("kv_transfer_params")
+        own = params.get("kvedit") if isinstance(params, dict) else None
+        if isinstance(own, dict) and "turn" in own and own["turn"] != turn:
+            detail = (
+                'kv_transfer_params["kvedit"]["turn"] is set by kvedit serve\'s chat memories, '
+                f"never by a client (got {own['turn']!r:.40})"
+            )
+            return Refusal("bad-request", detail, 1)
         prompts = _token_prompts(request.get("prompt"))
         if prompts is None:
             return self._decide_by_digest(params)

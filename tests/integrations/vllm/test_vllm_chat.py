@@ -27,6 +27,7 @@ class FakePlan:
     slots: list = field(default_factory=lambda: [1, 2, 3])
     digest: str = "a" * 32
     turn: str = "b" * 32
+    fallback: dict | None = None
 
     @property
     def prompt_token_ids(self):
@@ -41,12 +42,17 @@ class FakeConversations:
     def __init__(self, fail: Exception | None = None, stops: tuple = ()):
         self.fail = fail
         self.committed: list[str] = []
+        self.dropped: list[str] = []
+        self.root = "ROOT"
         self.renderer = type("Renderer", (), {"stops": stops})()
 
     def plan(self, messages, params):
         if params and params.get("kvedit", {}).get("digest") == "bad":
             raise InvalidInputError("no memory with digest bad")
         return FakePlan()
+
+    def drop_turn(self, turn):
+        self.dropped.append(turn)
 
     def commit(self, plan, answer):
         if self.fail is not None:
@@ -165,3 +171,55 @@ def test_bad_kvedit_parameters_are_answered_400_and_other_requests_pass_unchange
         assert seen.pop()[1] == body
     call(mw, {"messages": MESSAGES}, path="/v1/completions")
     assert seen.pop()[1] == {"messages": MESSAGES}
+
+
+def test_a_turn_is_dropped_when_its_response_ends_and_again_later(monkeypatch):
+    """A client that leaves leaves no turn file for a later request to sweep: the middleware
+    removes the turn's files once the response ends, and again once a late save is written;
+    the inner app sees the turn in its scope (the request check's proof it is kvedit's)."""
+    import asyncio
+    import contextlib
+
+    from kvedit.integrations.vllm import chat
+    from kvedit.integrations.vllm.request_check import TURN_SCOPE_KEY
+
+    monkeypatch.setattr(chat, "ABANDONED_TURN_SECONDS", 0.01)
+    seen: list = []
+    conversations = FakeConversations()
+    app = vllm_app(stream=True, seen=seen)
+
+    async def leaves(scope, receive, send):  # the client disconnects mid-answer
+        await app(scope, receive, send)
+        raise asyncio.CancelledError
+
+    mw = ChatMemories(leaves, conversations)
+
+    async def run():
+        sent = []
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+        incoming = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(m):
+            sent.append(m)
+
+        with contextlib.suppress(asyncio.CancelledError):
+            await mw(scope, receive, send)
+        assert conversations.dropped == ["b" * 32]  # at once
+        await asyncio.sleep(0.05)
+        assert conversations.dropped == ["b" * 32] * 2  # and once more, later
+
+    asyncio.run(run())
+    assert seen[0][0][TURN_SCOPE_KEY] == "b" * 32
+
+
+def test_a_fallback_from_a_damaged_memory_is_said():
+    conversations = FakeConversations()
+    fallback = {"from": "d" * 32, "why": "bad seal"}
+    conversations.plan = lambda messages, params: FakePlan(fallback=fallback)
+    mw = ChatMemories(vllm_app(stream=False), conversations)
+    said = json.loads(call(mw, {"messages": MESSAGES})[2])["kv_transfer_params"]["kvedit"]
+    assert said["fallback"] == fallback and said["digest"] == "a" * 32

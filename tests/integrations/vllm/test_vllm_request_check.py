@@ -122,6 +122,21 @@ def test_malformed_kvedit_parameters_are_400(served, params):
     assert downstream.bodies == []
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_turn_a_client_sets_is_400_and_only_kvedits_own_passes(served, path):
+    """A turn id makes vLLM's worker write the turn's K/V for the chat memories: only kvedit's
+    chat middleware sets one (and passes it in the ASGI scope), never a client."""
+    check, downstream, plain_ids, *_ = served
+    body = {**request(plain_ids), "kv_transfer_params": {"kvedit": {"turn": "a" * 32}}}
+    if path.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    status, answer = call(check, body, path)
+    assert status == 400 and answer["kvedit"]["refused"] == "bad-request"
+    assert "never by a client" in answer["error"]["message"] and downstream.bodies == []
+    assert check.decide(json.dumps(body).encode(), "b" * 32) is not None  # another turn
+    assert check.decide(json.dumps(body).encode(), "a" * 32) is None  # the middleware's own
+
+
 def test_an_edited_prefix_without_a_digest_is_400_and_lists_the_digests(states, tmp_path):
     _, edited = states
     ids = publish(edited, tmp_path)
