@@ -39,6 +39,8 @@ Accuracy:
 * ``memory_focus``: ``Memory.ask`` with and without focus on facts stated early, middle, late.
 * ``memory_table``: one table from several ``kvedit eval memory`` runs, each method against
   ``reuse`` (no model).
+* ``chat_lockin``: a scripted live chat under a budget (``Memory.ask`` turn by turn): distinct
+  answers, the longest run of one repeated answer, facts recalled, entries each layer holds.
 * ``forget_diagnosis``: the memory's conversations compressed once after the last message, by
   score (``reconstruct``, ``kvzip``, per-message ``arrival``, ``learned``) and by how the budget
   is shared (per layer, across layers, across layers and KV heads).
