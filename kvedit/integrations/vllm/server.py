@@ -43,6 +43,7 @@ __all__ = [
     "REQUEST_CHECK",
     "SERVER_MODULE",
     "serve",
+    "check_root_folder",
     "serve_command",
     "serve_environment",
 ]
@@ -93,13 +94,12 @@ def serve_command(
     served_model_name: str | None = None,
     vllm_args: Sequence[str] = (),
     cpu: bool | None = None,
-    python: str = sys.executable,
     load_failure: str = "fail",
     memories: bool = True,
 ) -> list[str]:
     """The command that serves ``model`` with the caches published under ``root``, and with
     ``memories`` chat conversations from their memories under ``root/memories``
-    (:mod:`~kvedit.integrations.vllm.chat`).
+    (:mod:`~kvedit.integrations.vllm.chat`), run by this interpreter (``sys.executable``).
 
     Args:
         model: a kvedit model name, a Hugging Face folder or ``.gguf`` file, or a loaded model
@@ -115,52 +115,85 @@ def serve_command(
             ``--enable-prefix-caching``, ``--generation-config``, ``--config``.
         cpu: whether vLLM runs on CPU (adds ``--enforce-eager`` and a 1 GiB KV cache unless
             ``vllm_args`` size the memory); default: ask vLLM.
-        python: the interpreter that has vLLM.
         load_failure: ``"fail"`` (a request whose published cache a worker cannot load ends
             with an error) or ``"recompute"`` (see :func:`~kvedit.integrations.vllm.engine`).
 
     Raises:
-        InvalidInputError: a refused vLLM argument, a bad port or ``load_failure``, or a
-            model without a folder (checked before the model is loaded).
+        InvalidInputError: a refused vLLM argument, a bad port or ``load_failure``, a root
+            that is a file, or a model without a folder (checked before the model is loaded).
     """
+    vllm_args = _checked_command_args(root, port, vllm_args, load_failure)
+    folder, fingerprint = model_folder(model)
+    if served_model_name is None:  # what kvedit publish puts in its requests by default
+        named = isinstance(model, (str, os.PathLike))
+        served_model_name = str(model) if named else Path(folder).name
+    return _command(
+        (folder, fingerprint),
+        root,
+        host=host,
+        port=int(port),
+        served_model_name=served_model_name,
+        vllm_args=vllm_args,
+        cpu=cpu,
+        load_failure=load_failure,
+        memories=memories,
+    )
+
+
+def _checked_command_args(
+    root: object, port: object, vllm_args: Sequence[str], load_failure: str
+) -> list[str]:
+    """The vLLM arguments as strings, after checking them, the root, the port and
+    ``load_failure`` (before the model is loaded)."""
     vllm_args = [str(a) for a in vllm_args]
     for arg in vllm_args:
         for flag, why in _REFUSED.items():
             if _names(arg, flag):
                 raise InvalidInputError(f"kvedit serve refuses the vLLM argument {arg}: {why}")
-    check_load_failure(load_failure)  # before the model is loaded
-    files.check_root(root)
-    port = int(port)
-    if not 0 < port < 65536:
+    check_load_failure(load_failure)
+    check_root_folder(root)
+    if not 0 < int(port) < 65536:
         raise InvalidInputError(f"port must be in 1..65535, not {port}")
-    folder, fingerprint = model_folder(model)
-    if served_model_name is None:  # what kvedit publish puts in its requests by default
-        named = isinstance(model, (str, os.PathLike))
-        served_model_name = str(model) if named else Path(folder).name
+    return vllm_args
+
+
+def check_root_folder(root: object) -> Path:
+    """``root`` as a Path, if it is a folder or nothing yet (it is made).
+
+    Raises:
+        InvalidInputError: an empty root, or one that is a file (or anything but a folder).
+    """
+    path = files.check_root(root)
+    if os.path.lexists(path) and not path.is_dir():
+        raise InvalidInputError(
+            f"the publish root {str(path)!r} is not a folder: give the folder kvedit publish "
+            "writes to (it is made if missing)"
+        )
+    return path
+
+
+def _command(
+    found: tuple[str, str],
+    root: str | os.PathLike,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str,
+    vllm_args: list[str],
+    cpu: bool | None,
+    load_failure: str,
+    memories: bool,
+) -> list[str]:
+    """:func:`serve_command`'s command for the model folder and fingerprint ``found``, its
+    arguments checked."""
+    folder, fingerprint = found
     root = files.check_root(root)
     root.mkdir(parents=True, exist_ok=True)
-    argv = [
-        python,
-        "-m",
-        SERVER_MODULE,
-        "--model",
-        folder,
-        "--served-model-name",
-        served_model_name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--no-enable-prefix-caching",
-        "--generation-config",
-        "vllm",
-        "--kv-transfer-config",
-        json.dumps(connector_config(root, fingerprint, load_failure=load_failure)),
-        "--middleware",
-        REQUEST_CHECK,
-    ]
+    connector = connector_config(root, fingerprint, load_failure=load_failure)
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", folder]
+    argv += ["--served-model-name", served_model_name, "--host", host, "--port", str(port)]
+    argv += ["--dtype", "float32", "--no-enable-prefix-caching", "--generation-config", "vllm"]
+    argv += ["--kv-transfer-config", json.dumps(connector), "--middleware", REQUEST_CHECK]
     if memories:  # added last, so outermost: the request check sees the rewritten body
         argv += ["--middleware", CHAT_MEMORIES]
     if on_cpu() if cpu is None else cpu:
@@ -188,24 +221,29 @@ def serve(
     :func:`serve_environment` adds) and run it in place of this process (it returns only with
     ``dry_run``, giving the command). ``memory_max_bytes``: each conversation's byte budget;
     ``forget``: its policy (:data:`~kvedit.integrations.vllm.conversations.SERVABLE_POLICIES`).
+    The model's weights are loaded once here (for its folder and fingerprint).
 
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
-        InvalidInputError: a budget or policy without memories, a bad budget or policy.
+        InvalidInputError: a budget or policy without memories, a bad budget or policy, a bad
+            vLLM argument, port, ``load_failure`` or root (all before vLLM is looked for).
     """
     check_chat_options(memories, memory_max_bytes, forget)  # before vLLM is looked for
+    vllm_args = _checked_command_args(root, port, vllm_args, load_failure)
     require_vllm("kvedit serve")
-    chat = chat_config(model, root, memories, memory_max_bytes, forget)
-    argv = serve_command(
-        model,
+    folder, fingerprint = model_folder(model)  # the one load of the weights
+    argv = _command(
+        (folder, fingerprint),
         root,
         host=host,
-        port=port,
-        served_model_name=served_model_name,
+        port=int(port),
+        served_model_name=str(model) if served_model_name is None else served_model_name,
         vllm_args=vllm_args,
+        cpu=None,
         load_failure=load_failure,
         memories=memories,
     )
+    chat = chat_config(folder, root, memory_max_bytes, forget) if memories else None
     env = serve_environment(argv, chat)
     # the command as a shell runs it, with the middlewares' configuration
     shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in (CONFIG_ENV, CHAT_ENV) if k in env)
@@ -235,22 +273,10 @@ def check_chat_options(memories: bool, max_bytes: int | None, forget: str | None
 
 
 def chat_config(
-    model: str | os.PathLike,
-    root: str | os.PathLike,
-    memories: bool,
-    max_bytes: int | None,
-    forget: str | None,
-) -> dict | None:
-    """The chat memories' configuration (:data:`~kvedit.integrations.vllm.chat.CHAT_ENV`), or
-    None without ``memories``; checked before any work.
-
-    Raises:
-        InvalidInputError: a budget or a policy without memories, a budget that is not a
-            positive number of bytes, or a policy a served memory cannot use.
-    """
-    if not check_chat_options(memories, max_bytes, forget):
-        return None
-    folder, _ = model_folder(model)
+    folder: str, root: str | os.PathLike, max_bytes: int | None, forget: str | None
+) -> dict:
+    """The chat memories' configuration (:data:`~kvedit.integrations.vllm.chat.CHAT_ENV`) for
+    the model in ``folder``; its options as :func:`check_chat_options` checked them."""
     return {
         "root": str(files.check_root(root)),
         "model": folder,

@@ -281,6 +281,31 @@ def test_chat_memory_options_are_checked_before_anything_runs(tmp_path, monkeypa
     assert server.CHAT_MEMORIES not in argv and CHAT_ENV not in server.serve_environment(argv)
 
 
+def test_kvedit_serve_loads_the_model_once_and_refuses_bad_roots_and_policies(
+    tmp_path, monkeypatch, capsys
+):
+    """The weights are loaded once (for the folder and the fingerprint, which both the command
+    and the chat memories' configuration use); a root that is a file and an empty --forget
+    are one error line, exit 2, before vLLM is looked for."""
+    from kvedit.cli.main import main as cli_main
+    from kvedit.integrations.vllm import server
+
+    loads: list = []
+    monkeypatch.setattr(server, "require_vllm", lambda what: None)
+    monkeypatch.setattr(server, "model_folder", lambda m: loads.append(m) or ("/m", "fp"))
+    server.serve("m", tmp_path, dry_run=True, memory_max_bytes=2048)
+    assert loads == ["m"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.setattr(server, "require_vllm", lambda what: pytest.fail("looked for vLLM"))
+    for args in (["--root", str(afile)], ["--root", str(tmp_path), "--forget", ""]):
+        capsys.readouterr()
+        assert cli_main(["serve", "--dry-run", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("not a folder" in err[0] or "cannot serve" in err[0])
+    assert loads == ["m"]
+
+
 # ------------------------------------------------------------------ a file's claims
 
 
