@@ -166,3 +166,11 @@ def learned_fit(tmp_path, monkeypatch):
         return Fitted(layers, meta).save(folder / f"tiny-{seed}.safetensors")
 
     return fit
+
+
+@pytest.fixture
+def short_llama(llama, monkeypatch):
+    """The tiny Llama, its config saying it attends to 16 positions."""
+    model, tok = llama
+    monkeypatch.setattr(model.config.get_text_config(), "max_position_embeddings", 16)
+    return model, tok

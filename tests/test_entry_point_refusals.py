@@ -18,7 +18,6 @@ from conftest import RECORDS
 
 import kvedit
 from kvedit import ops
-from kvedit.cli import main as cli_main
 from kvedit.errors import InvalidInputError, InvalidTypeError, StateAlteredError
 from kvedit.focusing import choice
 from kvedit.focusing.guard import AgreementGuard, SupportGuard
@@ -211,16 +210,6 @@ def test_reread_refuses_to_run_past_the_models_positions(llama):
     state = state.replace(max_positions=state.next_position + 2)
     with pytest.raises(InvalidInputError, match="re-read"):
         ops.reread(state, RECORDS[:60])
-
-
-@pytest.mark.parametrize("flag", ["--question", "--focus"])
-def test_publish_refuses_an_empty_question(tmp_path, capsys, flag):
-    path = tmp_path / "context.txt"
-    path.write_text("Some text.")
-    args = ["publish", "--root", str(tmp_path / "pub"), "--context", str(path), flag, " "]
-    assert cli_main(args) == 2
-    assert f"{flag} is empty" in capsys.readouterr().err
-    assert not (tmp_path / "pub").exists()
 
 
 def _dead_pid() -> int:
