@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,26 +30,58 @@ def memory_parser(sub) -> None:
     )
     p.add_argument("--nq", type=int, default=2, help="nq-shared transcripts per seed (0: none)")
     p.add_argument(
-        "--size", type=positive("--size"), default=90, help="messages of a facts transcript (90)"
+        "--size",
+        type=positive("--size"),
+        default=90,
+        help="messages of a facts transcript (even, 40-200; default 90)",
     )
     p.add_argument(
-        "--out", default=None, help="the fit's file (default: kvedit's cache, scorers/MODEL)"
+        "--out",
+        default=None,
+        help="the fit's file (default: kvedit's cache, scorers/MODEL.safetensors, where "
+        "forget='learned' looks first)",
     )
     p.set_defaults(run=_run_fit)
 
 
-def _run_fit(args) -> int:
-    from ..compress.scorers.learned import fit_folders
+def fit_out(args) -> Path:
+    """The fit's file: ``--out``, else the user's fits folder (where ``learned`` looks first),
+    checked before any work: not empty, not a folder, its first existing parent a folder.
+
+    Raises:
+        InvalidInputError: ``--model`` empty, ``--nq`` below 0, ``--size`` not a facts
+            transcript's size, or an ``--out`` that could not be written.
+    """
+    from ..compress.scorers.fits import user_dir
     from ..errors import InvalidInputError
+    from ..evals.fitting import check_size
+
+    if not args.model.strip():
+        raise InvalidInputError("--model is empty: name a model (a bundled name or a path)")
+    if args.nq < 0:
+        raise InvalidInputError(f"--nq must be 0 or more, not {args.nq}")
+    check_size(args.size, "--size")
+    if args.out is not None and not args.out.strip():
+        raise InvalidInputError("--out is empty: name the fit's file (or leave --out out)")
+    name = Path(args.model).name or args.model
+    out = Path(args.out) if args.out is not None else user_dir() / f"{name}.safetensors"
+    if out.is_dir():
+        raise InvalidInputError(f"--out {out} is a folder: give the fit's file")
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InvalidInputError(f"--out {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"--out {out}: {parent} cannot be written to")
+    return out
+
+
+def _run_fit(args) -> int:
     from ..evals.fitting import fit_scorer
     from ..models import load_model
 
-    if args.nq < 0:
-        raise InvalidInputError(f"--nq must be 0 or more, not {args.nq}")
-    name = Path(args.model).name or args.model
-    out = Path(args.out) if args.out else fit_folders()[1] / f"{name}.safetensors"
-    if out.exists() and out.is_dir():
-        raise InvalidInputError(f"--out {out} is a folder: give the fit's file")
+    out = fit_out(args)  # before the model loads: a refusal does no work
     model, tok = load_model(args.model)
     fitted = fit_scorer(
         model,

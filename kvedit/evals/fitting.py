@@ -31,7 +31,15 @@ from kvedit.compress.scorers.kvzip import SINKS, KVzip
 from kvedit.compress.scorers.learned import Fitted, entry_features
 from kvedit.errors import InvalidInputError
 
-__all__ = ["FIT_SEEDS", "PENALTIES", "Samples", "collect", "fit", "fitting_conversations"]
+__all__ = [
+    "FIT_SEEDS",
+    "PENALTIES",
+    "Samples",
+    "check_size",
+    "collect",
+    "fit",
+    "fitting_conversations",
+]
 
 FIT_SEEDS = (0, 3)
 """The seeds of the transcripts a fit reads: tuning seeds of the memory suite (its reports use
@@ -55,6 +63,30 @@ class Samples:
     x: dict[int, torch.Tensor]
     y: dict[int, torch.Tensor]
     source: dict[int, torch.Tensor]
+
+
+def check_size(size: object, name: str = "size") -> int:
+    """``size`` if it is a facts transcript's message count (even, in
+    [:data:`~kvedit.evals.tasks.memory_facts.MIN_MESSAGES`,
+    :data:`~kvedit.evals.tasks.memory_facts.MAX_MESSAGES`]); refused naming ``name`` (the
+    caller's own, such as ``--size``) and the limits before any model loads.
+
+    Raises:
+        InvalidInputError: not an int, odd, or outside the limits.
+    """
+    from kvedit.evals.tasks.memory_facts import MAX_MESSAGES, MIN_MESSAGES
+
+    if (
+        not isinstance(size, int)
+        or isinstance(size, bool)
+        or size % 2
+        or not MIN_MESSAGES <= size <= MAX_MESSAGES
+    ):
+        raise InvalidInputError(
+            f"{name} must be an even number of messages in [{MIN_MESSAGES}, {MAX_MESSAGES}], "
+            f"not {size!r}"
+        )
+    return size
 
 
 def fitting_conversations(
@@ -188,6 +220,8 @@ def fit_scorer(
 
     n_facts = checks.count("n_facts", n_facts)
     n_nq = checks.count("n_nq", n_nq)
+    if n_facts:
+        check_size(size)
     conversations = fitting_conversations(n_facts, n_nq, seeds, size)
     if len(conversations) < 2:
         raise InvalidInputError("a fit needs at least two transcripts (one is held out)")
