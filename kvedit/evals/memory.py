@@ -81,6 +81,7 @@ from kvedit.evals.memory_specs import (
     MemoryParams,
     build_conversations,
     check_budgets_fit,
+    check_model_serves,
     full_entries,
     memory_methods,
     parse_budgets,
@@ -276,6 +277,7 @@ def evaluate(
     Records are appended to ``out/partial.jsonl`` as each conversation is done (its settings in
     ``partial.settings.json``); ``resume`` keeps those of an interrupted run with the same
     settings and computes the rest. Arguments are checked before the model loads, and each
+    policy against what the model's configuration rules out (:func:`check_model_serves`), each
     method's budget against what its memories never forget (:func:`check_budgets_fit`) once
     the tokenizer is there: a refusal writes nothing (the partial files are written with the
     first records).
@@ -293,6 +295,7 @@ def evaluate(
     out = Path(out)
     asked = {(m.spec, b) for m, b in _pairs(parsed, budgets)}
     done = resumed_records(out, settings, conversations, asked) if resume else []
+    check_model_serves(model_name, parsed)  # what the model's configuration rules out
     model, tokenizer = load_model(model_name)
     check_budgets_fit(
         default_renderer(tokenizer), conversations, _pairs(parsed, budgets), task, max_new_tokens

@@ -24,6 +24,7 @@ __all__ = [
     "budget_entries",
     "build_conversations",
     "check_budgets_fit",
+    "check_model_serves",
     "entries_needed",
     "full_entries",
     "memory_methods",
@@ -169,6 +170,32 @@ def build_conversations(
             n_examples, seed, **{k: v for k, v in kw.items() if v is not None}
         )
     raise InvalidInputError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+
+
+def check_model_serves(model_name: str, methods: Sequence[MemoryMethod]) -> None:
+    """Refuse, before the model loads, a policy whose scorer cannot serve ``model_name``
+    where the model's configuration alone says so (:meth:`kvedit.compress.Scorer.refuses_config`:
+    ``h2o`` on a model with sliding-window layers, Gemma-3). The configuration is read only
+    when an asked scorer has such a rule; where it cannot be read, the memory refuses after
+    the model loads, as before.
+
+    Raises:
+        InvalidInputError: naming the method, the model and why.
+    """
+    from kvedit.compress import Scorer, make_scorer
+    from kvedit.evals.configs import peek_config
+
+    scorers = {m.spec: make_scorer(m.name) for m in methods if m.name not in ONCE}
+    ruled = {
+        s: sc for s, sc in scorers.items() if type(sc).refuses_config is not Scorer.refuses_config
+    }
+    config = peek_config(model_name) if ruled else None
+    if config is None:
+        return
+    for spec, scorer in ruled.items():
+        why = scorer.refuses_config(config)
+        if why is not None:
+            raise InvalidInputError(f"--methods {spec} on {model_name}: {why}")
 
 
 def full_entries(memory_renderer, conversation: Conversation) -> int:

@@ -531,3 +531,45 @@ def test_resume_with_the_same_methods_reports_only_them(finished, tmp_path, caps
     assert sorted(json.dumps(r, sort_keys=True) for r in again["examples"]) == sorted(
         json.dumps(r, sort_keys=True) for r in data["examples"]
     )
+
+
+def test_h2o_on_a_sliding_window_model_is_refused_before_the_model_loads(
+    tmp_path, no_model, capsys
+):
+    """h2o cannot serve Gemma-3's sliding-window layers: refused from the model's
+    configuration (exit 2, nothing written), no longer once the model is loaded (exit 1)."""
+    out = tmp_path / "h2o"
+    args = ["eval", "memory", "--model", "tiny-gemma3", "--task", "facts", "--size", "40"]
+    assert cli_main([*args, "--methods", "reuse,h2o", "--out", str(out), "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "kvedit eval memory: error: --methods h2o on tiny-gemma3: cannot serve a model with "
+        "sliding-window layers"
+    )
+    assert not out.exists()
+
+
+def test_a_scorers_config_rule_agrees_with_its_state_rule(tiny):
+    """What ``refuses_config`` says before the weights load is what ``refuses`` says of a
+    state of the model, for every scorer (so the early check refuses nothing the memory would
+    take), and it does say it for h2o on the model with sliding-window layers."""
+    import kvedit
+    from kvedit.compress import SCORERS
+    from kvedit.evals.configs import peek_config
+
+    arch, model, tok = tiny
+    state = kvedit.capture(model, tok, "The river is calm near the old bridge. " * 4)
+    config = peek_config(f"tiny-{arch}")
+    assert config is not None
+    for name, cls in SCORERS.items():
+        if name == "learned":  # its rule is a fit file, which no configuration tells
+            continue
+        early = cls().refuses_config(config)
+        assert early is None or early == cls().refuses(state), name
+    h2o = [memory.parse_memory_spec("h2o")]
+    if arch == "gemma3":
+        assert SCORERS["h2o"]().refuses_config(config) is not None
+        with pytest.raises(InvalidInputError, match="sliding-window layers"):
+            memory_specs.check_model_serves("tiny-gemma3", h2o)
+    else:
+        memory_specs.check_model_serves(f"tiny-{arch}", h2o)

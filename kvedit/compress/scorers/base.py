@@ -16,8 +16,9 @@ name) may do with it, as class attributes, so no list of names elsewhere has to 
 scores are kept: nothing is re-read), ``shared`` (its scores compare across layers, so one
 ranking shares the budget among them), ``whole_words`` (a word is kept or forgotten whole),
 ``reads_model`` (it runs the model, a forward pass over the state, to score: a server, whose
-model runs in another engine, may use only scorers that do not), and :meth:`Scorer.refuses`
-(why it cannot serve a state's model).
+model runs in another engine, may use only scorers that do not), :meth:`Scorer.refuses`
+(why it cannot serve a state's model) and :meth:`Scorer.refuses_config` (the same, where the
+model's configuration alone tells, so before its weights load).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class Scorer:
 
     def refuses(self, state: KVState) -> str | None:
         """Why this scorer cannot score ``state``'s model (None when it can)."""
+        return None
+
+    def refuses_config(self, config: Any) -> str | None:
+        """Why this scorer cannot score a model of ``config`` (a transformers config), where
+        the configuration alone tells: a check before the weights load. None when it can, or
+        when the configuration cannot tell (:meth:`refuses` decides once a state exists)."""
         return None
 
     def score_tokens(

@@ -27,6 +27,12 @@ from .base import Scorer, register_scorer
 
 __all__ = ["H2O"]
 
+_SLIDING = (
+    "cannot serve a model with sliding-window layers: it re-reads the whole text over the "
+    "cache, and those layers forget the tokens its scores re-read (use learned, kvzip, "
+    "reconstruct, snapkv, tova, knorm or window)"
+)
+
 
 @register_scorer("h2o")
 @dataclass(frozen=True)
@@ -49,11 +55,13 @@ class H2O(Scorer):
 
     def refuses(self, state: KVState) -> str | None:
         if any(layer.window is not None for layer in state.layers):
-            return (
-                "cannot serve a model with sliding-window layers: it re-reads the whole text "
-                "over the cache, and those layers forget the tokens its scores re-read (use "
-                "learned, kvzip, reconstruct, snapkv, tova, knorm or window)"
-            )
+            return _SLIDING
+        return None
+
+    def refuses_config(self, config) -> str | None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+            return _SLIDING
         return None
 
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
