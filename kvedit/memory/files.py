@@ -11,7 +11,9 @@ the file's ids.
 A memory remembers the version of each file it loaded from or saved to (:func:`disk_version`:
 device, inode, size and modification time), and a save to that file first checks that the file
 is still that version (:func:`check_unchanged`): another writer's save in between (two chats on
-one file) is refused, not overwritten.
+one file, two processes that loaded it) is refused, not overwritten. The check and the write
+hold the file's saving lock (:func:`saving_lock`), so that two saves of one loaded version
+cannot both pass the check: at most one save per version read.
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ from pathlib import Path
 import torch
 
 from ..cache import is_headwise
-from ..errors import CorruptCacheError, FileChangedError, InvalidInputError, InvalidTypeError
+from ..errors import (
+    CorruptCacheError,
+    FileChangedError,
+    InvalidInputError,
+    InvalidTypeError,
+    StorageError,
+)
 from ..states.files.read import read_attached
 from ..states.files.write import SavedFile, save_file_version
 from ..states.state import KVState
+from ..store.lock import WriterLock
 from .attached import (
     ATTACHMENT_KIND,
     ATTACHMENT_VERSION,
@@ -50,6 +59,7 @@ __all__ = [
     "budget_keywords",
     "check_as_file",
     "check_unchanged",
+    "saving_lock",
     "disk_version",
     "file_key",
     "held_from_file",
@@ -251,15 +261,47 @@ def write_memory(
     """Write what a memory holds (``held``) to ``path``: one sealed state file, its messages,
     turns, rounds and budget ``keywords`` in the header, an arrival policy's entry scores as
     attached tensors. Refused (:func:`check_unchanged`) when the file is no longer the version
-    ``known`` (None: not checked)."""
-    check_unchanged(path, known)
+    ``known`` (None: not checked). The check and the write hold the file's saving lock
+    (:func:`saving_lock`): of two savers of one version, the second finds the first's file."""
     policy = None if budget is None else budget.policy
     attachment = memory_attachment(
         prompt, held.messages, held.turns, held.rounds, keywords, held.scores, policy
     )
-    return save_file_version(
-        held.state, path, attachment=attachment, attached=score_tensors(held.scores)
-    )
+    lock = saving_lock(path)
+    try:
+        check_unchanged(path, known)
+        return save_file_version(
+            held.state, path, attachment=attachment, attached=score_tensors(held.scores)
+        )
+    finally:
+        lock.release()
+
+
+SAVING_WAIT_SECONDS = 120.0
+"""How long a save waits for another save of the same file (a save writes the whole file)."""
+
+
+def saving_lock(path: str | os.PathLike) -> WriterLock:
+    """The lock every :meth:`kvedit.Memory.save` of the file ``path`` (links resolved) holds
+    while it checks the file's version and writes it: ``.NAME.kvedit-saving`` beside it,
+    taken, waiting up to :data:`SAVING_WAIT_SECONDS` for another save.
+
+    Raises:
+        StorageError: another save held it all that time, or it cannot be taken.
+    """
+    file = Path(file_key(path))
+    lock = WriterLock(file.with_name(f".{file.name}{SAVING_SUFFIX}"), "Memory.save")
+    holder = lock.wait(SAVING_WAIT_SECONDS)
+    if holder is not None:
+        raise StorageError(
+            f"{path}: another save of it ({holder}) held its lock {lock.path} for more than "
+            f"{SAVING_WAIT_SECONDS:.0f}s; the memory is not saved"
+        )
+    return lock
+
+
+SAVING_SUFFIX = ".kvedit-saving"
+"""What a memory file's saving lock adds to its name (after a leading dot)."""
 
 
 def merged_keywords(kept: dict, given: dict) -> dict:

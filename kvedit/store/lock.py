@@ -155,8 +155,8 @@ class WriterLock:
         path: the lock file (made when taken, removed when released).
         what: who takes it, written in the lock file (``"kvedit chat"``).
 
-    ``acquire()`` returns None once it holds the lock, or the :class:`Holder` that does;
-    ``release()`` lets it go. ``with lock:`` is ``acquire`` (raising
+    ``acquire()`` returns None once it holds the lock, or the :class:`Holder` that does
+    (``wait(seconds)``: tried again meanwhile); ``release()`` lets it go. ``with lock:`` is ``acquire`` (raising
     :class:`~kvedit.errors.InvalidInputError` naming the holder) and ``release``.
     """
 
@@ -210,6 +210,17 @@ class WriterLock:
             raise _lock_error(self.path, e) from e
         self._fd = fd
         return None
+
+    def wait(self, seconds: float, poll: float = 0.01) -> Holder | None:
+        """:meth:`acquire`, tried again every ``poll`` seconds for up to ``seconds`` while
+        another holds the lock (a writer that holds it for a moment: a save): None once
+        taken, else the :class:`Holder` that kept it."""
+        deadline = time.monotonic() + seconds
+        while True:
+            holder = self.acquire()
+            if holder is None or time.monotonic() >= deadline:
+                return holder
+            time.sleep(poll)
 
     def holder(self) -> Holder | None:
         """Who holds the lock now (None: nobody, or this object), without taking it or making
