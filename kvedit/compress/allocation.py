@@ -14,6 +14,12 @@ Two granularities:
   same tokens on every head, as every dense cache does (and vLLM's paged cache needs).
 * per head (``per_head=True``): a unit is one KV head's entry; the result says what each head
   keeps.
+
+A floor (``floor``): one ranking alone can starve a layer whose scores run low (a live chat
+under a budget left most of SmolLM2's layers holding little more than the last answer, and
+the chat repeated one answer). With ``floor=f``, a fraction ``f`` of the budget is shared out
+first, each layer keeping its own best entries up to an equal part of it (what it must keep
+counts towards its part), and the ranking across layers spends the rest.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ def rank_keep(
     *,
     per_head: bool = False,
     held: Mapping[int, torch.Tensor] | None = None,
+    floor: float = 0.0,
 ) -> dict[int, torch.Tensor]:
     """What each layer keeps: the entries of ``must``, then the best-scored others of all the
     layers together while their cost fits ``budget``.
@@ -50,14 +57,18 @@ def rank_keep(
         per_head: rank each KV head's entries on their own (module docstring).
         held: ``{layer: [kv_heads, n]}`` bool, the slots that hold an entry (a headwise layer's
             padding does not; never kept nor paid for). None: every slot.
+        floor: the fraction of ``budget`` (0 to 1) shared equally among the layers before the
+            ranking across layers (module docstring); 0: one ranking alone.
 
     Returns:
         ``{layer: [n]}`` bool (head-uniform) or ``{layer: [kv_heads, n]}`` bool (``per_head``).
 
     Raises:
-        InvalidInputError: the entries of ``must`` alone cost more than ``budget``, or the
-            inputs' shapes disagree.
+        InvalidInputError: the entries of ``must`` alone cost more than ``budget``, the
+            inputs' shapes disagree, or ``floor`` is not in [0, 1].
     """
+    if not 0.0 <= floor <= 1.0:
+        raise InvalidInputError(f"floor must be in [0, 1], not {floor!r}")
     order = list(scores)
     if set(order) != set(must) or set(order) != set(cost):
         raise InvalidInputError("scores, must and cost must name the same layers")
@@ -90,7 +101,10 @@ def rank_keep(
             f"the protected entries alone cost {spent:g}, more than the budget {budget:g}"
         )
     kept = need.clone()
-    free = (~need & ~torch.isnan(flat)).nonzero().flatten()
+    sizes = [heads * n if per_head else n for heads, n in (shapes[i] for i in order)]
+    if floor > 0 and order:
+        spent += _floor(flat, price, kept, sizes, floor * budget / len(order))
+    free = (~kept & ~torch.isnan(flat)).nonzero().flatten()
     if len(free):
         ranked = free[torch.argsort(flat[free], descending=True, stable=True)]
         fits = torch.cumsum(price[ranked], 0) <= budget - spent + 1e-9
@@ -103,6 +117,27 @@ def rank_keep(
         out[i] = part.reshape(heads, n) if per_head else part
         start += size
     return out
+
+
+def _floor(
+    flat: torch.Tensor, price: torch.Tensor, kept: torch.Tensor, sizes: list[int], part: float
+) -> float:
+    """Keep (in ``kept``, in place) each layer's best free units while the layer's kept units
+    cost at most ``part`` (``sizes``: each layer's units in ``flat``, in order); returns what
+    the units it added cost."""
+    added, start = 0.0, 0
+    for size in sizes:
+        sl = slice(start, start + size)
+        start += size
+        room = part - float(price[sl][kept[sl]].sum())
+        free = (~kept[sl] & ~torch.isnan(flat[sl])).nonzero().flatten()
+        if room <= 0 or not len(free):
+            continue
+        ranked = free[torch.argsort(flat[sl][free], descending=True, stable=True)]
+        fits = torch.cumsum(price[sl][ranked], 0) <= room + 1e-9
+        kept[sl][ranked[fits]] = True
+        added += float(price[sl][ranked[fits]].sum())
+    return added
 
 
 def _costs(cost: float | torch.Tensor, n: int) -> torch.Tensor:
