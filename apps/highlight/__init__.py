@@ -27,11 +27,15 @@ Modules:
   validation and limits (no model, no Gradio);
 - :mod:`.steer`: :class:`Highlighter`, the model side (capture, edit, answer, attention shares,
   Auto-highlight's passage scores);
-- :mod:`.render`: the attention-coloured HTML of the context, the passage-score bars and the
-  status lines;
-- :mod:`.samples`: the lost-in-the-middle samples;
-- :mod:`.ui`: the Gradio page, the ``/steer`` and ``/focus`` endpoints, :func:`serve` and
-  :func:`main`.
+- :mod:`.render`: the attention-coloured HTML of the context, the difference view (after
+  minus before), the passage-score bars and the status lines;
+- :mod:`.samples`: the lost-in-the-middle samples and the one-click examples;
+- :mod:`.layout`: the Highlight tab's components (the status under Run);
+- :mod:`.ui`: the Gradio page, its events (panels of an old request emptied when its inputs
+  change), the ``/steer`` and ``/focus`` endpoints, :func:`serve` and :func:`main`;
+- :mod:`.memory_view` and :mod:`.memory_tab`: the Memory tab, a chat in a
+  :class:`kvedit.Memory` under a byte budget and the chart of what it holds, per message and
+  per layer (kept, quantized, forgotten), after every turn.
 
 In a checkout this package is ``apps.highlight``; the wheel installs the same files as
 ``kvedit_apps.highlight``, which ``kvedit app`` imports. Start it with
@@ -83,14 +87,17 @@ from .render import (
     context_pieces,
     legend,
     render_attention,
+    render_difference,
     render_focus_status,
     render_scores,
     render_status,
 )
 from .samples import (
+    EXAMPLES,
     SAMPLE_POSITION,
     SAMPLE_RECORDS,
     SAMPLE_TRIALS,
+    ShortExample,
     sample_examples,
     sample_fields,
 )
@@ -111,6 +118,7 @@ _Piece = Piece  # the name before the split into modules
 
 __all__ = [
     "DEFAULT_HOST",
+    "EXAMPLES",
     "DEFAULT_MODEL",
     "DEFAULT_PORT",
     "METHOD_NOTE",
@@ -129,6 +137,7 @@ __all__ = [
     "PromptSplit",
     "Range",
     "Request",
+    "ShortExample",
     "SteerResult",
     "add_arguments",
     "build_app",
@@ -140,6 +149,7 @@ __all__ = [
     "parse_focus_request",
     "parse_request",
     "render_attention",
+    "render_difference",
     "render_focus_status",
     "render_scores",
     "render_status",

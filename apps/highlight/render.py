@@ -27,6 +27,7 @@ __all__ = [
     "context_pieces",
     "legend",
     "render_attention",
+    "render_difference",
     "render_focus_status",
     "render_scores",
     "render_status",
@@ -38,6 +39,8 @@ _HEAT_RGB = "234, 88, 12"  # orange
 _EMPHASIZE_COLOR = "#16a34a"  # green underline
 _SUPPRESS_COLOR = "#dc2626"  # red dashed underline
 _OTHER_BAR_COLOR = "#9ca3af"  # grey: a passage not picked
+_GAIN_RGB = "22, 163, 74"  # green: more attention after the edit
+_LOSS_RGB = "37, 99, 235"  # blue: less attention after the edit
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,55 @@ def render_views(
         render_attention("Before: the captured cache", context, before, scale, emphasize, suppress),
         render_attention("After: the edited cache", context, after, scale, emphasize, suppress)
         + note,
+    )
+
+
+def render_difference(
+    context: str,
+    before: Sequence[Piece],
+    after: Sequence[Piece],
+    emphasize: Sequence[Range],
+    suppress: Sequence[Range],
+) -> str:
+    """HTML of the context coloured by the change of each token's share (after minus before):
+    green where the edit gave a token more of the question's attention, blue where less, full
+    colour at the largest change in either direction (square-root intensity, as the views).
+
+    ``before`` and ``after`` are the same tokens (an edit keeps the context's tokens).
+
+    Raises:
+        ValueError: the two lists are not the same tokens.
+    """
+    if [(p.start, p.end) for p in before] != [(p.start, p.end) for p in after]:
+        raise ValueError("the attention views before and after cover different tokens")
+    deltas = [Piece(a.start, a.end, a.share - b.share) for b, a in zip(before, after, strict=True)]
+    scale = max([abs(p.share) for p in deltas] + [1e-9])
+    out: list[str] = []
+    cursor = 0
+    for piece in deltas:
+        if piece.start > cursor:
+            out.append(html.escape(context[cursor : piece.start]))
+        rgb = _GAIN_RGB if piece.share >= 0 else _LOSS_RGB
+        alpha = 0.9 * math.sqrt(abs(piece.share) / scale)
+        style = f"background:rgba({rgb},{alpha:.3f});" + _marks(
+            piece.start, piece.end, emphasize, suppress
+        )
+        text = html.escape(context[piece.start : piece.end])
+        title = f"{100 * piece.share:+.2f} points"
+        out.append(f'<span style="{style}" title="{title}">{text}</span>')
+        cursor = piece.end
+    out.append(html.escape(context[cursor:]))
+    note = (
+        "Green: more of the question's attention after the edit; blue: less (full colour = "
+        f"{100 * scale:.2f} percentage points on one token). Hover a token for its change."
+    )
+    return (
+        '<div class="kvedit-difference" style="padding:2px 4px">'
+        '<div style="font-weight:600;margin-bottom:4px">Difference: after minus before</div>'
+        '<div style="white-space:pre-wrap;font-family:ui-monospace,SFMono-Regular,Menlo,monospace;'
+        "font-size:13px;line-height:1.8;max-height:420px;overflow-y:auto;padding:8px;"
+        'border:1px solid #d1d5db;border-radius:8px">' + "".join(out) + "</div>"
+        f'<div style="font-size:12px;opacity:.8;margin-top:4px">{html.escape(note)}</div></div>'
     )
 
 

@@ -36,6 +36,7 @@ from .parse import (
 from .render import (
     GroupShare,
     context_pieces,
+    render_difference,
     render_focus_status,
     render_scores,
     render_status,
@@ -58,6 +59,8 @@ class SteerResult:
     after_html: str
     cache_path: str | None
     status: str
+    diff_html: str = ""
+    """The context coloured by each token's change of attention share (after minus before)."""
 
 
 @dataclass(frozen=True)
@@ -258,13 +261,9 @@ class Highlighter:
             edited.save(cache_path)
 
         seconds = time.perf_counter() - t0
-        before_html, after_html = render_views(
-            req.context,
-            context_pieces(state, split, before),
-            context_pieces(edited, split, after),
-            req.emphasize,
-            req.suppress,
-        )
+        pieces = context_pieces(state, split, before), context_pieces(edited, split, after)
+        before_html, after_html = render_views(req.context, *pieces, req.emphasize, req.suppress)
+        diff_html = render_difference(req.context, *pieces, req.emphasize, req.suppress)
         return SteerResult(
             baseline=baseline,
             steered=steered,
@@ -272,4 +271,5 @@ class Highlighter:
             after_html=after_html,
             cache_path=cache_path,
             status=render_status(self.model_name, seconds, n_tokens, strength, groups),
+            diff_html=diff_html,
         )

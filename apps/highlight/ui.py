@@ -16,7 +16,6 @@ import logging
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -26,8 +25,10 @@ import gradio as gr  # noqa: E402
 import kvedit  # noqa: E402
 from kvedit.errors import KVEditError  # noqa: E402
 
+from .layout import METHOD_NOTE, Page, build_page  # noqa: E402
+from .memory_tab import build_memory_tab  # noqa: E402
 from .parse import InputError  # noqa: E402
-from .samples import sample_examples, sample_fields  # noqa: E402
+from .samples import EXAMPLES, ShortExample, sample_examples, sample_fields  # noqa: E402
 from .steer import Highlighter  # noqa: E402
 
 __all__ = [
@@ -48,26 +49,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 
-METHOD_NOTE = (
-    "**Steering method:** a cache edit. The context is captured once; "
-    "`kvedit.ops.emphasize` / `kvedit.ops.suppress` store a ±strength bias (in nats) on the "
-    "spans' keys (the decode scope of `kvedit.steer`): the context's own encoding is unchanged, "
-    "the question and the answer see the bias. Both answers are greedy and come from the same "
-    "captured cache."
-)
-
-_INTRO = """\
-# kvedit highlight
-Mark the spans of a context that the model should attend to (or ignore), ask a question, and
-compare the model's answer before and after editing its KV cache.
-Mark spans by listing them (one per line), by selecting text in the context and pressing
-**Emphasize selection** / **Suppress selection**, or inline: `[[emphasize this]]`,
-`{{suppress this}}` (the markers are removed before the model reads the context).
-Or press **Auto-highlight**: the passages the question points at go into the Emphasize box
-(`kvedit.focus` scores every passage), then press **Run**.
-"""
-
-
 _ADD_SELECTION_JS = """
 (spans, status) => {
   const box = document.querySelector('#context textarea');
@@ -75,7 +56,7 @@ _ADD_SELECTION_JS = """
   if (!picked) return [spans, '**Not added:** select some text in the context first, then press the button.'];
   const lines = (spans || '').split('\\n').map((line) => line.trim()).filter(Boolean);
   if (!lines.includes(picked)) lines.push(picked);
-  return [lines.join('\\n'), status];
+  return [lines.join('\\n'), ''];
 }
 """
 """Append the text selected in the context box to a span list (runs in the browser)."""
@@ -97,143 +78,51 @@ def build_app(
     samples = sample_examples()
     lim = highlighter.limits
 
-    with gr.Blocks(
-        title="kvedit highlight", analytics_enabled=False, delete_cache=delete_cache
-    ) as demo:
-        page = _page(lim)
-        _wire_steer(page, highlighter)
-        _wire_focus(page, highlighter)
-        _wire_selection_and_samples(page, samples)
+    with (
+        gr.Blocks(
+            title="kvedit highlight", analytics_enabled=False, delete_cache=delete_cache
+        ) as demo,
+        gr.Tabs(),
+    ):
+        with gr.Tab("Highlight", id="highlight-tab", elem_id="highlight-tab"):
+            page = build_page(lim, EXAMPLES)
+            _wire_steer(page, highlighter)
+            _wire_focus(page, highlighter)
+            _wire_selection_and_samples(page, samples)
+            _wire_examples(page, EXAMPLES)
+            _wire_staleness(page)
+        with gr.Tab("Memory", id="memory-tab", elem_id="memory-tab"):
+            build_memory_tab(highlighter.model, highlighter.tokenizer, highlighter.model_name)
     demo.queue(default_concurrency_limit=concurrency)
     return demo
 
 
-@dataclass(frozen=True)
-class _Page:
-    """The components of the page that the events read or write."""
-
-    sample_index: gr.State
-    context: gr.Textbox
-    add_emphasis: gr.Button
-    add_suppression: gr.Button
-    load_sample: gr.Button
-    hint: gr.Markdown
-    emphasize: gr.Textbox
-    suppress: gr.Textbox
-    strength: gr.Slider
-    question: gr.Textbox
-    top_k: gr.Number
-    auto: gr.Button
-    run: gr.Button
-    scores: gr.HTML
-    passages: gr.JSON
-    status: gr.Markdown
-    baseline: gr.Textbox
-    steered: gr.Textbox
-    before: gr.HTML
-    after: gr.HTML
-    cache_file: gr.File
-
-
-def _page(lim) -> _Page:
-    """Lay out the page (inside the app's Blocks) with ``lim``'s context and strength limits."""
-    gr.Markdown(_INTRO + "\n" + METHOD_NOTE)
-    sample_index = gr.State(0)  # per browser session: the next sample to load
-    with gr.Row():
-        with gr.Column(scale=3):
-            left = _context_column(lim)
-        with gr.Column(scale=2):
-            right = _controls_column(lim)
-    status = gr.Markdown("", label="Status", elem_id="status")
-    with gr.Row():
-        baseline = gr.Textbox(label="Baseline answer", interactive=False, elem_id="baseline")
-        steered = gr.Textbox(label="Steered answer", interactive=False, elem_id="steered")
-    with gr.Row():
-        before = gr.HTML(label="Attention before", elem_id="before")
-        after = gr.HTML(label="Attention after", elem_id="after")
-    cache_file = gr.File(label="Edited cache (kvedit.load_state)", elem_id="cache")
-    return _Page(
-        sample_index=sample_index,
-        **left,
-        **right,
-        status=status,
-        baseline=baseline,
-        steered=steered,
-        before=before,
-        after=after,
-        cache_file=cache_file,
+def cleared(components: Sequence[gr.components.Component]) -> tuple:
+    """What empties each of ``components``: no value (a panel, a file), ``""`` for text."""
+    return tuple(
+        "" if isinstance(c, gr.Textbox | gr.Markdown | gr.HTML) else None for c in components
     )
 
 
-def _context_column(lim) -> dict[str, gr.components.Component]:
-    """The context box, the selection buttons, "Load a sample" and the hint, by field name."""
-    context = gr.Textbox(
-        label=f"Context (max {lim.max_context_chars:,} characters)",
-        lines=12,
-        max_lines=24,
-        placeholder="Paste a text. Mark [[spans to emphasize]] and {{spans to "
-        "suppress}} inline, or select text and press a button below.",
-        elem_id="context",
+def _wire_staleness(page: Page) -> None:
+    """Panels true for one request are emptied as soon as its inputs change: a typed context
+    empties the hint, the passage scores, the answers, the views and the status; typed spans or
+    a typed question all of those but the hint."""
+    on_context = [page.hint, *page.picks, *page.results, page.status]
+    on_request = [*page.picks, *page.results, page.status]
+    page.context.input(
+        lambda: cleared(on_context), None, on_context, api_visibility="private", queue=False
     )
-    with gr.Row():
-        add_emphasis = gr.Button("Emphasize selection", size="sm")
-        add_suppression = gr.Button("Suppress selection", size="sm")
-        load_sample = gr.Button("Load a sample", size="sm", elem_id="load-sample")
-    hint = gr.Markdown(elem_id="hint")
-    return {
-        "context": context,
-        "add_emphasis": add_emphasis,
-        "add_suppression": add_suppression,
-        "load_sample": load_sample,
-        "hint": hint,
-    }
-
-
-def _controls_column(lim) -> dict[str, gr.components.Component]:
-    """The span boxes, strength, question, passage count, Auto-highlight, Run and the passage
-    scores, by field name."""
-    emphasize = gr.Textbox(label="Emphasize (one span per line)", lines=3, elem_id="emphasize")
-    suppress = gr.Textbox(label="Suppress (one span per line)", lines=2, elem_id="suppress")
-    strength = gr.Slider(
-        0.0,
-        lim.max_strength,
-        value=2.0,
-        step=0.5,
-        label="Strength (nats added to the spans' attention logits)",
-        elem_id="strength",
-    )
-    question = gr.Textbox(label="Question", placeholder="What is ...?", lines=1, elem_id="question")
-    with gr.Row():
-        # precision=None: Gradio's precision=0 would round 2.5 to 2 before
-        # parse_focus sees it; parse_focus refuses what is not a whole number.
-        top_k = gr.Number(
-            value=1,
-            precision=None,
-            step=1,
-            label="Passages to pick",
-            min_width=100,
-            elem_id="top-k",
+    for box in (page.emphasize, page.suppress, page.question):
+        box.input(
+            lambda: cleared(on_request), None, on_request, api_visibility="private", queue=False
         )
-        auto = gr.Button("Auto-highlight", elem_id="auto-highlight", min_width=100)
-        run = gr.Button("Run", variant="primary", elem_id="run", min_width=100)
-    scores = gr.HTML(label="Passage scores", elem_id="focus-scores")
-    with gr.Accordion("Passage scores (JSON)", open=False):
-        passages = gr.JSON(label="Passages", elem_id="focus-passages")
-    return {
-        "emphasize": emphasize,
-        "suppress": suppress,
-        "strength": strength,
-        "question": question,
-        "top_k": top_k,
-        "auto": auto,
-        "run": run,
-        "scores": scores,
-        "passages": passages,
-    }
 
 
-def _wire_steer(page: _Page, highlighter: Highlighter) -> None:
-    """Run (the ``/steer`` endpoint) and Enter in the question box answer with ``highlighter``."""
+def _wire_steer(page: Page, highlighter: Highlighter) -> None:
+    """Run and Enter in the question box answer with ``highlighter`` (the answers, the views,
+    their difference); the ``/steer`` endpoint, on a button never shown, gives the same
+    without the difference view (its documented six outputs)."""
 
     def steer(
         context: str, emphasize: str, suppress: str, strength: float, question: str
@@ -252,25 +141,39 @@ def _wire_steer(page: _Page, highlighter: Highlighter) -> None:
             baseline answer, steered answer, attention before (HTML), attention after
             (HTML), the edited cache file, and a status message (errors included).
         """
+        *shown, _, cache_path, status = steer_in_page(
+            context, emphasize, suppress, strength, question
+        )
+        return *shown, cache_path, status
+
+    def steer_in_page(
+        context: str, emphasize: str, suppress: str, strength: float, question: str
+    ) -> tuple[str, str, str, str, str, str | None, str]:
+        """:func:`steer` with the difference view before the cache file."""
         save_dir = Path(page.cache_file.GRADIO_CACHE) / "kvedit-highlight" / uuid.uuid4().hex
         try:
             r = highlighter.run(context, emphasize, suppress, strength, question, save_dir)
         except InputError as e:
-            return "", "", "", "", None, f"**Not run:** {e}"
+            return "", "", "", "", "", None, f"**Not run:** {e}"
         except (KVEditError, ValueError) as e:
-            return "", "", "", "", None, f"**Not run** ({type(e).__name__}): {e}"
+            return "", "", "", "", "", None, f"**Not run** ({type(e).__name__}): {e}"
         except Exception as e:  # shown in the page; the trace goes to the server log
             log.exception("highlight request failed")
-            return "", "", "", "", None, f"**Internal error** ({type(e).__name__}): {e}"
-        return r.baseline, r.steered, r.before_html, r.after_html, r.cache_path, r.status
+            return "", "", "", "", "", None, f"**Internal error** ({type(e).__name__}): {e}"
+        views = (r.before_html, r.after_html, r.diff_html)
+        return r.baseline, r.steered, *views, r.cache_path, r.status
 
     inputs = [page.context, page.emphasize, page.suppress, page.strength, page.question]
-    outputs = [page.baseline, page.steered, page.before, page.after, page.cache_file, page.status]
-    page.run.click(steer, inputs, outputs, api_name="steer", concurrency_id="steer")
-    page.question.submit(steer, inputs, outputs, api_visibility="private", concurrency_id="steer")
+    outputs = [*page.results, page.status]
+    for trigger in (page.run.click, page.question.submit):
+        trigger(steer_in_page, inputs, outputs, api_visibility="private", concurrency_id="steer")
+    api_outputs = [o for o in outputs if o is not page.diff]
+    gr.Button(visible=False, elem_id="steer-api").click(
+        steer, inputs, api_outputs, api_name="steer", concurrency_id="steer"
+    )
 
 
-def _wire_focus(page: _Page, highlighter: Highlighter) -> None:
+def _wire_focus(page: Page, highlighter: Highlighter) -> None:
     """Auto-highlight, and the ``/focus`` endpoint on a hidden button, pick passages with
     ``highlighter``."""
 
@@ -323,40 +226,51 @@ def _wire_focus(page: _Page, highlighter: Highlighter) -> None:
     )
 
 
-def _wire_selection_and_samples(page: _Page, samples: Sequence) -> None:
-    """The selection buttons (in the browser) and "Load a sample" (a private endpoint)."""
+def _wire_selection_and_samples(page: Page, samples: Sequence) -> None:
+    """The selection buttons (in the browser; a span added empties the panels it made stale)
+    and "Load a sample" (a private endpoint)."""
+    stale = [*page.picks, *page.results, page.status]
 
-    def next_sample(index: int) -> tuple[str, str, str, str, str, str, list, int]:
-        """Load the next sample: context, question, the gold record to emphasize, a hint
-        (and clear the previous context's passage scores)."""
+    def next_sample(index: int) -> tuple:
+        """Load the next sample: context, question, the gold record to emphasize, a hint,
+        and empty what the previous request showed."""
         example = samples[index % len(samples)]
         text, ask, note = sample_fields(example)
-        return text, ask, example.gold_document or "", "", note, "", [], index + 1
+        return text, ask, example.gold_document or "", "", note, *cleared(stale), index + 1
+
+    def after_selection(status: str) -> tuple:
+        """A span added: the panels of the old span list are emptied (nothing added: kept)."""
+        if status.startswith("**Not added:**"):
+            return tuple(gr.skip() for _ in stale[:-1])
+        return cleared(stale[:-1])
 
     # Selections are read in the browser when a button is pressed (no server round trip,
     # so the span is exactly what is selected at that moment).
     emphasize, suppress, status = page.emphasize, page.suppress, page.status
-    page.add_emphasis.click(
-        None, [emphasize, status], [emphasize, status], js=_ADD_SELECTION_JS, queue=False
-    )
-    page.add_suppression.click(
-        None, [suppress, status], [suppress, status], js=_ADD_SELECTION_JS, queue=False
-    )
+    for button, box in ((page.add_emphasis, emphasize), (page.add_suppression, suppress)):
+        button.click(None, [box, status], [box, status], js=_ADD_SELECTION_JS, queue=False).then(
+            after_selection, status, stale[:-1], api_visibility="private", queue=False
+        )
     page.load_sample.click(
         next_sample,
         page.sample_index,
-        [
-            page.context,
-            page.question,
-            emphasize,
-            suppress,
-            page.hint,
-            page.scores,
-            page.passages,
-            page.sample_index,
-        ],
+        [page.context, page.question, emphasize, suppress, page.hint, *stale, page.sample_index],
         api_visibility="private",
     )
+
+
+def _wire_examples(page: Page, examples: Sequence[ShortExample]) -> None:
+    """Each example's button fills the context, the spans and the question and its note, and
+    empties what the previous request showed."""
+    fields = [page.context, page.emphasize, page.suppress, page.question, page.hint]
+    stale = [*page.picks, *page.results, page.status]
+    for button, example in zip(page.examples, examples, strict=True):
+
+        def fill(example: ShortExample = example) -> tuple:
+            e = example
+            return e.context, e.emphasize, e.suppress, e.question, e.note, *cleared(stale)
+
+        button.click(fill, None, [*fields, *stale], api_visibility="private", queue=False)
 
 
 def serve(
