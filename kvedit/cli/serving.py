@@ -58,14 +58,21 @@ def serve_parser(sub) -> None:
         metavar="SIZE",
         help="each conversation's memory holds at most this (e.g. 8MiB; default: no budget)",
     )
-    p.add_argument(
-        "--forget",
-        default=None,
-        help="what a memory over its budget forgets: learned (default), knorm or window",
-    )
+    p.add_argument("--forget", default=None, help=_forget_help())
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command, do not run it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(run=_run_serve)
+
+
+def _forget_help() -> str:
+    """--forget's help: the policies a served memory may use, from the registry of scorers."""
+    from ..integrations.vllm.conversations import servable_policies
+
+    names = ", ".join(servable_policies())
+    return (
+        f"what a memory over its budget forgets: one of {names} (the registered scorers that "
+        "do not run the model; default learned)"
+    )
 
 
 def _run_serve(args) -> int:

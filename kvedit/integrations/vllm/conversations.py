@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ... import rope
+from ...compress import SCORERS
 from ...errors import InvalidInputError, KVEditError
 from ...memory.budget import RECENT_TOKENS, Budget, budget_from
 from ...memory.held import Scores, arrived
@@ -60,17 +61,13 @@ from .turns import SavedTurn, remove_turn, sweep_turns, wait_turn
 __all__ = [
     "MAX_CONVERSATION_CHARS",
     "MEMORIES",
-    "SERVABLE_POLICIES",
     "Conversations",
     "Plan",
     "check_max_bytes",
     "message_of",
+    "servable_policies",
     "served_policy",
 ]
-
-SERVABLE_POLICIES = ("learned", "knorm", "window")
-"""Forgetting policies a served memory may use: they score entries from their K/V alone (the
-others run the model, which the serving path never does)."""
 
 MAX_CONVERSATION_CHARS = 4_000_000
 """The most characters a served conversation's messages hold: every turn renders them all (a
@@ -129,7 +126,7 @@ class Conversations:
         model, tokenizer: the served model (a loaded kvedit model: its config, tokenizer,
             RoPE movers and scorer fit; never run).
         max_bytes: each conversation's byte budget (None: nothing is forgotten).
-        forget: the policy (one of :data:`SERVABLE_POLICIES`; None: ``learned``).
+        forget: the policy (one of :func:`servable_policies`; None: ``learned``).
         timeout: seconds a commit waits for vLLM's worker to save a turn.
     """
 
@@ -163,7 +160,14 @@ class Conversations:
         empty = empty_state(self.model, self.tokenizer)
         # one choice of tokens for every layer and head: vLLM serves it exactly (no null slots)
         return budget_from(
-            empty, None, max_bytes, self.forget, RECENT_TOKENS, None, False, None, False
+            empty,
+            max_tokens=None,
+            max_bytes=max_bytes,
+            forget=self.forget,
+            recent_tokens=RECENT_TOKENS,
+            protect=None,
+            per_head=False,
+            per_layer=False,
         )
 
     def plan(self, messages: Sequence[Mapping], params: object = None) -> Plan:
@@ -300,17 +304,25 @@ class Conversations:
         return state, scores, before - sum(len(x) for x in state.layers)
 
 
+def servable_policies() -> tuple[str, ...]:
+    """The forgetting policies a served memory may use: the registered scorers that do not
+    run the model (``reads_model`` False: they score entries from their K/V; the serving path
+    never runs the model), in the registry's order."""
+    return tuple(name for name in SCORERS if not SCORERS.lookup(name).reads_model)
+
+
 def served_policy(forget: str | None) -> str:
     """The policy a served memory forgets with: ``forget`` (None: ``learned``).
 
     Raises:
-        InvalidInputError: a policy that is not one of :data:`SERVABLE_POLICIES`.
+        InvalidInputError: a policy that is not one of :func:`servable_policies`.
     """
     policy = "learned" if forget is None else forget
-    if policy not in SERVABLE_POLICIES:
+    servable = servable_policies()
+    if policy not in servable:
         raise InvalidInputError(
             f"forget={policy!r} cannot serve: a served memory forgets with one of "
-            f"{list(SERVABLE_POLICIES)} (they score entries from their K/V; the others run "
+            f"{list(servable)} (they score entries from their K/V; the others run "
             "the model, which the serving path never does)"
         )
     return policy

@@ -220,7 +220,7 @@ def serve(
     """Print :func:`serve_command`'s command to stderr (with the environment variables
     :func:`serve_environment` adds) and run it in place of this process (it returns only with
     ``dry_run``, giving the command). ``memory_max_bytes``: each conversation's byte budget;
-    ``forget``: its policy (:data:`~kvedit.integrations.vllm.conversations.SERVABLE_POLICIES`).
+    ``forget``: its policy (one of :func:`~kvedit.integrations.vllm.conversations.servable_policies`).
     The model's weights are loaded once here (for its folder and fingerprint).
 
     Raises:

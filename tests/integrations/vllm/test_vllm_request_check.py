@@ -306,6 +306,40 @@ def test_kvedit_serve_loads_the_model_once_and_refuses_bad_roots_and_policies(
     assert loads == ["m"]
 
 
+def test_the_servable_policies_come_from_the_scorers_traits(monkeypatch, capsys):
+    """A scorer that does not read the model serves (the server's option check, Conversations'
+    and --forget's help take it) and one that does is refused, with nothing else touched."""
+    from dataclasses import dataclass
+
+    from kvedit.cli.main import main as cli_main
+    from kvedit.compress import SCORERS, Scorer, register_scorer
+    from kvedit.errors import InvalidInputError
+    from kvedit.integrations.vllm import server
+    from kvedit.integrations.vllm.conversations import servable_policies, served_policy
+
+    @dataclass(frozen=True)
+    class Newest(Scorer):
+        reads_model = False
+
+    @dataclass(frozen=True)
+    class Probing(Scorer):
+        pass  # reads the model, as a scorer does unless it says otherwise
+
+    register_scorer("test_newest")(Newest)
+    register_scorer("test_probing")(Probing)
+    try:
+        assert "test_newest" in servable_policies() and "test_probing" not in servable_policies()
+        assert {"learned", "knorm", "window"} <= set(servable_policies())
+        assert served_policy("test_newest") == "test_newest"
+        assert server.check_chat_options(True, None, "test_newest")
+        with pytest.raises(InvalidInputError, match="test_newest"):  # named among the servable
+            server.check_chat_options(True, None, "test_probing")
+        assert cli_main(["serve", "--help"]) == 0
+        assert "test_newest" in " ".join(capsys.readouterr().out.split())
+    finally:
+        del SCORERS["test_newest"], SCORERS["test_probing"]
+
+
 # ------------------------------------------------------------------ a file's claims
 
 
