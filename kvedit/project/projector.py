@@ -276,35 +276,7 @@ class Projector:
         param = next(model_b.parameters())
         device, dtype = param.device, param.dtype
         projected = self.project_layers(state_a, offsets, align, device)
-        layers = _empty_layers(self.b_kv_shape, self.b_windows, device, dtype)
-        last_logits = None
-        start = 0
-        while start < n:  # runs of tokens B computes itself / takes projected
-            stop = start + 1
-            while stop < n and bool(own[stop]) == bool(own[start]):
-                stop += 1
-            index = torch.arange(start, stop)
-            if bool(own[start]):
-                logits, full_kv = run_model(
-                    model_b,
-                    layers,
-                    torch.tensor([ids[start:stop]], device=device),
-                    index[None].to(device),
-                    logits_to_keep=1,
-                )
-                layers = [
-                    layer.extended(k, v, index, index.clone())
-                    for layer, (k, v) in zip(layers, full_kv, strict=True)
-                ]
-                last_logits = logits[0, -1].float()
-            else:
-                layers = [
-                    layer.append(
-                        k[:, :, start:stop].to(dtype), v[:, :, start:stop].to(dtype), index, index
-                    )
-                    for layer, (k, v) in zip(layers, projected, strict=True)
-                ]
-            start = stop
+        layers, last_logits = self._fill(model_b, ids, own, projected, device, dtype)
         origin = Origin(
             "projection",
             {
@@ -331,3 +303,53 @@ class Projector:
             model=model_b,
             tokenizer=tok_b,
         )
+
+    def _fill(
+        self,
+        model_b: PreTrainedModel,
+        ids: list[int],
+        own: torch.Tensor,
+        projected: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[list, torch.Tensor | None]:
+        """B's layers for ``ids``, run by run: the tokens marked in ``own`` computed by B on top
+        of what is held so far, the others appended from ``projected``; with the last logits B
+        computed (``None`` if it computed none)."""
+        layers = _empty_layers(self.b_kv_shape, self.b_windows, device, dtype)
+        last_logits = None
+        for start, stop in _runs(own):
+            index = torch.arange(start, stop)
+            if bool(own[start]):
+                logits, full_kv = run_model(
+                    model_b,
+                    layers,
+                    torch.tensor([ids[start:stop]], device=device),
+                    index[None].to(device),
+                    logits_to_keep=1,
+                )
+                layers = [
+                    layer.extended(k, v, index, index.clone())
+                    for layer, (k, v) in zip(layers, full_kv, strict=True)
+                ]
+                last_logits = logits[0, -1].float()
+            else:
+                layers = [
+                    layer.append(
+                        k[:, :, start:stop].to(dtype), v[:, :, start:stop].to(dtype), index, index
+                    )
+                    for layer, (k, v) in zip(layers, projected, strict=True)
+                ]
+        return layers, last_logits
+
+
+def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of equal values in the 1-d bool tensor ``flags``."""
+    runs, start, n = [], 0, len(flags)
+    while start < n:
+        stop = start + 1
+        while stop < n and bool(flags[stop]) == bool(flags[start]):
+            stop += 1
+        runs.append((start, stop))
+        start = stop
+    return runs

@@ -64,17 +64,16 @@ reused entries that part still holds plus the recomputed ones, a further approxi
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..cache import LayerKV
 from ..checks import describe
-from ..compat import cache_kwarg
 from ..errors import InvalidInputError, InvalidTypeError, UnsupportedModelError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..provenance import History, Origin, token_ranges
@@ -86,7 +85,10 @@ from .blend_parts import PartReport, encode_parts, part_states
 
 # blend calls the step through this module's name (tests/reusing/test_blend.py spies on it)
 from .blend_recomputing import recompute_selected as _recompute
-from .blend_rules import BlendRules, Narrowing, deviation_scores
+from .blend_rules import BlendRules
+from .blend_selection import deviation as _deviation  # noqa: F401  (tests read it here)
+from .blend_selection import selection as _selection
+from .blend_selection import true_kv as _true_kv  # noqa: F401
 
 BLEND_CONTEXTS = ("prefix", "alone")
 """What :func:`blend`'s later parts are cached after: the shared prefix (part 0), or nothing."""
@@ -199,10 +201,7 @@ def blend(
         max_positions=max_positions,
     )
 
-    starts = [0]
-    for s in states:
-        starts.append(starts[-1] + len(s))
-    n = starts[-1]
+    starts = [0, *itertools.accumulate(len(s) for s in states)]
     layers = _placed_layers(states, starts[:-1], layer_movers)
     ids = torch.cat([s.token_ids for s in states])
     selected, narrowing, deviation_layer = _selection(model, ids, layers, starts, recompute, rules)
@@ -216,7 +215,38 @@ def blend(
     rescaled = torch.empty(0, dtype=torch.long)
     if rules.rescale is not None:
         layers, rescaled = rules.rescale.apply(layers, kept, starts[1])
-    origin = {
+    settings = {"recompute": recompute, "context": context, "previous": previous}
+    origin = _origin(states, selected, kept, rules, **settings)
+    state = _blended_state(model, tokenizer, parts, states, layers, ids, last_logits, origin)
+    if rules.rescale is not None:
+        state = state.with_step(rules.rescale.step(rescaled))
+        if len(rescaled):  # the first continuation token reads the rescaled entries
+            state = recompute_last(state)
+    return state, _report(
+        states,
+        reports,
+        selected,
+        kept,
+        rules,
+        t0=t0,
+        deviation_layer=deviation_layer,
+        n_rescaled=len(rescaled),
+        **settings,
+    )
+
+
+def _origin(
+    states: Sequence[KVState],
+    selected: torch.Tensor,
+    kept: Sequence[torch.Tensor],
+    rules: BlendRules,
+    *,
+    recompute: float,
+    context: str,
+    previous: str | None,
+) -> dict:
+    """The parameters of a blend's ``"blend"`` origin."""
+    return {
         "parts": [s.digest for s in states],
         "recompute": float(recompute),
         "context": context,
@@ -224,32 +254,40 @@ def blend(
         **rules.origin_params([len(k) for k in kept]),
         **({"previous": previous} if previous is not None else {}),
     }
-    state = _blended_state(model, tokenizer, parts, states, layers, ids, last_logits, origin)
-    if rules.rescale is not None:
-        state = state.with_step(rules.rescale.step(rescaled))
-        if len(rescaled):  # the first continuation token reads the rescaled entries
-            state = recompute_last(state)
+
+
+def _report(
+    states: Sequence[KVState],
+    reports: list[PartReport],
+    selected: torch.Tensor,
+    kept: Sequence[torch.Tensor],
+    rules: BlendRules,
+    **settings,
+) -> BlendReport:
+    """What a blend of ``states`` did: the token counts, what the rules did, the time since
+    ``settings["t0"]`` and the settings (``recompute``, ``context``, ``deviation_layer``,
+    ``n_rescaled``, ``previous``)."""
+    n = sum(len(s) for s in states)
     stored_tokens = sum(r.n_tokens for r in reports if r.source != "computed")
     is_stored = torch.cat(
         [torch.full((len(s),), r.source != "computed") for s, r in zip(states, reports)]
     )
-    report = BlendReport(
+    return BlendReport(
         parts=reports,
         tokens=n,
         tokens_reused=stored_tokens - int(is_stored[selected].sum()),
         tokens_recomputed=int(selected.numel()),
         tokens_computed=n - stored_tokens,
-        recompute=float(recompute),
-        context=context,
-        deviation_layer=deviation_layer,
-        seconds=time.perf_counter() - t0,
+        recompute=float(settings["recompute"]),
+        context=settings["context"],
+        deviation_layer=settings["deviation_layer"],
+        seconds=time.perf_counter() - settings["t0"],
         recomputed_tokens=selected,
         rules=rules.names,
         recomputed_per_layer=[len(k) for k in kept],
-        tokens_rescaled=len(rescaled),
-        previous=previous,
+        tokens_rescaled=settings["n_rescaled"],
+        previous=settings["previous"],
     )
-    return state, report
 
 
 # -------------------------------------------------------------------- arguments
@@ -342,102 +380,4 @@ def _placed_layers(
                 window=states[0].layers[i].window,
             )
         )
-    return out
-
-
-# -------------------------------------------------------------------- selecting
-
-
-def _deviation_layer(layers: Sequence[LayerKV]) -> int:
-    """The first global layer after layer 0 (layer 0's K/V cannot deviate), else layer 1."""
-    for i, layer in enumerate(layers):
-        if i >= 1 and layer.window is None:
-            return i
-    return min(1, len(layers) - 1)
-
-
-def _selection(
-    model: PreTrainedModel,
-    ids: torch.Tensor,
-    layers: Sequence[LayerKV],
-    starts: Sequence[int],
-    recompute: float,
-    rules: BlendRules,
-) -> tuple[torch.Tensor, Narrowing | None, int | None]:
-    """The tokens to recompute (ascending), their narrowing (``gradual``) and the deviation
-    layer (None when no deviation pass ran): every token at ``recompute`` 1, none at 0 unless
-    a rule forces some, else the ``ceil(recompute * n)`` of largest deviation and the last."""
-    n = len(ids)
-    n_select = 0 if recompute <= 0 else n if recompute >= 1 else max(1, math.ceil(recompute * n))
-    forced = rules.forced_tokens(starts)  # recomputed whatever their deviation (leading)
-    deviation_layer, narrowing = None, None
-    if n_select == n:
-        selected = torch.arange(n)
-    elif n_select == 0 and not len(forced):
-        selected = torch.empty(0, dtype=torch.long)
-    else:
-        deviation = torch.zeros(n)
-        if n_select:
-            deviation_layer = _deviation_layer(layers)
-            deviation = _deviation(model, ids, layers[deviation_layer], deviation_layer)
-        deviation[-1] = float("inf")  # the last token's logits start the continuation
-        selected, narrowing = rules.selection(
-            deviation, max(1, n_select), forced, deviation_layer, len(layers)
-        )
-    return selected, narrowing, deviation_layer
-
-
-class _Stop(Exception):
-    """Raised by :class:`_CacheUpTo` to end a forward pass once it has what it needs."""
-
-
-class _CacheUpTo(DynamicCache):
-    """A cache that ends the forward pass (:class:`_Stop`) once layer ``last`` is cached: its
-    keys and values are then known, and nothing after them (its attention, MLP, later layers)
-    needs to run."""
-
-    def __init__(self, last: int):
-        super().__init__()
-        self.last = last
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if layer_idx == self.last:
-            raise _Stop
-        return out
-
-
-def _true_kv(model: PreTrainedModel, ids: torch.Tensor, layer: int):
-    """Keys and values ``[1, kv_heads, n, head_dim]`` of ``layer`` in a real forward over ``ids``.
-
-    Runs the decoder only until ``layer`` has cached its keys and values.
-    """
-    decoder = model.get_decoder()
-    cache = _CacheUpTo(layer)
-    device = next(model.parameters()).device
-    try:
-        decoder(
-            input_ids=ids[None].to(device),
-            position_ids=torch.arange(len(ids), device=device)[None],
-            use_cache=True,
-            **{cache_kwarg(decoder): cache},
-        )
-    except _Stop:
-        return cache.layers[layer].keys, cache.layers[layer].values
-    raise UnsupportedModelError(
-        f"{type(model).__name__}: the forward pass never cached layer {layer}"
-    )  # pragma: no cover
-
-
-def _deviation(
-    model: PreTrainedModel, ids: torch.Tensor, blended: LayerKV, layer: int
-) -> torch.Tensor:
-    """``[n]`` normalised K+V deviation of the blended cache from a real forward at ``layer``."""
-    true_k, true_v = _true_kv(model, ids, layer)
-    entries = blended.token_index.to(true_k.device)
-    scores = deviation_scores(
-        blended.keys, blended.values, true_k[:, :, entries], true_v[:, :, entries]
-    )
-    out = torch.zeros(len(ids), dtype=torch.float32)
-    out[blended.token_index] = scores.cpu()
     return out

@@ -126,16 +126,9 @@ def kvedit_attention_forward(
     ``query [batch, heads, q_len, dim]``, ``key``/``value [batch, kv_heads, k_len, dim]``.
     Without an active plan for ``module``'s model in this context: the original function.
     """
-    config_key = id(module.config)
-    active = active_entry(config_key)
+    active = active_entry(id(module.config))
     if active is None:
-        entry = PREPARED.get(config_key)
-        if entry is None:
-            raise errors.UnsupportedModelError(
-                "the 'kvedit' attention was called for a model kvedit did not prepare; use "
-                "kvedit.prepare(model) instead of set_attn_implementation('kvedit')"
-            )
-        fn = _original_attention(module, entry.original)
+        fn = _original_attention(module, _prepared(module).original)
         extra = {} if s_aux is None else {"s_aux": s_aux}
         return fn(
             module,
@@ -150,30 +143,10 @@ def kvedit_attention_forward(
             **extra,
             **kwargs,
         )
-    unknown = sorted(
-        k
-        for k, v in kwargs.items()
-        if k not in _IGNORED_KWARGS
-        and not k.startswith(("output_", "return_"))
-        and v is not None
-        and not (k == "is_causal" and v is True)
-    )
-    if unknown:
-        raise errors.UnsupportedModelError(
-            f"{getattr(module.config, 'model_type', '?')} layer {module.layer_idx}: attention "
-            f"arguments {unknown} are not implemented by kvedit's attention"
-        )
+    _refuse_unknown(module, kwargs)
     plan = active.plan
     q_len, k_len = query.shape[2], key.shape[2]
-    padding = None
-    custom_mask = None
-    total_len = k_len
-    if attention_mask is not None:
-        if attention_mask.ndim == 2:
-            total_len = max(attention_mask.shape[-1], k_len)
-            padding = _right_align(attention_mask.bool(), k_len)
-        else:  # a 4D mask prepared by the caller already encodes causality
-            custom_mask = attention_mask[..., -k_len:]
+    padding, custom_mask, total_len = _masks(attention_mask, k_len)
     bias = plan.key_bias(module.layer_idx, k_len, total_len)
     unbiased = plan.unbiased_queries(q_len, total_len) if bias is not None else q_len
     observe = getattr(plan, "observe", None)
@@ -198,6 +171,48 @@ def kvedit_attention_forward(
     else:
         out = attend(query, key, value, custom_mask=custom_mask, **common)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _prepared(module: torch.nn.Module):
+    """The entry :func:`kvedit.prepare` made for ``module``'s model; refused if none."""
+    entry = PREPARED.get(id(module.config))
+    if entry is None:
+        raise errors.UnsupportedModelError(
+            "the 'kvedit' attention was called for a model kvedit did not prepare; use "
+            "kvedit.prepare(model) instead of set_attn_implementation('kvedit')"
+        )
+    return entry
+
+
+def _refuse_unknown(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse attention arguments kvedit's attention does not implement (set, not ignored)."""
+    unknown = sorted(
+        k
+        for k, v in kwargs.items()
+        if k not in _IGNORED_KWARGS
+        and not k.startswith(("output_", "return_"))
+        and v is not None
+        and not (k == "is_causal" and v is True)
+    )
+    if unknown:
+        raise errors.UnsupportedModelError(
+            f"{getattr(module.config, 'model_type', '?')} layer {module.layer_idx}: attention "
+            f"arguments {unknown} are not implemented by kvedit's attention"
+        )
+
+
+def _masks(
+    attention_mask: torch.Tensor | None, k_len: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """``(padding, custom_mask, total_len)`` from the mask transformers passes: a 2D padding
+    mask right-aligned to the keys (and the length it spans), or a 4D mask (which already
+    encodes causality) cut to the keys."""
+    if attention_mask is None:
+        return None, None, k_len
+    if attention_mask.ndim == 2:
+        total_len = max(attention_mask.shape[-1], k_len)
+        return _right_align(attention_mask.bool(), k_len), None, total_len
+    return None, attention_mask[..., -k_len:], k_len
 
 
 def _right_align(mask_2d: torch.Tensor, k_len: int) -> torch.Tensor:
