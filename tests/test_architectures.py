@@ -19,9 +19,11 @@ e. key re-rotation: ``kvedit.rope.rerotate`` moves a layer's cached keys from po
    ``0..n-1`` to ``d..d+n-1`` exactly as a forward at those positions caches them (and a layer
    whose values depend on the position, e.g. an MLA latent cache, must be refused).
 
-Each check either passes or is refused with :class:`~kvedit.errors.UnsupportedModelError`, which
-skips it with ``refused: <reason>`` (visible with ``pytest -rs``). Any other exception, or a
-wrong number, is a failure: kvedit must never silently compute something wrong for a model.
+Each check passes, or is refused with :class:`~kvedit.errors.UnsupportedModelError` where
+:data:`EXPECTED_REFUSALS` lists the refusal (the architecture, the check, a part of the
+message). A refusal not listed fails, so does a listed one that no longer happens (remove it
+from the list, and say why in the commit); any other exception, or a wrong number, is a
+failure: kvedit must never silently compute something wrong for a model.
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ KEYS_TOL = 1e-4
 
 pytestmark = pytest.mark.parametrize("arch", MATRIX_ARCHS)
 
+# The refusals kvedit makes on purpose: (architecture, check) -> a part of the message of the
+# UnsupportedModelError (for ``rerotate_keys``: of every layer's). No other check refuses.
+MOVED_VALUES = "cached values change with the position"  # learned positions, MLA latents
+EXPECTED_REFUSALS = {
+    # GPT-J rotates pairs of interleaved channels of part of each head: no rotation of the
+    # rotary module's frequencies reproduces its keys at another position
+    ("gptj", "rerotate_keys"): "no rotation of the rotary module's frequencies reproduces",
+    ("gpt2", "rerotate_keys"): MOVED_VALUES,  # learned absolute position embeddings
+    ("deepseek_v3", "rerotate_keys"): MOVED_VALUES,  # an MLA latent cache
+    ("minicpm3", "rerotate_keys"): MOVED_VALUES,  # an MLA latent cache
+}
+
+
+def test_every_expected_refusal_names_an_architecture_and_a_check(arch):
+    if arch == MATRIX_ARCHS[0]:  # once: the list is the module's, not the architecture's
+        assert {a for a, _ in EXPECTED_REFUSALS} <= set(MATRIX_ARCHS)
+        assert all(callable(globals().get(f"test_{check}")) for _, check in EXPECTED_REFUSALS)
+
 
 @functools.cache
 def _model(arch: str):
@@ -70,12 +90,20 @@ def _no_grad():
 
 
 @contextlib.contextmanager
-def _refusals():
-    """Turn kvedit's UnsupportedModelError into a visible skip; anything else propagates."""
+def _refusals(arch: str, check: str):
+    """The check passes as written where no refusal is expected; where one is, the block must
+    raise kvedit's UnsupportedModelError with the expected message (the check then passes, its
+    numbers unchecked). Anything else propagates."""
+    expected = EXPECTED_REFUSALS.get((arch, check))
     try:
         yield
     except UnsupportedModelError as err:
-        pytest.skip(f"refused: {err}")
+        if expected is None:
+            pytest.fail(f"{arch}: {check} refused, and no refusal is expected: {err}")
+        assert expected in str(err), f"{arch}: {check} refused for another reason: {err}"
+        return
+    if expected is not None:
+        pytest.fail(f"{arch}: {check} was expected to be refused ({expected!r}), and ran")
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,7 +137,7 @@ def _ids(tok, text: str, special: bool) -> list[int]:
 def test_continuation_generate(arch):
     model, tok = _model(arch)
     want = reference_generate(model, tok, _ids(tok, PREFIX, True), QUESTION, NEW_TOKENS)
-    with _refusals():
+    with _refusals(arch, "continuation_generate"):
         got = kvedit.capture(model, tok, PREFIX).generate(QUESTION, max_new_tokens=NEW_TOKENS)
     assert got == want
 
@@ -120,7 +148,7 @@ def test_continuation_logits(arch):
     full = model(input_ids=torch.tensor([prefix_ids + q_ids])).logits[0].float()
     n = len(prefix_ids)
     want = full[n - 1 : n - 1 + len(q_ids)]  # row 0: the prediction after the prefix
-    with _refusals():
+    with _refusals(arch, "continuation_logits"):
         got = kvedit.capture(model, tok, PREFIX).logits(QUESTION)
     _assert_close(got, want, LOGITS_TOL, "state logits vs a full forward")
 
@@ -130,7 +158,7 @@ def test_continuation_logits(arch):
 
 def test_emphasize_changes_logits(arch):
     model, tok = _model(arch)
-    with _refusals():
+    with _refusals(arch, "emphasize_changes_logits"):
         st = kvedit.capture(model, tok, PREFIX)
         base = st.logits(QUESTION)
         edited = kvedit.ops.emphasize(st, SPAN, 3.0).logits(QUESTION)
@@ -140,7 +168,7 @@ def test_emphasize_changes_logits(arch):
 def test_emphasize_changes_first_prediction(arch):
     # Row 0 is the prediction right after the prefix: an edit must reach it too.
     model, tok = _model(arch)
-    with _refusals():
+    with _refusals(arch, "emphasize_changes_first_prediction"):
         st = kvedit.capture(model, tok, PREFIX)
         base = st.logits(QUESTION)
         edited = kvedit.ops.emphasize(st, SPAN, 3.0).logits(QUESTION)
@@ -149,7 +177,7 @@ def test_emphasize_changes_first_prediction(arch):
 
 def test_emphasize_zero_is_identity(arch):
     model, tok = _model(arch)
-    with _refusals():
+    with _refusals(arch, "emphasize_zero_is_identity"):
         st = kvedit.capture(model, tok, PREFIX)
         base = st.logits(QUESTION)
         edited = kvedit.ops.emphasize(st, SPAN, 0.0).logits(QUESTION)
@@ -161,7 +189,7 @@ def test_emphasize_zero_is_identity(arch):
 
 def test_duplicate_is_log2_emphasis(arch):
     model, tok = _model(arch)
-    with _refusals():
+    with _refusals(arch, "duplicate_is_log2_emphasis"):
         st = kvedit.capture(model, tok, PREFIX)
         global_layers = st.global_layers
         dup = kvedit.ops.duplicate(st, SPAN, 1).logits(QUESTION)
@@ -179,7 +207,7 @@ def test_duplicate_is_log2_emphasis(arch):
 def test_save_load_identity(arch, tmp_path):
     model, tok = _model(arch)
     path = tmp_path / "s.kv"
-    with _refusals():
+    with _refusals(arch, "save_load_identity"):
         st = kvedit.capture(model, tok, PREFIX)
         st.save(path)
         loaded = kvedit.load_state(path, model, tok)
@@ -238,5 +266,10 @@ def test_rerotate_keys(arch):
         if vdiff > KEYS_TOL:
             wrong.append(f"layer {i}: values depend on the position ({vdiff:.3g}), not refused")
     assert not wrong, "; ".join(wrong)
-    if refused:
-        pytest.skip("refused: " + "; ".join(refused))
+    expected = EXPECTED_REFUSALS.get((arch, "rerotate_keys"))
+    if expected is None:
+        assert not refused, f"{arch}: refusals not expected: " + "; ".join(refused)
+    else:
+        assert len(refused) == len(at_0.layers), f"{arch}: expected every layer refused"
+        other = [r for r in refused if expected not in r]
+        assert not other, f"{arch}: refused for another reason: " + "; ".join(other)
