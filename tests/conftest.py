@@ -174,3 +174,20 @@ def short_llama(llama, monkeypatch):
     model, tok = llama
     monkeypatch.setattr(model.config.get_text_config(), "max_position_embeddings", 16)
     return model, tok
+
+
+# ``make test`` keeps its slowest tests in runs/slowest-tests.txt (tests/slowest.py).
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    import slowest
+
+    slowest.add(_SECONDS, report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import slowest
+
+    if not hasattr(session.config, "workerinput"):  # not on an xdist worker
+        slowest.write(session.config, _SECONDS)
