@@ -30,7 +30,9 @@ def litm_parser(sub) -> None:
         epilog=_LITM_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--task", default="records", choices=["records", "nq"])
+    from ..evals.tasks import TASKS
+
+    p.add_argument("--task", default="records", choices=TASKS.names())
     p.add_argument("--data", default=None, help="custom JSONL examples (replaces --task)")
     p.add_argument("--methods", default="none,auto,oracle", help="comma-separated method specs")
     p.add_argument("--n-docs", type=positive("--n-docs"), default=None, help="documents per prompt")

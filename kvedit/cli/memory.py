@@ -42,6 +42,14 @@ first question is asked, held when each question comes (the question and answer 
 """
 
 
+def _task_help(option: str) -> str:
+    """What ``option`` means for each registered memory task (its registered help)."""
+    from ..evals.tasks import MEMORY_TASKS
+
+    said = [f"{name}: {t.help[option]}" for name, t in MEMORY_TASKS.items() if option in t.help]
+    return "; ".join(said) or option
+
+
 def memory_parser(sub) -> None:
     p = sub.add_parser(
         "memory",
@@ -49,7 +57,9 @@ def memory_parser(sub) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--task", default="facts", choices=["facts", "nq-shared"])
+    from ..evals.tasks import MEMORY_TASKS
+
+    p.add_argument("--task", default="facts", choices=MEMORY_TASKS.names())
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--methods", default="reuse,learned,kvzip,window,snapkv-first")
     p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")
@@ -58,15 +68,13 @@ def memory_parser(sub) -> None:
         "--size",
         type=positive("--size"),
         default=None,
-        help="facts: messages after the system message (even, 40-200; default 60); nq-shared: "
-        "documents (default 18)",
+        help=_task_help("size"),
     )
     p.add_argument(
         "--questions",
         type=positive("--questions"),
         default=None,
-        help="questions per conversation, a multiple of 3 (facts: facts stated, default 6; "
-        "nq-shared: questions whose gold documents it holds, default 6)",
+        help="questions per conversation, a multiple of 3 (" + _task_help("questions") + ")",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/memory")

@@ -29,7 +29,7 @@ from kvedit.evals.report import (
     write_results,
 )
 from kvedit.evals.schema import Example
-from kvedit.evals.tasks import nq_examples, records_examples
+from kvedit.evals.tasks import TASKS
 from kvedit.models import default_prompt, load_model
 from kvedit.version import __version__, source_digest
 
@@ -58,27 +58,21 @@ def build_examples(
     seed: int = 0,
     limit: int | None = None,
 ) -> list[Example]:
-    """The examples of a built-in task, or of a custom JSONL file (``data`` replaces ``task``)."""
+    """The examples of a registered task (:data:`~kvedit.evals.tasks.TASKS`, each given the
+    options as its own keywords), or of a custom JSONL file (``data`` replaces ``task``).
+
+    Raises:
+        InvalidInputError: an unknown task (naming the known ones), or options it refuses.
+    """
     if data is not None:
         examples = load_jsonl(data)
-    elif task == "records":
-        kwargs = {"seed": seed}
-        if n_docs is not None:
-            kwargs["n_records"] = n_docs
-        if positions is not None:
-            kwargs["positions"] = tuple(positions)
-        if trials is not None:
-            kwargs["trials"] = trials
-        examples = records_examples(**kwargs)
-    elif task == "nq":
-        kwargs = {"seed": seed, "trials": trials}
-        if n_docs is not None:
-            kwargs["n_docs"] = n_docs
-        if positions is not None:
-            kwargs["positions"] = tuple(positions)
-        examples = nq_examples(**kwargs)
     else:
-        raise InvalidInputError(f"unknown task {task!r}; choose records or nq, or give --data FILE")
+        examples = TASKS.lookup(task).examples(
+            seed=seed,
+            n_docs=n_docs,
+            positions=None if positions is None else tuple(positions),
+            trials=trials,
+        )
     examples = interleave_positions(examples)
     return examples[:limit] if limit is not None else examples
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from kvedit.errors import InvalidInputError
 from kvedit.evals.methods.params import check_count, check_fraction, from_text
-from kvedit.evals.tasks.memory_facts import facts_examples
-from kvedit.evals.tasks.memory_nq import nq_shared_examples
+from kvedit.evals.tasks import MEMORY_TASKS
 from kvedit.evals.tasks.memory_schema import Conversation
 from kvedit.memory.quantizing import check_bits
 
@@ -32,7 +31,8 @@ __all__ = [
     "parse_memory_spec",
 ]
 
-TASKS = ("facts", "nq-shared")
+TASKS = MEMORY_TASKS
+"""The memory suite's tasks by name (:data:`kvedit.evals.tasks.MEMORY_TASKS`)."""
 MEMORY_RESULTS = ("results.json", "partial.jsonl")
 """The files of an earlier run that ``--out`` must not hold (unless --overwrite/--resume)."""
 
@@ -158,18 +158,17 @@ def build_conversations(
     size: int | None = None,
     questions: int | None = None,
 ) -> list[Conversation]:
-    """The task's conversations. ``size``: messages after the system message (``facts``,
-    default 60) or documents (``nq-shared``, default 18); ``questions``: per conversation
-    (default 6: facts stated, or questions whose gold documents it holds)."""
-    if task == "facts":
-        kw = {"n_messages": size, "n_facts": questions}
-        return facts_examples(n_examples, seed, **{k: v for k, v in kw.items() if v is not None})
-    if task == "nq-shared":
-        kw = {"n_docs": size, "n_questions": questions}
-        return nq_shared_examples(
-            n_examples, seed, **{k: v for k, v in kw.items() if v is not None}
-        )
-    raise InvalidInputError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    """The conversations of the registered memory task ``task``
+    (:data:`~kvedit.evals.tasks.MEMORY_TASKS`), each option given as its own keyword: ``size``
+    (``facts``: messages after the system message, default 60; ``nq-shared``: documents,
+    default 18) and ``questions`` per conversation (default 6); None: the task's default.
+
+    Raises:
+        InvalidInputError: an unknown task (naming the known ones), or sizes it refuses.
+    """
+    return MEMORY_TASKS.lookup(task).examples(
+        n_examples=n_examples, seed=seed, size=size, questions=questions
+    )
 
 
 def check_model_serves(model_name: str, methods: Sequence[MemoryMethod]) -> None:

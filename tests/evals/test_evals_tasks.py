@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -417,17 +418,95 @@ def test_jsonl_without_examples_is_an_error(tmp_path: Path) -> None:
 
 
 def test_registry() -> None:
-    assert TASKS["records"] is records_examples and TASKS["nq"] is nq_examples
+    assert TASKS["records"].make is records_examples and TASKS["nq"].make is nq_examples
+    assert TASKS["records"].keywords == {"n_docs": "n_records"}
     with pytest.raises(ValueError, match="already registered"):
         register_task("records")(nq_examples)
     # Registering the same function again (as a module reload does) is fine.
-    assert register_task("records")(records_examples) is records_examples
+    assert register_task("records", n_docs="n_records")(records_examples) is records_examples
 
     @register_task("test-tiny")
     def tiny() -> list[Example]:
         return [make_example()]
 
     try:
-        assert TASKS["test-tiny"]() == [make_example()]
+        assert TASKS["test-tiny"].examples() == [make_example()]
     finally:
         del TASKS["test-tiny"]
+
+
+# -- a task is one module (#66) ----------------------------------------------------------------
+
+CALLED: list[dict] = []
+
+
+def few_records(n_items: int = 3, positions=(0,), trials: int = 1, seed: int = 0) -> list[Example]:
+    """A task defined here: the records task under its own keyword for the documents."""
+    CALLED.append({"n_items": n_items, "positions": positions, "trials": trials, "seed": seed})
+    return records_examples(n_records=n_items, positions=positions, trials=trials, seed=seed)
+
+
+def few_facts(n_examples: int = 1, seed: int = 0, messages: int = 40, facts: int = 3):
+    """A memory task defined here: facts under its own keywords."""
+    from kvedit.evals.tasks import facts_examples
+
+    CALLED.append({"n_examples": n_examples, "messages": messages, "facts": facts})
+    return [
+        dataclasses.replace(c, id=c.id.replace("facts", "few"))
+        for c in facts_examples(n_examples, seed, n_messages=messages, n_facts=facts)
+    ]
+
+
+@pytest.fixture
+def own_tasks():
+    from kvedit.evals.tasks import MEMORY_TASKS, register_memory_task
+
+    CALLED.clear()
+    register_task("test-few", n_docs="n_items")(few_records)
+    register_memory_task("test-few-facts", size="messages", questions="facts")(few_facts)
+    yield
+    del TASKS["test-few"]
+    del MEMORY_TASKS["test-few-facts"]
+
+
+def test_a_task_registered_here_runs_through_kvedit_eval_litm(own_tasks, tmp_path, capsys):
+    """A task defined in this module, registered, is a ``--task`` choice of ``kvedit eval
+    litm`` and is run with the options as its own keywords: no list of tasks to extend."""
+    from kvedit.cli.main import build_parser
+    from kvedit.cli.main import main as cli_main
+
+    args = ["eval", "litm", "--task", "test-few", "--model", "tiny-llama", "--methods", "none"]
+    args += ["--n-docs", "4", "--positions", "0,3", "--max-new-tokens", "2", "--no-progress"]
+    assert build_parser().parse_args([*args, "--out", "x"]).task == "test-few"
+    assert cli_main([*args, "--out", str(tmp_path / "few")]) == 0
+    assert CALLED[-1] == {"n_items": 4, "positions": (0, 3), "trials": 1, "seed": 0}
+    data = json.loads((tmp_path / "few" / "results.json").read_text())
+    assert data["task"] == "test-few" and len(data["examples"]) == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "litm", "--task", "test-none"])
+    assert "test-few" in capsys.readouterr().err  # the choices are the registry's
+
+
+def test_a_memory_task_registered_here_runs_through_kvedit_eval_memory(own_tasks, tmp_path):
+    from kvedit.cli.main import build_parser
+    from kvedit.cli.main import main as cli_main
+
+    args = ["eval", "memory", "--task", "test-few-facts", "--model", "tiny-llama", "--size"]
+    args += ["40", "--n-examples", "1", "--methods", "reuse", "--max-new-tokens", "2"]
+    args += ["--no-progress", "--questions", "3"]
+    assert build_parser().parse_args([*args, "--out", "x"]).task == "test-few-facts"
+    assert cli_main([*args, "--out", str(tmp_path / "few")]) == 0
+    assert CALLED[-1] == {"n_examples": 1, "messages": 40, "facts": 3}
+    data = json.loads((tmp_path / "few" / "results.json").read_text())
+    assert data["task"] == "test-few-facts"
+    assert {r["example"] for r in data["examples"]} == {"few-s0-e0"}
+
+
+def test_an_option_a_task_does_not_take_is_refused_by_name(own_tasks):
+    from kvedit.errors import InvalidInputError
+    from kvedit.evals.tasks import MEMORY_TASKS
+
+    with pytest.raises(InvalidInputError, match="task 'test-few' takes no questions"):
+        TASKS["test-few"].examples(seed=0, questions=3)
+    assert len(MEMORY_TASKS["test-few-facts"].examples(n_examples=1, size=None)) == 1

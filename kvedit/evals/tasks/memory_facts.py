@@ -27,6 +27,7 @@ from collections.abc import Callable
 from kvedit.errors import InvalidInputError
 from kvedit.evals.metrics import normalize_answer
 from kvedit.evals.tasks.memory_schema import BUCKETS, Conversation, Probe, bucket_of
+from kvedit.evals.tasks.registry import register_memory_task
 
 __all__ = ["CHAT", "FACTS_SYSTEM", "KINDS", "MAX_MESSAGES", "MIN_MESSAGES", "facts_examples"]
 
@@ -341,6 +342,15 @@ def _conversation(
     return Conversation(f"facts-s{seed}-e{index}", tuple(messages), probes, remember=False)
 
 
+@register_memory_task(
+    "facts",
+    size="n_messages",
+    questions="n_facts",
+    help={
+        "size": "messages after the system message (even, 40-200; default 60)",
+        "questions": "facts stated, default 6",
+    },
+)
 def facts_examples(
     n_examples: int = 10, seed: int = 0, n_messages: int = 60, n_facts: int = 6
 ) -> list[Conversation]:

@@ -25,6 +25,7 @@ from kvedit.errors import InvalidInputError
 from kvedit.evals.metrics import normalize_answer
 from kvedit.evals.tasks.memory_schema import BUCKETS, Conversation, Probe, bucket_of
 from kvedit.evals.tasks.nq import load_nq, render_nq_document
+from kvedit.evals.tasks.registry import register_memory_task
 
 __all__ = ["NQ_SHARED_ASK", "NQ_SHARED_INTRO", "nq_shared_examples"]
 
@@ -92,6 +93,15 @@ def _conversation(index: int, seed: int, n_docs: int, n_questions: int) -> Conve
     return Conversation(f"nq-shared-s{seed}-e{index}", tuple(messages), probes, remember=True)
 
 
+@register_memory_task(
+    "nq-shared",
+    size="n_docs",
+    questions="n_questions",
+    help={
+        "size": "documents (default 18)",
+        "questions": "questions whose gold documents it holds, default 6",
+    },
+)
 def nq_shared_examples(
     n_examples: int = 10, seed: int = 0, n_docs: int = 18, n_questions: int = 6
 ) -> list[Conversation]:

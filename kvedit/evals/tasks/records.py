@@ -31,7 +31,7 @@ NAMES: tuple[str, ...] = (
 )  # fmt: skip
 
 
-@register_task("records")
+@register_task("records", n_docs="n_records")
 def records_examples(
     n_records: int = 20,
     positions: Sequence[int] = (0, 5, 10, 15, 19),
