@@ -583,7 +583,8 @@ def test_leftovers_count_against_max_bytes_and_are_swept(tmp_path, state):
     (entries / f".{key}.kv.kvedit-tmp-0123456789abcdef" / ".tmpQwErTy").write_bytes(b"a" * 5000)
     (entries / f".{key}.kv.abc123.tmp").write_bytes(b"b" * 3000)
     (entries / ".tmpAbC123").write_bytes(b"c" * 2000)
-    time.sleep(1.1)  # past the racy-listing second
+    past = time.time() - 2  # the listing's timestamp set past the racy second, no sleep
+    os.utime(entries, (past, past))
     stats = store.stats()
     assert (stats["stray_files"], stats["stray_bytes"]) == (3, 10000)
     assert stats["bytes"] == kept + 10000
