@@ -168,13 +168,15 @@ def render_held(rows: Sequence[MessageHeld], summary: str = "") -> str:
     )
     return (
         "<style>.kvedit-memory table{border-collapse:collapse;font-size:12px}"
-        ".kvedit-memory td.cell{width:10px;min-width:10px;height:16px;border:1px solid #fff}"
+        ".kvedit-memory td.cell{width:9px!important;min-width:9px;max-width:9px;height:14px;"
+        "padding:0!important;border:1px solid #fff!important}"
+        ".kvedit-memory td,.kvedit-memory th{padding:1px 4px!important}"
         ".kvedit-memory td.label{max-width:260px;overflow:hidden;white-space:nowrap;"
         "text-overflow:ellipsis;padding-right:6px}"
         ".kvedit-memory td.num{text-align:right;padding-right:6px;"
         "font-variant-numeric:tabular-nums}"
         ".kvedit-memory tr.forgotten td.label{text-decoration:line-through;opacity:.6}"
-        ".kvedit-memory th.layer{font-weight:400;font-size:10px}</style>"
+        ".kvedit-memory th.layer{font-weight:400;font-size:10px;padding:0!important}</style>"
         '<div class="kvedit-memory" style="padding:2px 4px">'
         f'<div class="summary" style="margin-bottom:4px">{html.escape(summary)}</div>'
         '<div style="overflow-x:auto"><table><thead><tr><th>message</th><th>tok</th>'

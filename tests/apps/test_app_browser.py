@@ -285,3 +285,58 @@ def test_auto_highlight_fills_the_emphasize_box(page):
     assert status.startswith("Done in"), status
     page.execute_script("window.scrollTo(0, 0)")
     screenshot(page, "highlight-auto.png")
+
+
+# ------------------------------------------------------------------------------ the Memory tab
+
+MEMORY_TURNS = (
+    "My dog's name is Biscuit.",
+    "My locker code is 4821.",
+    "What is my dog's name?",
+)
+
+
+def choose(driver, elem_id: str, option: str) -> None:
+    """Pick ``option`` in a Gradio dropdown, as a user would: type it and press Enter."""
+    from selenium.webdriver.common.keys import Keys
+
+    box = field(driver, elem_id)
+    box.click()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(option)
+    box.send_keys(Keys.ENTER)
+    wait_for(driver, lambda d: value(d, elem_id) == option, timeout=30)
+    box.send_keys(Keys.TAB)
+
+
+def test_memory_tab_charts_each_turn_and_draws_a_forgotten_message(page):
+    """Three turns typed into the Memory tab, under a byte budget that forgets by recency: the
+    chart has a row per message after each turn, and the oldest user message ends forgotten."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    page.execute_script("window.scrollTo(0, 0)")
+    page.find_element(By.XPATH, "//button[@role='tab' and normalize-space()='Memory']").click()
+    wait_for(page, lambda d: d.find_element(By.ID, "mem-chat").is_displayed(), timeout=30)
+    type_into(page, "mem-budget", "2700")  # about 60 entries per layer of SmolLM2 (float32)
+    choose(page, "mem-forget", "window")
+
+    def rows(d):
+        return d.find_elements(By.CSS_SELECTOR, "#mem-chart tr.message")
+
+    charts = []
+    for n, text in enumerate(MEMORY_TURNS, 1):
+        type_into(page, "mem-message", text)
+        field(page, "mem-message").send_keys(Keys.ENTER)
+        wait_for(page, lambda d, n=n: text_of(d, "mem-status").startswith(f"Turn {n}:"))
+        assert len(rows(page)) == 2 * n + 1  # the system message, then a question and answer each
+        chart = page.find_element(By.ID, "mem-chart").get_attribute("innerHTML")
+        assert chart not in charts
+        charts.append(chart)
+        assert "forgetting by window" in text_of(page, "mem-status")
+    states = [r.get_attribute("class").split()[-1] for r in rows(page)]
+    assert states[0] == "kept" and states[1] == "forgotten", states
+    first = rows(page)[1].find_element(By.CSS_SELECTOR, "td.label")
+    assert first.value_of_css_property("text-decoration-line") == "line-through"
+    assert len(page.find_elements(By.CSS_SELECTOR, "#mem-chat .message, #mem-chat [data-testid]"))
+    screenshot(page, "highlight-memory.png")
