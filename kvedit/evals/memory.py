@@ -321,10 +321,7 @@ def evaluate(
                 progress(f"{conv.id} {method.spec} @{budget:g}: {acc:.2f}")
     summary = summarize_memory(records)
     extra = {
-        "seed": seed,
-        "n_examples": n_examples,
-        "size": size,
-        "questions": questions,
+        **sizes,
         "budgets": budgets,
         "max_new_tokens": max_new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -332,21 +329,21 @@ def evaluate(
         "reread": reread_summary(reread),
         "kvedit": {"version": __version__, "source": settings["source"]},
     }
-    payload = {
-        "model": model_name,
-        "task": task,
-        "methods": summary,
-        "examples": records,
-        "extra": extra,
-    }
+    payload = {"model": model_name, "task": task, "methods": summary, "examples": records}
+    _write_results(out, {**payload, "extra": extra})
+    partial.remove()
+    return summary
+
+
+def _write_results(out: Path, payload: dict) -> None:
+    """``out/results.json`` and ``out/curve.png`` (a note instead without Matplotlib)."""
     atomic_write(out / "results.json", json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
     if plotting_available():
-        plot_memory(summary, out / "curve.png", f"{model_name}: memory {task}")
+        title = f"{payload['model']}: memory {payload['task']}"
+        plot_memory(payload["methods"], out / "curve.png", title)
     else:
         (out / "curve.png").unlink(missing_ok=True)
         print(f"note: {out / 'curve.png'} not drawn: {PLOT_HINT}", file=sys.stderr)
-    partial.remove()
-    return summary
 
 
 def main(args) -> int:
