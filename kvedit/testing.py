@@ -295,6 +295,16 @@ MATRIX_ARCHS: tuple[str, ...] = tuple(_MATRIX_CONFIGS)
 """Every architecture of the matrix (``tiny_model`` accepts each)."""
 
 
+def tiny_config(arch: str):
+    """The transformers configuration :func:`tiny_model` builds for ``arch`` (no weights), or
+    None for an architecture it does not know."""
+    builder = _CONFIGS.get(arch) or _MATRIX_CONFIGS.get(arch)
+    if builder is None:
+        return None
+    tok = tiny_tokenizer()
+    return builder(len(tok), tok)
+
+
 def tiny_model(
     arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:

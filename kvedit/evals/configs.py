@@ -27,13 +27,9 @@ def peek_config(name_or_path: str) -> Any | None:
 
 
 def _tiny_config(arch: str) -> Any | None:
-    from kvedit import testing
+    from kvedit.testing import tiny_config
 
-    builders = {**testing._CONFIGS, **testing._MATRIX_CONFIGS}  # kvedit.testing's own table
-    if arch not in builders:
-        return None
-    tok = testing.tiny_tokenizer()
-    return builders[arch](len(tok), tok)
+    return tiny_config(arch)
 
 
 def _file_config(name: str) -> Any | None:
