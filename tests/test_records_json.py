@@ -24,8 +24,8 @@ from kvedit.store.records import EntryMeta
 RECORDS = {
     "turn": Turn(2, "assistant", "4821.", 30, 41, "decoded", 3, 8, 1, "re-run", 4096),
     "round": Round(5, "learned", 900, 700, 0.25),
-    "budget": Budget(None, 2**20, "kvzip", 8, ("locker", re.compile("code", re.I), (3, 9)), True),
-    "budget per_layer=False": Budget(512, None, "learned", 16, (), False, False),
+    "budget": Budget(None, 2**20, "kvzip", 8, ("locker", re.compile("code", re.I), (3, 9)), "head"),
+    "budget keep=token": Budget(512, None, "learned", 16, (), "token"),
     "message": Message("user", "My locker code is 4821."),
     "entry": EntryMeta(
         "a" * 32, 40, "model-fp", "tok-fp", ("h1", "h2"), True, 1234, 1.5e9, None, True

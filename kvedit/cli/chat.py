@@ -109,13 +109,6 @@ def _budget_args(p) -> None:
         help=f"the last N tokens never forgotten (default {RECENT_TOKENS})",
     )
     budget.add_argument(
-        "--recent",
-        type=positive("--recent"),
-        default=None,
-        metavar="N",
-        help="the last N messages --quantize holds exact (default 2)",
-    )
-    budget.add_argument(
         "--protect",
         action="append",
         default=None,
@@ -123,14 +116,28 @@ def _budget_args(p) -> None:
         metavar="TEXT",
         help="a text never forgotten where the memory holds it (repeatable)",
     )
+    _quantize_args(budget)
+
+
+def _quantize_args(budget) -> None:
+    """``--exact-messages`` and ``--quantize``: ``kvedit.Memory``'s quantizing keywords."""
+    budget.add_argument(
+        "--exact-messages",
+        "--recent",
+        dest="exact_messages",
+        type=positive("--exact-messages"),
+        default=None,
+        metavar="N",
+        help="the last N messages --quantize holds exact (default 2; --recent, its older name)",
+    )
     budget.add_argument(
         "--quantize",
         type=int,
         default=None,
         choices=BITS,
         metavar="BITS",
-        help="hold the messages before the last --recent in 2, 4 or 8 bits (fewer bytes for "
-        "the same entries; with or without a budget)",
+        help="hold the messages before the last --exact-messages in 2, 4 or 8 bits (fewer "
+        "bytes for the same entries; with or without a budget)",
     )
 
 
@@ -166,15 +173,17 @@ def _budget(args) -> dict:
             f"{', '.join(given)} without a budget: give --max-tokens or --max-bytes "
             "(nothing is forgotten without one)"
         )
-    if args.recent is not None and args.quantize is None:
-        raise UsageError("--recent says which messages --quantize holds exact: give --quantize")
+    if args.exact_messages is not None and args.quantize is None:
+        raise UsageError(
+            "--exact-messages says which messages --quantize holds exact: give --quantize"
+        )
     if args.recent_tokens is not None and args.recent_tokens < 0:
         raise UsageError(f"--recent-tokens must be 0 or more, not {args.recent_tokens}")
     keywords = {
         "max_tokens": args.max_tokens,
         "max_bytes": args.max_bytes,
         "forget": args.forget,
-        "recent": args.recent,
+        "exact_messages": args.exact_messages,
         "recent_tokens": args.recent_tokens,
         "protect": None if args.protect is None else list(args.protect),
         "quantize": args.quantize,

@@ -15,12 +15,14 @@ import os
 from pathlib import Path
 
 from ..atomic import final_path, sweep_stale
+from ..cache import is_headwise
 from ..errors import (
     CacheMismatchError,
     CorruptCacheError,
     InvalidInputError,
     UnsupportedModelError,
 )
+from ..memory.smallest import NEVER_HOLDS
 from ..store.lock import WriterLock
 from .status import UsageError, message
 
@@ -100,18 +102,61 @@ def _options(budget: dict) -> str:
     return " ".join(given)
 
 
+def _budget_refused(error: InvalidInputError) -> UsageError | None:
+    """A budget the memory can never hold (:func:`kvedit.memory.smallest.check_holds`),
+    refused in the chat's words (its options); None for another refusal."""
+    said = message(error)
+    if NEVER_HOLDS not in said:
+        return None
+    for keyword in ("max_bytes", "max_tokens", "recent_tokens"):
+        option = "--" + keyword.replace("_", "-")
+        said = said.replace(f"raise {keyword}", f"raise {option}")
+        said = said.replace(f"lower {keyword}=", f"lower {option}").replace(
+            f"{keyword}=", option + " "
+        )
+    return UsageError(said)
+
+
 def open_memory(path: Path, model, tok, args, budget: dict):
     """The memory in ``path`` (checked against --system and --prompt), or a new one; with
     ``budget`` (``Memory``'s keywords) from here on. What killed saves of ``path`` left beside
-    it is removed first (:func:`kvedit.atomic.sweep_stale`)."""
+    it is removed first (:func:`kvedit.atomic.sweep_stale`); a budget it can never hold is
+    refused before any message runs."""
+    sweep_stale(path)
+    try:
+        return _opened(path, model, tok, args, budget)
+    except InvalidInputError as e:
+        refused = _budget_refused(e)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def _load(path: Path, model, tok, args, budget: dict):
+    """``Memory.load`` of the chat's file with ``budget``; a file it cannot use refused."""
     from ..memory.conversation import Memory
 
-    sweep_stale(path)
+    try:
+        return Memory.load(path, model, tok, max_positions=args.max_positions, **budget)
+    except (CacheMismatchError, CorruptCacheError) as e:
+        raise UsageError(f"--memory {e}; the file is left as it is") from None
+    except OSError as e:
+        raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
+
+
+def _opened(path: Path, model, tok, args, budget: dict):
+    """:func:`open_memory`'s work."""
+    from ..memory.conversation import Memory
+
     if budget:  # a budget the model cannot serve is a bad option, refused before the file
         try:
             Memory(model, tok, max_positions=args.max_positions, **budget)
         except (InvalidInputError, UnsupportedModelError) as e:
-            raise UsageError(f"{_options(budget)}: {message(e)}") from None
+            # a budget too small is refused below, counting the memory's system message
+            if NEVER_HOLDS not in message(e):
+                raise UsageError(f"{_options(budget)}: {message(e)}") from None
+    # focus reads one choice of entries per token: under --focus no KV head keeps its own
+    focused = {"keep": "layer"} if args.focus else {}
     if not path.exists():
         return Memory(
             model,
@@ -120,13 +165,17 @@ def open_memory(path: Path, model, tok, args, budget: dict):
             prompt=args.prompt,
             max_positions=args.max_positions,
             **budget,
+            **focused,
         )
-    try:
-        memory = Memory.load(path, model, tok, max_positions=args.max_positions, **budget)
-    except (CacheMismatchError, CorruptCacheError) as e:
-        raise UsageError(f"--memory {e}; the file is left as it is") from None
-    except OSError as e:
-        raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
+    memory = _load(path, model, tok, args, budget)
+    if args.focus and memory.budget is not None and memory.budget.per_head:
+        if any(map(is_headwise, memory.state.layers)):
+            raise UsageError(
+                f"--focus: the memory {path} forgot per KV head (each head keeps its own "
+                "entries), and focus reads the same entries on every head; leave --focus out, "
+                "or give another --memory file"
+            )
+        memory = _load(path, model, tok, args, {**budget, **focused})  # nothing forgot per head
     if args.prompt is not None and args.prompt != memory.prompt:
         raise UsageError(
             f"--prompt {args.prompt}: the memory {path} uses the {memory.prompt!r} format; "

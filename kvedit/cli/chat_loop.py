@@ -45,10 +45,12 @@ it leads to: that file is read, locked and replaced, and the link stays a link.
 With --max-tokens or --max-bytes the memory forgets, without knowing the next question, when it
 would hold more (kvedit.Memory's budget: the first tokens, the system message, the last
 --recent-tokens tokens and the --protect texts are never forgotten); a turn that forgot says so
-after its cost. --quantize holds the messages before the last --recent in fewer bits, with or
-without a budget. The file keeps both: a later run goes on under them, and an option given
-again replaces the file's (--forget, --recent-tokens and --protect with --max-tokens or
---max-bytes).
+after its cost. --quantize holds the messages before the last --exact-messages in fewer bits,
+with or without a budget. With --focus under a budget each global layer keeps one choice of
+tokens for all its KV heads (what focus reads). The file keeps both: a later run goes on under
+them, and an option given again replaces the file's (--forget, --recent-tokens and --protect
+with --max-tokens or --max-bytes). A budget the memory can never hold (under its sliding
+windows, its protected part and one token more) is refused at start.
 """
 """What ``/help`` prints: the epilog of ``kvedit chat --help`` too."""
 
@@ -198,7 +200,7 @@ class ChatLoop:
         elif budget is not None:  # the budget counts what was held when the question came
             entries = global_entries(self.memory.state) - q.n_tokens - a.n_tokens
             held = (
-                f" ({entries:,} of {budget.max_entries:,} entries held, question and answer on top)"
+                f" ({entries:,} of {budget.max_tokens:,} entries held, question and answer on top)"
             )
         return (
             f"[{q.start:,} tok reused, question {q.computed:,} tok computed, {answer}, "
@@ -263,7 +265,7 @@ class ChatLoop:
             most = (
                 f"{_size(budget.max_bytes)}"
                 if budget.max_bytes is not None
-                else f"{budget.max_entries:,} entries a global layer on average"
+                else f"{budget.max_tokens:,} entries a global layer on average"
             )
             heads = ", each KV head its own" if budget.per_head else ""
             head += (
@@ -272,7 +274,7 @@ class ChatLoop:
             )
         if self.memory.quantize is not None:
             head += (
-                f", messages before the last {self.memory.recent} held in "
+                f", messages before the last {self.memory.exact_messages} held in "
                 f"{self.memory.quantize} bits"
             )
         if self.memory.forgetting:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidTypeError
+from ..cache import is_headwise
+from ..errors import InvalidInputError, InvalidTypeError
 from ..focusing.choice import DEFAULT_GUARD
 from ..focusing.guard import Guard, check_guard
 from ..states.capturing import appended_state, extend_ids
@@ -203,10 +204,22 @@ def answer_turns(
     ]
 
 
-def guard_of(focus: bool | Guard) -> Guard | None:
-    """The guard ``Memory.ask(focus=...)`` asks for, None for no focus."""
+def guard_of(focus: bool | Guard, state=None) -> Guard | None:
+    """The guard ``Memory.ask(focus=...)`` asks for, None for no focus; refused before any
+    work over a ``state`` (the memory's) that forgot per KV head, which focus cannot read.
+
+    Raises:
+        InvalidInputError: focus asked of a memory whose layers hold other entries per head.
+    """
     if focus is False or focus is None:
         return None
+    if state is not None and any(map(is_headwise, state.layers)):
+        raise InvalidInputError(
+            "focus needs the same entries on every KV head, and this memory forgot per KV head "
+            "(keep='head', the default of an arrival policy under max_tokens): ask without "
+            "focus; a memory that focuses is made with keep='layer' (what it forgot per head "
+            "stays so, loaded or not)"
+        )
     if focus is True:
         return DEFAULT_GUARD
     if isinstance(focus, bool):

@@ -22,9 +22,11 @@ against the rendering of the file's messages, and anything else is a
 - ``rounds``: ``at_message`` a message's index (in order), ``before >= after >= 0`` entries,
   ``before`` at most the tokens held then, ``seconds`` finite and non-negative, ``policy`` a
   string;
-- ``budget``: the ``Memory`` keywords it keeps (:data:`BUDGET_KEYWORDS`), each of its type and
-  range;
-- ``scores``: the arrival policy that scored the entries (a registered one) and the layers whose
+- ``budget``: the ``Memory`` keywords it keeps (:data:`BUDGET_KEYWORDS`, older names among
+  them: ``recent`` for ``exact_messages``, ``per_head`` and ``per_layer`` for ``keep``), each of
+  its type and range; ``forget`` a policy's name (one not registered here is refused at load
+  unless ``forget=`` replaces it: :func:`kvedit.memory.files.merged_keywords`);
+- ``scores``: the arrival policy that scored the entries (a name) and the layers whose
   scores the file holds (checked against the state's global layers by
   :func:`kvedit.memory.files.read_memory`).
 
@@ -46,7 +48,8 @@ from ..cache.packed import BITS
 from ..errors import CorruptCacheError, KVEditError
 from ..spans import as_span_list
 from .budget import span_from_json
-from .forgetting import Round, policies
+from .forgetting import Round
+from .keeping import KEEPS
 from .records import MAX_MESSAGES, SOURCES, Turn
 from .rendering import RENDERERS, ROLES, Message, Rendering, lone_surrogate, renderer_for
 
@@ -68,14 +71,17 @@ BUDGET_KEYWORDS = (
     "max_tokens",
     "max_bytes",
     "forget",
+    "exact_messages",
     "recent",
     "recent_tokens",
+    "keep",
     "per_head",
     "per_layer",
     "protect",
     "quantize",
 )
-"""The ``Memory`` keywords a memory file keeps."""
+"""The ``Memory`` keywords a memory file keeps (``recent``, ``per_head`` and ``per_layer``: the
+older names of ``exact_messages`` and ``keep``, read in files written before)."""
 
 _FIELDS = {"kind", "version", "prompt", "messages", "turns", "rounds", "budget", "scores"}
 _REQUIRED = {"kind", "version", "prompt", "messages", "turns"}
@@ -222,9 +228,11 @@ def _budget(value) -> dict:
             _int(f"budget.{key}", kw[key], minimum=1)
     if kw.get("max_tokens") is not None and kw.get("max_bytes") is not None:
         raise _Bad("budget", "gives both max_tokens and max_bytes")
-    for key in ("recent", "recent_tokens"):
+    for key in ("exact_messages", "recent", "recent_tokens"):
         if key in kw:
             _int(f"budget.{key}", kw[key])
+    if "keep" in kw and kw["keep"] not in KEEPS:
+        raise _Bad("budget.keep", f"is {kw['keep']!r}, not one of {list(KEEPS)}")
     for key in ("per_head", "per_layer"):
         if kw.get(key) is not None and not isinstance(kw[key], bool):
             raise _Bad(f"budget.{key}", f"is {kw[key]!r}, not a bool or null")
@@ -232,8 +240,8 @@ def _budget(value) -> dict:
         isinstance(kw["quantize"], bool) or kw["quantize"] not in BITS
     ):
         raise _Bad("budget.quantize", f"is {kw['quantize']!r}, not one of {list(BITS)} or null")
-    if "forget" in kw and kw["forget"] not in policies():
-        raise _Bad("budget.forget", f"is {kw['forget']!r}, not one of {list(policies())}")
+    if "forget" in kw and (not isinstance(kw["forget"], str) or not kw["forget"]):
+        raise _Bad("budget.forget", f"is {checks.describe(kw['forget'])}, not a policy's name")
     if "protect" in kw:
         items = _list("budget.protect", kw["protect"])
         spans = [_span(f"budget.protect[{i}]", s) for i, s in enumerate(items)]
@@ -320,8 +328,8 @@ def _scores(value) -> dict | None:
     if value is None:
         return None
     kw = _keys("scores", value, {"policy", "layers"}, {"policy", "layers"})
-    if kw["policy"] not in policies():
-        raise _Bad("scores.policy", f"is {kw['policy']!r}, not one of {list(policies())}")
+    if not isinstance(kw["policy"], str) or not kw["policy"]:
+        raise _Bad("scores.policy", f"is {checks.describe(kw['policy'])}, not a policy's name")
     layers = [
         _int(f"scores.layers[{i}]", x) for i, x in enumerate(_list("scores.layers", kw["layers"]))
     ]

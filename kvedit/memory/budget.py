@@ -39,15 +39,18 @@ from .forgetting import (
     global_entries,
     protected_slots,
 )
+from .keeping import KEEPS, checked_keep, keep_of
 
 __all__ = [
     "BYTE_STEP",
     "BYTE_TRIES",
     "LOW_WATER",
     "RECENT_TOKENS",
+    "KEEPS",
     "Budget",
     "added_bytes",
     "budget_from",
+    "keep_of",
     "never_forgotten",
     "span_from_json",
     "span_to_json",
@@ -108,28 +111,35 @@ def span_from_json(item: Mapping):
 @dataclass(frozen=True)
 class Budget:
     """How much a memory may hold and how it forgets (``Memory(max_tokens=, max_bytes=,
-    forget=, recent_tokens=, protect=, per_head=, per_layer=)``; module docstring).
+    forget=, recent_tokens=, protect=, keep=)``; module docstring).
 
     Attributes:
-        max_entries: the most entries a global layer holds on average when a question comes
+        max_tokens: the most entries a global layer holds on average when a question comes
             (None with ``max_bytes``).
-        max_bytes: the most bytes the cache allocates (None with ``max_entries``).
+        max_bytes: the most bytes the cache allocates (None with ``max_tokens``).
         policy: a registered scorer's name.
         recent_tokens: the last tokens no round drops.
         protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
             takes them); a span not (yet) in the text protects nothing.
-        per_head: each KV head keeps its own entries (an arrival policy only).
-        per_layer: each global layer keeps its own entries (False: every global layer keeps
-            the same tokens, what a stock serving kernel holds exactly).
+        keep: ``"head"``, ``"layer"`` or ``"token"`` (:data:`KEEPS`; never ``"auto"``).
     """
 
-    max_entries: int | None
+    max_tokens: int | None
     max_bytes: int | None = None
     policy: str = DEFAULT_POLICY
     recent_tokens: int = RECENT_TOKENS
     protect: tuple = ()
-    per_head: bool = False
-    per_layer: bool = True
+    keep: str = "layer"
+
+    @property
+    def per_head(self) -> bool:
+        """Each KV head keeps its own entries (``keep="head"``)."""
+        return self.keep == "head"
+
+    @property
+    def per_layer(self) -> bool:
+        """Each global layer keeps its own entries (all but ``keep="token"``)."""
+        return self.keep != "token"
 
     @property
     def scorer(self) -> Scorer:
@@ -137,10 +147,12 @@ class Budget:
 
     def to_json(self) -> dict:
         """The budget as a memory file's ``budget`` holds it: the ``Memory`` keywords that give
-        it again (``max_tokens``, ``max_bytes``, ``forget``, ``recent_tokens``, ``per_head``,
-        ``protect``: each span as :func:`span_to_json` writes it; ``per_layer`` when False)."""
+        it again (``max_tokens``, ``max_bytes``, ``forget``, ``recent_tokens``, ``protect``: each
+        span as :func:`span_to_json` writes it; ``keep`` as the file format has held it since
+        before ``keep=``, so that every kvedit reading memory files reads it: ``per_head``, and
+        ``per_layer`` when False)."""
         out = {
-            "max_tokens": self.max_entries,
+            "max_tokens": self.max_tokens,
             "max_bytes": self.max_bytes,
             "forget": self.policy,
             "recent_tokens": self.recent_tokens,
@@ -153,24 +165,25 @@ class Budget:
 
     @classmethod
     def from_json(cls, data: Mapping) -> Budget:
-        """The budget :meth:`to_json` wrote (not checked: a file's budget is checked first,
+        """The budget :meth:`to_json` wrote (``keep`` read from ``per_head`` and ``per_layer``,
+        or from a ``keep`` field; not checked: a file's budget is checked first,
         :mod:`kvedit.memory.attached`, and a memory makes its budget from the checked keywords
         with :func:`budget_from`)."""
+        keep = data.get("keep") or keep_of(None, data.get("per_head"), data.get("per_layer"))
         return cls(
             data["max_tokens"],
             data["max_bytes"],
             data["forget"],
             data["recent_tokens"],
             tuple(span_from_json(item) for item in data["protect"]),
-            data["per_head"],
-            data.get("per_layer", True),  # files written before it kept none: per layer
+            "layer" if keep == "auto" else keep,
         )
 
     def describe(self) -> str:
         """The budget in words (``"760 entries per layer"``, ``"2.0 MiB"``)."""
         if self.max_bytes is not None:
             return f"{self.max_bytes / 2**20:.2f} MiB"
-        return f"{self.max_entries} entries per layer"
+        return f"{self.max_tokens} entries per layer"
 
     def protected_tokens(self, state: KVState, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
         """``BoolTensor[len(state)]``: the tokens no round drops (module docstring); ``ranges``:
@@ -187,7 +200,7 @@ class Budget:
         """Whether ``state`` holds more than the budget allows."""
         if self.max_bytes is not None:
             return state.nbytes > self.max_bytes
-        return global_entries(state) > self.max_entries
+        return global_entries(state) > self.max_tokens
 
     def fit(
         self,
@@ -215,13 +228,13 @@ class Budget:
         if self.max_bytes is not None:
             return self._forget_bytes(state, scores, protected, at_message, packing)
         needed = _protected_entries(state, protected)
-        if needed > self.max_entries:
+        if needed > self.max_tokens:
             raise InvalidInputError(
-                f"the budget is {self.max_entries} entries; the protected part (the first "
+                f"the budget is {self.max_tokens} entries; the protected part (the first "
                 f"{SINK_TOKENS} tokens, system message, the last {self.recent_tokens} tokens, "
                 f"protect= spans) holds {needed}: raise max_tokens/max_bytes, or protect less"
             )
-        room = max(self._low_water() * self.max_entries, needed)
+        room = max(self._low_water() * self.max_tokens, needed)
         return self._round(state, scores, protected, room, at_message)
 
     def _round(self, state, scores, protected, room, at_message, **bytes_kw):
@@ -350,62 +363,54 @@ def _protected_entries(state: KVState, protected: torch.Tensor) -> int:
 
 def budget_from(
     state: KVState,
-    max_tokens: int | None,
-    max_bytes: int | None,
-    forget: str | None,
-    recent_tokens: int,
-    protect,
-    per_head: bool | None = None,
+    *,
+    max_tokens: int | None = None,
+    max_bytes: int | None = None,
+    forget: str | None = None,
+    recent_tokens: int = RECENT_TOKENS,
+    protect=None,
+    keep: str | None = None,
     quantize: int | None = None,
+    per_head: bool | None = None,
     per_layer: bool | None = None,
 ) -> Budget | None:
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
-    ``per_head`` None: per head where the policy scores arrivals, the model's global layers have
-    more than one KV head, ``quantize`` is off (it holds the same entries on every head) and the
-    budget counts entries (a byte budget would pay for the padding of heads holding unequal
-    counts); ``forget`` None: :func:`default_policy`."""
-    if forget is None and max_tokens is None and max_bytes is None:
+    ``keep`` (:data:`KEEPS`; ``per_head=``/``per_layer=``, the older keywords, map to it,
+    :func:`keep_of`) ``"auto"``/None: ``"head"`` where the policy scores arrivals, the model's
+    global layers have more than one KV head, ``quantize`` is off (it holds the same entries on
+    every head) and the budget counts entries (a byte budget would pay for the padding of heads
+    holding unequal counts), else ``"layer"``; ``forget`` None: :func:`default_policy`.
+
+    Raises:
+        InvalidInputError: a bad keyword, or ``forget=``/``protect=`` without a budget
+            (nothing is forgotten without one).
+    """
+    budgeted = max_tokens is not None or max_bytes is not None
+    for name, value in (("forget", forget), ("protect", protect)):
+        if value is not None and not budgeted:
+            raise InvalidInputError(
+                f"{name}= without a budget: give max_tokens= or max_bytes= (nothing is "
+                "forgotten without one)"
+            )
+    if not budgeted:
         forget = FALLBACK_POLICY  # no budget: nothing is forgotten, the arguments still checked
     elif forget is None:
         forget = default_policy(state)
     scorer = check_policy(forget, state)
     recent_tokens = checks.count("recent_tokens", recent_tokens)
-    if max_tokens is not None and max_bytes is not None:
+    if budgeted and max_tokens is not None and max_bytes is not None:
         raise InvalidInputError("give max_tokens or max_bytes, not both")
-    if per_head is not None:
-        per_head = checks.flag("per_head", per_head)
-    several = any(state.layers[i].kv_shape[1] > 1 for i in state.global_layers)
-    if per_head and not state.global_layers:
-        raise InvalidInputError(
-            "per_head=True needs global-attention layers; every layer of this model slides, "
-            "and a sliding-window layer holds the same entries on every KV head"
-        )
-    if per_head and not scorer.arrival:
-        raise InvalidInputError(
-            f"per_head=True needs a policy that scores entries when they arrive (kvzip, "
-            f"learned); {forget!r} scores at each round"
-        )
-    if per_head and quantize is not None:
-        raise InvalidInputError(
-            "quantize= holds the older messages packed, the same entries on every KV head: "
-            "give per_head=False with it"
-        )
-    per_layer = True if per_layer is None else checks.flag("per_layer", per_layer)
-    if not per_layer and per_head:
-        raise InvalidInputError(
-            "per_layer=False keeps the same tokens on every layer and every KV head: give "
-            "per_head=False with it"
-        )
-    if per_head is None:  # a byte budget would pay for the padding of unequal heads
-        per_head = (
-            scorer.arrival and several and quantize is None and max_bytes is None and per_layer
-        )
+    keep = checked_keep(keep_of(keep, per_head, per_layer), state, forget, scorer, quantize)
+    if keep == "auto":  # a byte budget would pay for the padding of unequal heads
+        several = any(state.layers[i].kv_shape[1] > 1 for i in state.global_layers)
+        by_head = scorer.arrival and several and quantize is None and max_bytes is None
+        keep = "head" if by_head else "layer"
     protect = () if protect is None else tuple(as_span_list(protect))
     if max_bytes is not None:
         max_bytes = checks.count("max_bytes", max_bytes, minimum=1)
-        return Budget(None, max_bytes, forget, recent_tokens, protect, per_head, per_layer)
+        return Budget(None, max_bytes, forget, recent_tokens, protect, keep)
     if max_tokens is None:
         return None
     max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    return Budget(max_tokens, None, forget, recent_tokens, protect, per_head, per_layer)
+    return Budget(max_tokens, None, forget, recent_tokens, protect, keep)

@@ -15,10 +15,8 @@ older messages in low bits (:mod:`kvedit.memory.quantizing`); the history record
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -33,20 +31,11 @@ from ..states.state import KVState
 from .answering import answer_turns, commit, decode, guard_of
 from .budget import RECENT_TOKENS, budget_from
 from .explaining import explain_text, focus_said
-from .files import (
-    budget_keywords,
-    check_as_file,
-    file_key,
-    held_from_file,
-    load_keywords,
-    merged_keywords,
-    read_memory,
-    write_memory,
-)
 from .forgetting import Round
 from .held import Held, Scores, arrived, bytes_per_token, check_model
+from .persisting import MemoryFileMethods
 from .protection import check_system_held, protected_ranges
-from .quantizing import Packing, check_bits, hold_older_quantized
+from .quantizing import Packing, check_bits, exact_messages_of, hold_older_quantized
 from .records import MAX_MESSAGES, Turn
 from .rendering import (
     ROLES,
@@ -56,11 +45,12 @@ from .rendering import (
     check_readable,
     renderer_for,
 )
+from .smallest import check_holds, system_head
 
 __all__ = ["MAX_MESSAGES", "Memory"]
 
 
-class Memory:
+class Memory(MemoryFileMethods):
     """A conversation an agent keeps as one exact KV cache.
 
     ``Memory(model, tokenizer, system=..., prompt="chat")`` renders messages with the
@@ -80,13 +70,17 @@ class Memory:
     :data:`~kvedit.memory.forgetting.DEFAULT_POLICY` where a fit exists for the model, else
     :data:`~kvedit.memory.forgetting.FALLBACK_POLICY`); the first tokens, the system message,
     the last ``recent_tokens`` tokens and the ``protect`` spans are never forgotten.
-    ``per_head`` (None: where the policy allows it) lets each KV head keep its own entries;
-    ``per_layer=False`` keeps the same tokens on every global layer (what ``kvedit serve``'s
-    memories hold: a stock kernel serves one slot per token for all layers).
+    ``keep`` (:data:`~kvedit.memory.keeping.KEEPS`; ``per_head=``/``per_layer=``, its older
+    keywords): ``"head"``, each KV head keeps its own entries; ``"layer"``, each global layer
+    its own, the same on every head; ``"token"``, the same tokens on every global layer (what
+    ``kvedit serve``'s memories hold: a stock kernel serves one slot per token for all layers);
+    ``"auto"`` (the default): ``"head"`` where the policy allows it. A budget the memory can
+    never hold (under its sliding windows, its protected part and one token more:
+    :func:`~kvedit.memory.smallest.smallest_budget`) is refused here, before any work.
     Each round is a history step (the memory is no longer a plain capture) and a
     :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
-    holds the messages before the last ``recent`` in that many bits
-    (:mod:`kvedit.memory.quantizing`), with or without a budget.
+    holds the messages before the last ``exact_messages`` (``recent=``, its older name) in that
+    many bits (:mod:`kvedit.memory.quantizing`), with or without a budget.
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
@@ -103,12 +97,14 @@ class Memory:
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         forget: str | None = None,
-        recent: int = 2,
+        recent: int | None = None,
         protect: Spans | None = None,
         quantize: int | None = None,
         recent_tokens: int = RECENT_TOKENS,
         per_head: bool | None = None,
         per_layer: bool | None = None,
+        keep: str | None = None,
+        exact_messages: int | None = None,
     ) -> None:
         check_model(model, tokenizer)
         if prompt is None:
@@ -116,29 +112,30 @@ class Memory:
         self.renderer = renderer_for(prompt, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
-        self._held = Held(
-            empty_state(model, tokenizer, max_positions=max_positions),
-            (),
-            self.renderer.render([]),
-            (),
-            (),
-        )
+        state = empty_state(model, tokenizer, max_positions=max_positions)
+        self._held = Held(state, (), self.renderer.render([]), (), ())
         self.quantize = check_bits(quantize)
-        """Bits the messages before the last ``recent`` are held in (None: all exact)."""
+        """Bits the messages before the last :attr:`exact_messages` are held in (None: all
+        exact)."""
         self.budget = budget_from(
-            self._held.state,
-            max_tokens,
-            max_bytes,
-            forget,
-            recent_tokens,
-            protect,
-            per_head,
-            self.quantize,
-            per_layer,
+            state,
+            max_tokens=max_tokens,
+            max_bytes=max_bytes,
+            forget=forget,
+            recent_tokens=recent_tokens,
+            protect=protect,
+            keep=keep,
+            quantize=self.quantize,
+            per_head=per_head,
+            per_layer=per_layer,
         )
         """The :class:`~kvedit.memory.budget.Budget` (None: nothing is ever forgotten)."""
-        self.recent = checks.count("recent", recent)
-        """The last messages ``quantize`` holds exact."""
+        self.exact_messages = exact_messages_of(exact_messages, recent)
+        """The last messages ``quantize`` holds exact (``recent=``, the older keyword)."""
+        if self.budget is not None:  # refused before the system message runs
+            said = None if system is None else self._message("system", system).content
+            head = system_head(self.renderer, said)
+            check_holds(self.budget, self._state, system_tokens=head, quantize=self.quantize)
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus that succeeded (None
         before, or when no message held a passage)."""
@@ -234,7 +231,7 @@ class Memory:
         packing = None
         if self.quantize is not None:
             starts = [t.start for t in (*self._turns, *turns)]
-            packing = Packing(self.quantize, starts, self.recent)
+            packing = Packing(self.quantize, starts, self.exact_messages)
         state, scores, done = self.budget.fit(state, scores, ranges, at, packing)
         return state, scores, [] if done is None else [done]
 
@@ -282,7 +279,7 @@ class Memory:
             starts = [t.start for t in (*self._turns, *turns)]
             packed = bool(rounds) and self.budget is not None and self.budget.max_bytes is not None
             forgot = bool(rounds) and not packed  # a byte budget's round packed it already
-            state = hold_older_quantized(state, self.quantize, starts, self.recent, forgot)
+            state = hold_older_quantized(state, self.quantize, starts, self.exact_messages, forgot)
         per_token = bytes_per_token(state)
         turns = [t.with_nbytes(round(per_token * t.n_tokens)) for t in turns]
         self._held = Held(
@@ -343,7 +340,7 @@ class Memory:
         remember = checks.flag("remember", remember)
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         sampling.check_device(self._state.last_logits.device)
-        guard = guard_of(focus)
+        guard = guard_of(focus, self._state)
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens, minimum=1)
         stops = self._stops(stop)
         message = self._message("user", question)
@@ -416,70 +413,3 @@ class Memory:
         words: the messages it emphasized, the guard's verdict where it dropped the edit, or
         why it abstained; None when no question was asked with focus."""
         return focus_said(self.last_focus, self._rendering.contents, self._messages)
-
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the memory to one state file (the cache, sealed, with the messages in its
-        header), atomically; returns the path. The whole file is written each time (46 KB per
-        token on SmolLM2 in float32): save on demand (``kvedit chat`` saves on exit), not
-        every turn.
-
-        A file this memory loaded from or saved to is written again only while it is still
-        the version it read or wrote last: one another writer saved meanwhile (a second chat
-        on the same file) is refused, unless ``overwrite``.
-
-        Raises:
-            StateAlteredError: the memory's tensors were written in place
-                (``mem.state.layers[i].values.mul_(...)``): its file would claim a cache it
-                does not hold.
-            FileChangedError: ``path`` changed since this memory loaded or saved it.
-            InvalidInputError: a bad ``path``; StorageError: it cannot be written.
-        """
-        overwrite = checks.flag("overwrite", overwrite)
-        self._state.check_unaltered("saving the memory")
-        path = checks.path(path)
-        key = file_key(path)
-        keywords = budget_keywords(self.budget, self.recent, self.quantize)
-        known = None if overwrite else self._files.get(key)
-        saved = write_memory(path, self._held, self.prompt, keywords, self.budget, known)
-        self._files[key] = saved.version
-        return saved.path
-
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike,
-        model,
-        tokenizer,
-        *,
-        max_positions: int | None = None,
-        **keywords,
-    ) -> Memory:
-        """A memory saved with :meth:`save`, for ``model`` and ``tokenizer``.
-
-        The messages are rendered again and must give the file's token ids exactly; every
-        other field is checked against them (:mod:`kvedit.memory.attached`). The file keeps
-        what was forgotten (its state), the rounds, and the budget and quantizing it was saved
-        with, which hold from here on; a keyword given here (``max_tokens=``, ``max_bytes=``,
-        ``forget=``, ``recent=``, ``protect=``, ``quantize=``, as for :class:`Memory`)
-        replaces the file's (``max_tokens=None``: no budget). ``prompt=`` and ``system=`` may
-        be given only as the file's (a loaded memory keeps its messages and format).
-
-        Raises:
-            InvalidTypeError: an unknown keyword (before any work).
-            InvalidInputError: a ``prompt=`` or ``system=`` that is not the file's.
-            CacheMismatchError: the file was made by another model or tokenizer.
-            CorruptCacheError: not a memory file, damaged, a field that is not what
-                :meth:`save` writes, or messages that do not render to its tokens.
-        """
-        check_model(model, tokenizer)
-        given = load_keywords(keywords)
-        prompt, system = given.pop("prompt", None), given.pop("system", None)
-        found = read_memory(path, model, tokenizer, max_positions)
-        check_as_file(found, prompt, system)
-        merged = merged_keywords(found.attachment.keywords, given)
-        memory = cls(
-            model, tokenizer, prompt=found.attachment.prompt, max_positions=max_positions, **merged
-        )
-        memory._held = held_from_file(found, memory.budget)
-        memory._files[file_key(path)] = found.version
-        return memory

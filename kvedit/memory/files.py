@@ -46,14 +46,14 @@ from .attached import (
     parse_attachment,
 )
 from .budget import Budget
-from .forgetting import Round
+from .forgetting import Round, policies
 from .held import Held, scored_from_scratch
+from .keeping import keep_of
 from .records import Turn
 from .rendering import Message
 
 __all__ = [
     "ATTACHMENT_KIND",
-    "KEYWORDS",
     "LOAD_KEYWORDS",
     "MemoryFile",
     "budget_keywords",
@@ -70,9 +70,6 @@ __all__ = [
     "score_tensors",
     "write_memory",
 ]
-
-KEYWORDS = set(BUDGET_KEYWORDS)
-"""The ``Memory`` keywords a memory file keeps (:func:`budget_keywords`)."""
 
 LOAD_KEYWORDS = ("max_positions", *BUDGET_KEYWORDS, "prompt", "system")
 """The keywords :meth:`kvedit.Memory.load` takes (``prompt`` and ``system`` only as the file's)."""
@@ -97,11 +94,13 @@ class MemoryFile:
         return None if meta is None else meta["policy"]
 
 
-def budget_keywords(budget: Budget | None, recent: int, quantize: int | None) -> dict:
-    """The ``Memory`` keywords that give a memory ``budget``, ``recent`` and ``quantize``
-    again (JSON-ready: :meth:`Budget.to_json <kvedit.memory.budget.Budget.to_json>`, with
-    ``recent`` and ``quantize`` beside it)."""
-    keywords: dict = {"max_tokens": None, "recent": recent, "quantize": quantize}
+def budget_keywords(budget: Budget | None, exact_messages: int, quantize: int | None) -> dict:
+    """The ``Memory`` keywords that give a memory ``budget``, ``exact_messages`` and
+    ``quantize`` again (JSON-ready: :meth:`Budget.to_json <kvedit.memory.budget.Budget.to_json>`,
+    with ``quantize`` and ``exact_messages`` beside it, the latter as ``recent``, the field files
+    have held it in since before the keyword was renamed: every kvedit reading memory files
+    reads it)."""
+    keywords: dict = {"max_tokens": None, "recent": exact_messages, "quantize": quantize}
     return keywords if budget is None else {**keywords, **budget.to_json()}
 
 
@@ -166,10 +165,13 @@ def read_memory(
     its attachment, and the messages rendered again give the state's ids exactly.
 
     Raises:
+        InvalidInputError: no file at ``path``.
         CacheMismatchError: the file was made by another model or tokenizer.
         CorruptCacheError: not a memory file, damaged, a field that is not what
             :meth:`kvedit.Memory.save` writes, or messages that do not render to its tokens.
     """
+    if not os.path.exists(path):
+        raise InvalidInputError(f"{path}: no such memory file (Memory.save writes one)")
     found = read_attached(path, model, tokenizer, max_positions=max_positions)
     state = found.state
     a = parse_attachment(
@@ -304,14 +306,48 @@ SAVING_SUFFIX = ".kvedit-saving"
 """What a memory file's saving lock adds to its name (after a leading dot)."""
 
 
+_BUDGET_ONLY = ("forget", "recent_tokens", "protect", "keep")
+"""A file's keywords that mean nothing without its budget (dropped with ``max_tokens=None``)."""
+
+
+def _newer(keywords: Mapping) -> dict:
+    """``keywords`` with the older names mapped to the newer (``recent``: ``exact_messages``;
+    ``per_head``, ``per_layer``: ``keep``, :func:`~kvedit.memory.keeping.keep_of`)."""
+    out = dict(keywords)
+    if "recent" in out and "exact_messages" not in out:
+        out["exact_messages"] = out.pop("recent")
+    head, layer = out.pop("per_head", None), out.pop("per_layer", None)
+    if (head is not None or layer is not None) and "keep" not in out:
+        out["keep"] = keep_of(None, head, layer)
+    return out
+
+
 def merged_keywords(kept: dict, given: dict) -> dict:
     """The ``Memory`` keywords of a loaded memory: the file's (``kept``), each replaced by one
-    given to :meth:`kvedit.Memory.load`; a size given one way (``max_tokens``/``max_bytes``)
-    replaces the file's given the other."""
+    given to :meth:`kvedit.Memory.load` (older names read as the newer, :func:`_newer`); a size
+    given one way (``max_tokens``/``max_bytes``) replaces the file's given the other; without a
+    size, the file's forgetting keywords are dropped (nothing is forgotten).
+
+    Raises:
+        InvalidInputError: the file's policy is not registered here and no ``forget=`` replaces
+            it (or the memory keeps no budget).
+    """
+    kept, given = _newer(kept), _newer(given)
     merged = {**kept, **given}
     for one, other in (("max_bytes", "max_tokens"), ("max_tokens", "max_bytes")):
         if one in given:
             merged.pop(other, None)
+    if merged.get("max_tokens") is None and merged.get("max_bytes") is None:
+        for key in _BUDGET_ONLY:
+            if key not in given:
+                merged.pop(key, None)
+    policy = merged.get("forget")
+    if "forget" not in given and policy is not None and policy not in policies():
+        raise InvalidInputError(
+            f"the memory file forgets with the policy {policy!r}, which is not registered in "
+            f"this process (registered: {', '.join(policies())}): register it (import the "
+            "module that defines it) before loading, or pass forget= another policy"
+        )
     return merged
 
 
@@ -327,6 +363,12 @@ def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
     held = found.attachment
     turns = [replace(t, source="loaded", computed=0, kept=0) for t in held.turns]
     arrival = budget is not None and budget.scorer.arrival
+    if budget is not None and not budget.per_head and any(map(is_headwise, found.state.layers)):
+        raise InvalidInputError(
+            f"this memory forgot per KV head (its layers hold other entries on each head), and "
+            f"keep={budget.keep!r} (per_head=False) cannot undo that: load it with its file's "
+            "keep='head', or with max_tokens=None (no budget)"
+        )
     if budget is not None and not arrival and any(map(is_headwise, found.state.layers)):
         raise InvalidInputError(
             f"this memory forgot per KV head (its layers hold other entries on each head), "

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .. import checks
 from ..cache.packed import BITS
 from ..compress.quantization import quantize
 from ..errors import InvalidInputError
 from ..states.state import KVState
 
 __all__ = [
+    "EXACT_MESSAGES",
     "GROUP",
     "REQUANTIZE_AFTER",
     "Packing",
+    "exact_messages_of",
     "check_bits",
     "exact_old_entries",
     "hold_older_quantized",
@@ -100,6 +103,25 @@ def packed_entry_bytes(layer, bits: int) -> float:
     key_scales = 2 * scale * d / GROUP
     value_scales = 2 * scale * max(dv // min(GROUP, dv), 1)
     return b * heads * (codes + key_scales + value_scales)
+
+
+EXACT_MESSAGES = 2
+"""``Memory(exact_messages=)``'s default: the last messages ``quantize`` holds exact."""
+
+
+def exact_messages_of(exact_messages: int | None, recent: int | None = None) -> int:
+    """``Memory(exact_messages=)``, or ``recent=``, its older name (None: both not given,
+    :data:`EXACT_MESSAGES`), checked. Not what no round forgets: that is ``recent_tokens``.
+
+    Raises:
+        InvalidInputError: both given, or not a count.
+    """
+    if exact_messages is not None and recent is not None:
+        raise InvalidInputError("give exact_messages= or recent= (its older name), not both")
+    if exact_messages is None and recent is None:
+        return EXACT_MESSAGES
+    name = "recent" if exact_messages is None else "exact_messages"
+    return checks.count(name, recent if exact_messages is None else exact_messages)
 
 
 class Packing:

@@ -342,7 +342,25 @@ def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
     assert Memory.load(path, *tiny).nbytes <= 96 * 1024
     small = tmp_path / "small.kv"
     status, out, err = _chat(monkeypatch, capsys, small, "hi\n", "--max-bytes", "300")
-    assert "raise max_bytes" in err
+    assert status == 2 and "raise --max-bytes" in err
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [["--max-bytes", "100"], ["--max-tokens", "10"], ["--max-tokens", "10", "--quantize", "4"]],
+)
+def test_a_budget_the_memory_can_never_hold_is_refused_before_the_first_question(
+    monkeypatch, capsys, tmp_path, tiny, budget
+):
+    """Under one token, or under the protected part: exit 2, one line naming the option, the
+    smallest budget that holds and why, before any question is answered (#65)."""
+    path = tmp_path / "chat.kv"
+    status, out, err = _chat(monkeypatch, capsys, path, "hello\n", "--system", "Terse.", *budget)
+    assert status == 2 and out == ""
+    (line,) = err.splitlines()
+    assert f"{budget[0]} {budget[1]} can never hold: the smallest budget that holds is" in line
+    assert "the protected part" in line and f"raise {budget[0]}" in line
+    assert not path.exists()
 
 
 def test_quantize_holds_older_messages_in_fewer_bits(monkeypatch, capsys, tmp_path, tiny):
@@ -364,7 +382,7 @@ def test_quantize_holds_older_messages_in_fewer_bits(monkeypatch, capsys, tmp_pa
         (["--forget", "knorm"], "--forget without a budget: give --max-tokens or --max-bytes"),
         (["--protect", "x"], "--protect without a budget: give --max-tokens or --max-bytes"),
         (["--recent-tokens", "3"], "--recent-tokens without a budget"),
-        (["--recent", "3"], "--recent says which messages --quantize holds exact"),
+        (["--recent", "3"], "--exact-messages says which messages --quantize holds exact"),
         (["--max-bytes", "3XB"], "argument --max-bytes: expected a size such as 2000000"),
         (["--max-bytes", "0.5"], "argument --max-bytes: must be at least one byte"),
         (["--max-tokens", "9", "--max-bytes", "9"], "not allowed with argument"),
@@ -660,3 +678,34 @@ def test_a_save_that_fails_on_a_full_disk_is_one_plain_error_line(
         "nothing was saved, and the chat goes on with its messages"
     ]
     assert len(Memory.load(path, *tiny)) == 4  # saved at the end, every turn kept
+
+
+def test_focus_under_an_entry_budget_answers_every_round(monkeypatch, capsys, tmp_path, tiny):
+    """``--focus --max-tokens N`` makes a memory whose heads keep the same entries (focus reads
+    them so): every question answered past the first round, none refused (#65)."""
+    path = tmp_path / "chat.kv"
+    lines = "".join(
+        f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(6)
+    )
+    status, out, err = _chat(monkeypatch, capsys, path, lines, "--max-tokens", "60", "--focus")
+    assert status == 0 and err == "", err
+    assert out.count("[focus: ") == 6
+    memory = Memory.load(path, *tiny)
+    assert memory.forgetting and memory.budget.keep == "layer"
+
+
+def test_focus_on_a_file_that_forgot_per_head_is_refused_at_start(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    mem = Memory(*tiny, system="You are terse.", max_tokens=60, forget="kvzip")
+    for i in range(6):
+        mem.add("user", f"line {i}: my locker code is {4821 + i}, the river is calm")
+    assert mem.budget.per_head and mem.forgetting
+    mem.save(path)
+    before = path.read_bytes()
+    status, out, err = _chat(monkeypatch, capsys, path, "hi\n", "--focus")
+    assert status == 2 and out == ""
+    (line,) = err.splitlines()
+    assert "forgot per KV head" in line and "leave --focus out" in line
+    assert path.read_bytes() == before

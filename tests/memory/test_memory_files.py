@@ -110,7 +110,10 @@ BAD = {
     "round-policy": (_set("rounds", 0, "policy", 5), r"rounds\[0\]\.policy"),
     "budget-zero": (_set("budget", "max_tokens", 0), r"budget\.max_tokens is 0"),
     "budget-recent": (_set("budget", "recent", -1), r"budget\.recent is -1"),
-    "budget-forget": (_set("budget", "forget", "all"), r"budget\.forget is 'all'"),
+    "budget-forget": (
+        _set("budget", "forget", 5),
+        r"budget\.forget is 5 \(a int\), not a policy's name",
+    ),
     "budget-quantize": (_set("budget", "quantize", 3), r"budget\.quantize is 3"),
     "budget-span": (_set("budget", "protect", [{"chars": [5, 1]}]), r"budget\.protect"),
 }

@@ -26,7 +26,7 @@ def _check_held(mem, forgot=False):
     """The recent messages exact, everything older packed but for fewer than
     REQUANTIZE_AFTER entries (between packings), or a partial key group after a forgetting
     round (which packs again what it made dense)."""
-    exact_from = mem.turns[-mem.recent].start
+    exact_from = mem.turns[-mem.exact_messages].start
     for layer in _global(mem.state):
         old = int((layer.token_index < exact_from).sum())
         packed = layer.n_packed if layer.packed else 0
