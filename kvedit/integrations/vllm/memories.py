@@ -14,13 +14,20 @@ the latest memory of a conversation is damaged (bad seal, its stock file missing
 its parent (kept beside it) serves, and :class:`Found` says which memory was passed over and
 why. Leftovers in ``ROOT/memories`` (a killed writer's temporary file or folder) are swept
 (:func:`~kvedit.integrations.vllm.turns.sweep_folder`).
+
+**Hot memories stay in RAM.** A memory read or stored is kept (a bounded LRU of
+:data:`HOT_BYTES`), keyed by its file's identity (path, size, ``mtime_ns``, ...): a turn's memory is
+read and checked once, when first met, and served from RAM after; a file changed on disk (another
+server, a copy over it) has another identity, so it is read and checked again. A stock file is
+verified once per version, and the one a commit writes is known verified (its ids are the ones
+written). :attr:`MemoryFiles.reads` counts the files read whole (``memory``, ``stock``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +41,7 @@ from . import files
 from .publishing import publish_stock
 from .turns import sweep_folder
 
-__all__ = ["MEMORIES", "Found", "MemoryFiles"]
+__all__ = ["HOT_BYTES", "MEMORIES", "Found", "MemoryFiles"]
 
 MEMORIES = "memories"
 """The folder under the publish root that holds the conversations' memories."""
@@ -42,7 +49,10 @@ MEMORIES = "memories"
 ATTACHMENT = "kvedit-served-memory"
 """The ``kind`` of a served memory's attachment (its header says which memory it follows)."""
 
-_RAM_BYTES = 1 << 30  # memories kept in this process after use: the next turn needs no read
+HOT_BYTES = 256 << 20
+"""The bytes of memories a server keeps in RAM after use (least recently used go first): a few
+dozen conversations' next turns at 8 MiB a memory without a read, while the server's own RAM
+stays far below the model's."""
 _SWEEP_SECONDS = 10.0  # the memories' folder is swept at most this often
 _VERIFIED = 64  # stock file versions whose verification is remembered
 
@@ -54,6 +64,7 @@ class Memory:
     state: KVState
     scores: Scores | None
     meta: dict = field(default_factory=dict)
+    digest: str = ""  # its file's name's digest (the stock file's)
 
 
 @dataclass(frozen=True)
@@ -72,12 +83,15 @@ class Found:
 class MemoryFiles:
     """The memories under ``root/memories`` and their stock files under ``root``."""
 
-    def __init__(self, root: Path, model, tokenizer) -> None:
+    def __init__(self, root: Path, model, tokenizer, *, hot_bytes: int = HOT_BYTES) -> None:
         self.root, self.folder = root, root / MEMORIES
         self.model, self.tokenizer = model, tokenizer
         self.index = files.PublishedIndex(self.folder)
         self.published = files.PublishedIndex(self.root)  # the memories' stock files
-        self._ram: OrderedDict[str, Memory] = OrderedDict()
+        self.hot_bytes = hot_bytes
+        self.reads: Counter[str] = Counter()  # files read whole: "memory", "stock"
+        self._ram: OrderedDict[tuple, Memory] = OrderedDict()  # by file identity: _identity
+        self._ram_bytes = 0
         self._verified: OrderedDict[tuple, list[int]] = OrderedDict()
         self._lock = threading.Lock()
         self._swept = 0.0
@@ -148,43 +162,50 @@ class MemoryFiles:
         if not published:
             raise KVEditError(f"the memory {digest} has no published stock file under {self.root}")
         path = published[0][0]
-        st = path.stat()
-        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        key = _identity(path)
         with self._lock:
             if key in self._verified:
                 self._verified.move_to_end(key)
                 return self._verified[key]
+        self.reads["stock"] += 1
         slots = list(files.verify(path)["token_ids"])
+        self._known_verified(key, slots)
+        return slots
+
+    def _known_verified(self, key: tuple, slots: list[int]) -> None:
         with self._lock:
             self._verified[key] = slots
+            self._verified.move_to_end(key)
             while len(self._verified) > _VERIFIED:
                 self._verified.popitem(last=False)
-        return slots
 
     # ------------------------------------------------------------------ reading
 
     def load(self, path: Path, ids: list[int] | None = None) -> Memory:
-        """The memory in ``path`` (kept in RAM after use), checked: its seal and kind, its
-        token ids the ones its name addresses and, with ``ids``, a prefix of them.
+        """The memory in ``path``, checked: its seal and kind, its token ids the ones its name
+        addresses and, with ``ids``, a prefix of them. Read and checked once per file version
+        (kept in RAM after: :data:`HOT_BYTES`).
 
         Raises:
             KVEditError: a file that is not a memory served here, or whose ids are not its
                 name's or do not start ``ids`` (naming the file and the mismatch).
+            OSError: the file is gone.
         """
-        digest = files.digest_of(path)
+        key = _identity(path)
         with self._lock:
-            memory = self._ram.get(digest)
+            memory = self._ram.get(key)
             if memory is not None:
-                self._ram.move_to_end(digest)
+                self._ram.move_to_end(key)
         if memory is None:
-            memory = self._read(path, digest)
-            self.remember(digest, memory)
+            memory = self._read(path, files.digest_of(path))
+            self.remember(key, memory)
         held = memory.state.token_ids.tolist()
         if ids is not None and ids[: len(held)] != held:
             raise KVEditError(f"{path.name}: the memory's token ids do not start the request's")
         return memory
 
     def _read(self, path: Path, digest: str) -> Memory:
+        self.reads["memory"] += 1
         found = read_attached(path, self.model, self.tokenizer)
         if not found.trusted or (found.attachment or {}).get("kind") != ATTACHMENT:
             raise KVEditError(f"{path} is not a memory this installation served")
@@ -210,29 +231,44 @@ class MemoryFiles:
         scores = {
             int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith("scores.")
         } or None
-        return Memory(found.state, scores, found.attachment or {})
+        return Memory(found.state, scores, found.attachment or {}, digest)
 
-    def remember(self, digest: str, memory: Memory) -> None:
+    def remember(self, key: tuple, memory: Memory) -> None:
+        """Keep ``memory`` (the file of identity ``key``) in RAM, the least recently used
+        going first past ``hot_bytes`` (the newest is kept whatever its size)."""
         with self._lock:
-            self._ram[digest] = memory
-            self._ram.move_to_end(digest)
-            while (
-                len(self._ram) > 1 and sum(m.state.nbytes for m in self._ram.values()) > _RAM_BYTES
-            ):
-                self._ram.popitem(last=False)
+            old = self._ram.pop(key, None)
+            self._ram_bytes -= old.state.nbytes if old is not None else 0
+            self._ram[key] = memory
+            self._ram_bytes += memory.state.nbytes
+            while len(self._ram) > 1 and self._ram_bytes > self.hot_bytes:
+                _, gone = self._ram.popitem(last=False)
+                self._ram_bytes -= gone.state.nbytes
+
+    def hot(self) -> list[str]:
+        """The digests of the memories kept in RAM, least recently used first."""
+        with self._lock:
+            return [m.digest for m in self._ram.values()]
 
     # ------------------------------------------------------------------ writing
 
     def store(self, state: KVState, scores: Scores | None, parent: str | None) -> str:
         """Publish ``state``'s stock form and write the memory (both atomic; the memory last,
-        so a memory found always has its stock file); returns its digest."""
-        _, stock, _ = publish_stock(state, self.root)
+        so a memory found always has its stock file); returns its digest. Both are kept known
+        (the memory in RAM, the stock file verified): the next turn reads neither.
+
+        Two files, each written once: the stock form is what vLLM's worker (another process)
+        loads by digest, in the layout it serves; the memory file is kvedit's form (positions,
+        history, entry scores, parent), what a restarted server or another on the same root
+        reads to fold the next turn, which the stock form does not carry."""
+        ids, stock, stock_path = publish_stock(state, self.root)
         digest = stock.digest or state.digest
+        self._known_verified(_identity(stock_path), list(ids))
         path = self.folder / files.file_name(state.token_ids.tolist(), digest)
         attachment = {"kind": ATTACHMENT, "parent": parent}
         attached = {} if scores is None else {f"scores.{i}": t for i, t in scores.items()}
         save_file_version(state, path, attachment=attachment, attached=attached)
-        self.remember(digest, Memory(state, scores, attachment))
+        self.remember(_identity(path), Memory(state, scores, attachment, digest))
         return digest
 
     def prune(self, digest: str | None) -> None:
@@ -242,7 +278,7 @@ class MemoryFiles:
         if digest is None:
             return
         with self._lock:  # the commit has just loaded it
-            served = self._ram.get(digest)
+            served = next((m for m in self._ram.values() if m.digest == digest), None)
         old = served.meta.get("parent") if served is not None else None
         if not isinstance(old, str):
             return
@@ -250,4 +286,16 @@ class MemoryFiles:
             for path, _ in index.with_digest(old):
                 path.unlink(missing_ok=True)
         with self._lock:
-            self._ram.pop(old, None)
+            for key in [k for k, m in self._ram.items() if m.digest == old]:
+                self._ram_bytes -= self._ram.pop(key).state.nbytes
+
+
+def _identity(path: Path) -> tuple:
+    """A file version's identity: its path, inode, size, ``mtime_ns`` and ``ctime_ns`` (a file
+    replaced or written again has another; no user can set a ``ctime`` back).
+
+    Raises:
+        OSError: the file is gone.
+    """
+    st = path.stat()
+    return (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
