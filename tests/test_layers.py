@@ -4,6 +4,8 @@ the package, never from its own callers. Counted as ``tests/test_imports.py`` co
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 from test_imports import MODULES, imported
 
@@ -63,3 +65,35 @@ def test_a_module_imports_only_lower_layers(module: str):
         if unit(target) != mine and RANKS[unit(target)] >= RANKS[mine]
     ]
     assert wrong == [], f"{module} (rank {RANKS[mine]}) imports {wrong}"
+
+
+def front_door_names(module: str) -> list[str]:
+    """The names ``module`` takes from the front door (``import kvedit``, ``from kvedit import
+    x`` where ``x`` is no submodule, ``from .. import x`` reaching ``kvedit`` itself): an arrow
+    up to the top layer, which :func:`imported` does not show (``kvedit`` is every module's
+    ancestor)."""
+    tree = ast.parse(MODULES[module].read_text())
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "kvedit"]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            mod = (
+                ".".join(
+                    base[: len(base) - (node.level - 1)] + ([node.module] if node.module else [])
+                )
+                if node.level
+                else node.module or ""
+            )
+            if mod == "kvedit":
+                found += [
+                    f"kvedit.{a.name}" for a in node.names if f"kvedit.{a.name}" not in MODULES
+                ]
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if RANKS[unit(m)] < RANKS[""]))
+def test_no_module_below_the_front_door_imports_it(module: str):
+    assert front_door_names(module) == [], f"{module} imports the front door kvedit"

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import kvedit
 from kvedit.evals.methods.context import ExampleContext
 from kvedit.evals.methods.edits import apply_edit, edited_state
 from kvedit.evals.methods.none import UNEDITED_ANSWER
 from kvedit.evals.prompts import plain_answer
+from kvedit.focusing import choice
 from kvedit.focusing.choice import ABSTAIN_THRESHOLD, Focus
 from kvedit.focusing.guard import AgreementGuard, Guard, SupportGuard
 from kvedit.states.state import KVState
@@ -75,7 +75,7 @@ def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
     """
     args = focus_args(ctx, params)
     if not (edit and params.edits_cache):
-        return kvedit.choose(ctx.state, ctx.continuation, ctx.doc_spans, **args)
+        return choice.choose(ctx.state, ctx.continuation, ctx.doc_spans, **args)
     other = None
     if params.edit != "emphasize":
 
@@ -84,7 +84,7 @@ def example_focus(ctx: ExampleContext, params, *, edit: bool = True) -> Focus:
 
     guard = guard_of(params, ctx)
     unedited = ctx.notes.get(UNEDITED_ANSWER)  # none's answer, when it answered first
-    return kvedit.focus(
+    return choice.focus(
         ctx.state,
         ctx.continuation,
         ctx.doc_spans,
