@@ -7,6 +7,11 @@ is loaded, before anything is written. An ``--out`` holding results is refused u
 time: a run holds ``out/.lock`` (a :class:`~kvedit.store.lock.WriterLock` naming its process)
 while it runs, and another run on that folder is refused naming that process. A refusal writes
 nothing and exits 2.
+
+``--conversations FILE`` runs on the conversations of a file
+(:mod:`kvedit.evals.conversation_files`), checked whole before the model loads, its turns
+rendered by ``--speakers``; a generated task's options (``--task``, ``--n-examples``,
+``--seed``, ``--size``, ``--questions``) are refused with it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ import argparse
 
 from .arguments import check_out_free, holding_out, positive
 from .litm import overwrite_arg
+
+DEFAULT_TASK = "facts"
+"""The generated task run when neither --task nor --conversations is given."""
+DEFAULTS = {"n_examples": 10, "seed": 0}
+"""A generated task's options left out."""
 
 
 def _epilog() -> str:
@@ -57,13 +67,39 @@ def memory_parser(sub) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from ..evals.conversation_files import SPEAKER_MODES
     from ..evals.tasks import MEMORY_TASKS
 
-    p.add_argument("--task", default="facts", choices=MEMORY_TASKS.names())
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=MEMORY_TASKS.names(),
+        help=f"a generated task (default {DEFAULT_TASK}; not with --conversations)",
+    )
+    p.add_argument(
+        "--conversations",
+        metavar="FILE",
+        default=None,
+        help="run on the conversations of a JSON file instead of a generated task (the format: "
+        "docs/evals.md; an example: kvedit/evals/data/example_conversation.json)",
+    )
+    p.add_argument(
+        "--speakers",
+        default=None,
+        choices=SPEAKER_MODES,
+        help="with --conversations, how turns become messages, each '[DATE] SPEAKER: TEXT': "
+        "user (default: every turn a user message) or alternate (the first speaker the user, "
+        "the second the assistant)",
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--methods", default="reuse,learned,kvzip,window,snapkv-first")
     p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")
-    p.add_argument("--n-examples", type=positive("--n-examples"), default=10)
+    p.add_argument(
+        "--n-examples",
+        type=positive("--n-examples"),
+        default=None,
+        help=f"conversations generated (default {DEFAULTS['n_examples']})",
+    )
     p.add_argument(
         "--size",
         type=positive("--size"),
@@ -76,7 +112,9 @@ def memory_parser(sub) -> None:
         default=None,
         help="questions per conversation, a multiple of 3 (" + _task_help("questions") + ")",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=None, help=f"default {DEFAULTS['seed']} (a generated task)"
+    )
     p.add_argument("--out", default="runs/memory")
     overwrite_arg(p)
     p.add_argument(
@@ -94,6 +132,7 @@ def check_memory(args) -> None:
     """Refuse, before any model is loaded and before anything is written, a bad spec, budget,
     task size, or an ``--out`` holding an earlier run's results."""
     from ..errors import InvalidInputError
+    from ..evals.conversation_files import load_conversations
     from ..evals.memory import (
         MEMORY_RESULTS,
         build_conversations,
@@ -103,6 +142,7 @@ def check_memory(args) -> None:
     from ..evals.methods.registry import split_specs
     from ..evals.report import check_out
 
+    _resolve(args)
     check_out_free(args.out)
     check_out(args.out, MEMORY_RESULTS, overwrite=args.overwrite, resume=args.resume)
     specs = split_specs(args.methods)
@@ -111,7 +151,37 @@ def check_memory(args) -> None:
     for spec in specs:
         parse_memory_spec(spec)
     parse_budgets(args.budgets)
-    build_conversations(args.task, args.n_examples, args.seed, args.size, args.questions)
+    if args.conversations is not None:
+        load_conversations(args.conversations, args.speakers)
+    else:
+        build_conversations(args.task, args.n_examples, args.seed, args.size, args.questions)
+
+
+def _resolve(args) -> None:
+    """Refuse a generated task's options with ``--conversations`` (and ``--speakers``
+    without it); give the options left out their defaults."""
+    from ..errors import InvalidInputError
+
+    file = args.conversations is not None
+    if file:
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k in ("task", "n_examples", "seed", "size", "questions")
+            if getattr(args, k) is not None
+        ]
+        if given:
+            raise InvalidInputError(
+                f"--conversations {args.conversations} takes no {', '.join(given)} (those are "
+                "for a generated --task): run every conversation and question of the file"
+            )
+        args.speakers = args.speakers or "user"
+        return
+    if args.speakers is not None:
+        raise InvalidInputError("--speakers is for --conversations FILE (how its turns are said)")
+    args.task = args.task or DEFAULT_TASK
+    for key, value in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def _run_memory(args) -> int:

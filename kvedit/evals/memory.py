@@ -7,6 +7,13 @@ a long chat, each asked with ``remember=False``) and ``nq-shared``
 mode, the questions asked one after another and kept). Each question has a bucket, the third of
 the conversation its answer sits in (``early``, ``middle``, ``late``).
 
+``--conversations FILE`` runs instead on the conversations of a file
+(:mod:`kvedit.evals.conversation_files`: dated sessions of turns between named speakers, and
+questions with gold answers, evidence turns and categories); the task is then
+:data:`FILE_TASK`, a question's bucket is the third of the turns its oldest evidence turn sits
+in, and the summary adds exact match and token F1 (SQuAD's), by category and by the age of the
+evidence in tokens (:mod:`kvedit.evals.conversation_scores`).
+
 Methods are specs in the ``name:key=value`` grammar (:func:`parse_memory_spec`; the names:
 :func:`memory_methods`):
 
@@ -50,7 +57,9 @@ asked; for ``snapkv-first`` the union of the entries any head keeps,
 ``entries_per_layer`` (each global layer's, per KV head on average), ``nbytes`` (the bytes
 the memory held), ``full_entries``, ``rounds`` and ``forget_seconds`` (the forgetting rounds the
 memory kept so far, and their seconds) and ``build_seconds`` (adding the messages, rounds
-included).
+included); and ``em``, ``f1`` (exact match and token F1, normalised as SQuAD does),
+``category``, ``evidence``, ``age_turns`` and ``age_tokens`` (the turns, and the rendering's
+tokens, after its oldest evidence turn; None without evidence and for the generated tasks).
 A question asked with ``remember=False`` may forget to make room for itself; that round is not
 kept (the memory is left as it was), so its cost is in ``seconds`` only.
 """
@@ -65,6 +74,8 @@ from pathlib import Path
 
 from kvedit.atomic import atomic_write
 from kvedit.errors import InvalidInputError
+from kvedit.evals.conversation_files import FILE_TASK, load_conversations
+from kvedit.evals.conversation_scores import add_file_scores, format_file_tables
 from kvedit.evals.jsonl import PartialRecords, read_json, read_numbered_records
 from kvedit.evals.memory_answers import REREAD_TURNS, default_renderer, run_conversation
 from kvedit.evals.memory_report import (
@@ -256,6 +267,33 @@ def _parse_methods(methods: Sequence[str]) -> list[MemoryMethod]:
     return parsed
 
 
+def _conversations(
+    task: str, sizes: dict, path: str | Path | None, speakers: str
+) -> tuple[list[Conversation], dict]:
+    """The conversations of the run and what the settings record of them: the registered task's
+    for ``sizes`` (``seed``, ``n_examples``, ``size``, ``questions``), or those of the
+    conversation file at ``path`` (its path and ``speakers``; ``task`` must be
+    :data:`FILE_TASK` and the sizes unset but the defaults).
+
+    Raises:
+        InvalidInputError: a task other than :data:`FILE_TASK` with a file, or a file task
+            without one.
+        InvalidExampleError: a malformed file (:func:`load_conversations`).
+    """
+    if path is None:
+        if task == FILE_TASK:
+            raise InvalidInputError(
+                f"task {FILE_TASK!r} needs a conversation file (--conversations)"
+            )
+        return build_conversations(task, **sizes), sizes
+    if task != FILE_TASK:
+        raise InvalidInputError(
+            f"--conversations {path} runs the file's conversations, not task {task!r}: leave "
+            "--task out"
+        )
+    return load_conversations(path, speakers), {"conversations": str(path), "speakers": speakers}
+
+
 def evaluate(
     model_name: str,
     task: str,
@@ -270,6 +308,8 @@ def evaluate(
     max_new_tokens: int = 16,
     resume: bool = False,
     progress: Callable[[str], None] | None = None,
+    conversations: str | Path | None = None,
+    speakers: str = "user",
 ) -> dict:
     """Run the suite and write ``out/results.json`` and ``out/curve.png`` (skipped with a
     note without Matplotlib); return the summary (:func:`summarize_memory`).
@@ -281,31 +321,36 @@ def evaluate(
     method's budget against what its memories never forget (:func:`check_budgets_fit`) once
     the tokenizer is there: a refusal writes nothing (the partial files are written with the
     first records).
+
+    ``conversations``: a conversation file (:mod:`kvedit.evals.conversation_files`, its turns
+    rendered by ``speakers``) to run on instead of generated ones; ``task`` is then
+    :data:`FILE_TASK`, and the summary adds exact match and token F1, by category and by the
+    age of the evidence (:func:`~kvedit.evals.conversation_scores.add_file_scores`).
     """
     from kvedit.models import load_model
     from kvedit.version import __version__
 
     parsed = _parse_methods(methods)
     budgets = parse_budgets(",".join(str(b) for b in budgets))
-    conversations = build_conversations(task, n_examples, seed, size, questions)
     sizes = {"seed": seed, "n_examples": n_examples, "size": size, "questions": questions}
+    convs, sizes = _conversations(task, sizes, conversations, speakers)
     settings = run_settings(
         model_name, task, parsed, budgets, **sizes, max_new_tokens=max_new_tokens
     )
     out = Path(out)
     asked = {(m.spec, b) for m, b in _pairs(parsed, budgets)}
-    done = resumed_records(out, settings, conversations, asked) if resume else []
+    done = resumed_records(out, settings, convs, asked) if resume else []
     check_model_serves(model_name, parsed)  # what the model's configuration rules out
     model, tokenizer = load_model(model_name)
     check_budgets_fit(
-        default_renderer(tokenizer), conversations, _pairs(parsed, budgets), task, max_new_tokens
+        default_renderer(tokenizer), convs, _pairs(parsed, budgets), task, max_new_tokens
     )
     partial = PartialRecords(out, settings, done)  # written with the first records
     have = {(r["example"], r["method"], float(r["budget"])) for r in done}
     records = list(done)
     reread: list[dict] = []
     t0 = time.perf_counter()
-    for i, conv in enumerate(conversations):
+    for i, conv in enumerate(convs):
         shared: dict[str, list[dict]] = {}  # the conversation's reuse records, once made
         for method, budget in _pairs(parsed, budgets):
             if (conv.id, method.spec, budget) in have:
@@ -320,6 +365,8 @@ def evaluate(
                 acc = sum(r["correct"] for r in new) / len(new)
                 progress(f"{conv.id} {method.spec} @{budget:g}: {acc:.2f}")
     summary = summarize_memory(records)
+    if task == FILE_TASK:
+        add_file_scores(summary, records)
     extra = {
         **sizes,
         "budgets": budgets,
@@ -348,9 +395,10 @@ def _write_results(out: Path, payload: dict) -> None:
 
 def main(args) -> int:
     """``kvedit eval memory`` after its checks (:mod:`kvedit.cli.memory`)."""
+    file = getattr(args, "conversations", None)
     summary = evaluate(
         model_name=args.model,
-        task=args.task,
+        task=FILE_TASK if file is not None else args.task,
         methods=split_specs(args.methods),
         budgets=parse_budgets(args.budgets),
         out=args.out,
@@ -361,8 +409,13 @@ def main(args) -> int:
         max_new_tokens=args.max_new_tokens,
         resume=args.resume,
         progress=None if args.no_progress else (lambda line: print(line, file=sys.stderr)),
+        conversations=file,
+        speakers=getattr(args, "speakers", "user"),
     )
     print(format_memory_table(summary))
+    if file is not None:
+        print()
+        print(format_file_tables(summary))
     print(f"results: {Path(args.out) / 'results.json'}")
     if plotting_available():
         print(f"plot:    {Path(args.out) / 'curve.png'}")

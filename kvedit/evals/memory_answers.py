@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 
+from kvedit.evals.conversation_scores import exact_match, message_ends, token_f1
 from kvedit.evals.memory_specs import MemoryMethod, budget_entries, full_entries
 from kvedit.evals.metrics import best_subspan_em
 from kvedit.evals.tasks.memory_schema import Conversation
@@ -104,6 +105,60 @@ def _reread(memory, question: str, max_new_tokens: int) -> tuple[str, float]:
     return text, time.perf_counter() - t0
 
 
+def _ages(renderer, conversation: Conversation) -> list[int | None]:
+    """Each question's age in tokens: the rendering's tokens after the message of its oldest
+    evidence turn (None for a question without evidence, and for every generated task's)."""
+    if not any(p.evidence for p in conversation.probes):
+        return [None] * len(conversation.probes)
+    ends = message_ends(renderer, conversation.messages)
+    return [None if not p.evidence else ends[-1] - ends[p.where + 1] for p in conversation.probes]
+
+
+def _record(
+    conversation: Conversation,
+    k: int,
+    method: MemoryMethod,
+    budget: float,
+    memory,
+    prediction: str,
+    seconds: float,
+    held: dict,
+    context: dict,
+) -> dict:
+    """The record of question ``k`` (the fields: :mod:`kvedit.evals.memory`'s docstring);
+    ``held``: what the memory held when it was asked; ``context``: the conversation's
+    ``digest``, ``ages``, ``max_entries``, ``full_entries`` and ``build_seconds``."""
+    probe = conversation.probes[k]
+    rounds = memory.forgetting
+    return {
+        "id": f"{conversation.id}-q{k}",
+        "example": conversation.id,
+        "digest": context["digest"],
+        "method": method.spec,
+        "budget": budget,
+        "bucket": probe.bucket,
+        "where": probe.where,
+        "question": probe.question,
+        "answers": list(probe.answers),
+        "prediction": prediction,
+        "correct": best_subspan_em(prediction, probe.answers),
+        "em": exact_match(prediction, probe.answers),
+        "f1": round(token_f1(prediction, probe.answers), 4),
+        "category": probe.category,
+        "evidence": list(probe.evidence),
+        "age_turns": probe.age_turns,
+        "age_tokens": context["ages"][k],
+        "seconds": round(seconds, 4),
+        "max_entries": context["max_entries"],
+        "max_bytes": None if memory.budget is None else memory.budget.max_bytes,
+        **held,
+        "full_entries": context["full_entries"],
+        "rounds": len(rounds),
+        "forget_seconds": round(math.fsum(r.seconds for r in rounds), 4),
+        "build_seconds": context["build_seconds"],
+    }
+
+
 def run_conversation(
     model,
     tokenizer,
@@ -121,41 +176,26 @@ def run_conversation(
     ``{"seconds", "reuse_seconds", "same_answer"}``."""
     from kvedit.memory.forgetting import global_entries
 
-    full = full_entries(default_renderer(tokenizer), conversation)
+    renderer = default_renderer(tokenizer)
+    full = full_entries(renderer, conversation)
     max_tokens = budget_entries(budget, full)
     memory = _memory(model, tokenizer, method, budget, full)
     t0 = time.perf_counter()
     for role, content in conversation.messages:
         memory.add(role, content)
     build = time.perf_counter() - t0
-    digest = conversation.digest()
+
+    context = {
+        "digest": conversation.digest(),
+        "ages": _ages(renderer, conversation),
+        "max_entries": None if method.params.in_bytes else max_tokens,
+        "full_entries": full,
+        "build_seconds": round(build, 4),
+    }
 
     def record(k: int, prediction: str, seconds: float, entries: int, nbytes: int, per) -> dict:
-        probe = conversation.probes[k]
-        rounds = memory.forgetting
-        return {
-            "id": f"{conversation.id}-q{k}",
-            "example": conversation.id,
-            "digest": digest,
-            "method": method.spec,
-            "budget": budget,
-            "bucket": probe.bucket,
-            "where": probe.where,
-            "question": probe.question,
-            "answers": list(probe.answers),
-            "prediction": prediction,
-            "correct": best_subspan_em(prediction, probe.answers),
-            "seconds": round(seconds, 4),
-            "max_entries": None if method.params.in_bytes else max_tokens,
-            "max_bytes": None if memory.budget is None else memory.budget.max_bytes,
-            "entries": entries,
-            "entries_per_layer": per,
-            "nbytes": nbytes,
-            "full_entries": full,
-            "rounds": len(rounds),
-            "forget_seconds": round(math.fsum(r.seconds for r in rounds), 4),
-            "build_seconds": round(build, 4),
-        }
+        held = {"entries": entries, "entries_per_layer": per, "nbytes": nbytes}
+        return _record(conversation, k, method, budget, memory, prediction, seconds, held, context)
 
     records = []
     if method.name == "snapkv-first":

@@ -27,7 +27,8 @@ _NUMBERS = ("correct", "seconds", "rounds", "forget_seconds")
 
 def check_memory_record(record: dict, where: str) -> dict:
     """``record`` if it holds what :func:`summarize_memory` and ``--resume`` read: ``example``,
-    ``digest`` (text), ``budget`` (in (0, 1]), ``bucket`` (one of :data:`BUCKETS`), the
+    ``digest`` (text), ``budget`` (in (0, 1]), ``bucket`` (one of :data:`BUCKETS`, or None for
+    a conversation file's question without evidence), the
     numbers ``correct``, ``seconds``, ``rounds`` and ``forget_seconds``, ``max_entries`` (a
     count or None); ``id`` and ``method`` are checked by
     :func:`kvedit.evals.jsonl.check_record`.
@@ -50,8 +51,8 @@ def check_memory_record(record: dict, where: str) -> dict:
             raise bad(key, "text")
     if not number(record.get("budget")) or not 0 < record["budget"] <= 1:
         raise bad("budget", "a number in (0, 1]")
-    if record.get("bucket") not in BUCKETS:
-        raise bad("bucket", f"one of {', '.join(BUCKETS)}")
+    if record.get("bucket") not in BUCKETS and record.get("bucket", "") is not None:
+        raise bad("bucket", f"one of {', '.join(BUCKETS)} or null (a question without evidence)")
     for key in _NUMBERS:
         if not (
             number(record.get(key)) or (key == "correct" and isinstance(record.get(key), bool))

@@ -38,15 +38,24 @@ class Probe:
         question: the user message that asks it.
         answers: accepted answers (a prediction is correct when one is a normalized substring
             of it, :func:`kvedit.evals.metrics.best_subspan_em`).
-        bucket: one of :data:`BUCKETS`.
+        bucket: one of :data:`BUCKETS` (None: a question of a conversation file without
+            evidence turns, :mod:`kvedit.evals.conversation_files`).
         where: the index of what it asks about (the message of a fact, the position of a gold
-            document).
+            document, the message of a file question's oldest evidence turn; None without
+            evidence).
+        category: a file question's category (None: none given, or a generated task).
+        evidence: a file question's evidence turn ids.
+        age_turns: the turns after a file question's oldest evidence turn (None without
+            evidence, or a generated task).
     """
 
     question: str
     answers: tuple[str, ...]
-    bucket: str
-    where: int
+    bucket: str | None
+    where: int | None
+    category: str | None = None
+    evidence: tuple[str, ...] = ()
+    age_turns: int | None = None
 
 
 @dataclass(frozen=True)
