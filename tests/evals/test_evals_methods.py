@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import kvedit
 from kvedit import ops
 from kvedit.cli import main as cli_main
 from kvedit.errors import InvalidInputError
@@ -24,6 +23,7 @@ from kvedit.evals.methods import (
 )
 from kvedit.evals.report import summarize
 from kvedit.evals.tasks import Example, records_examples, write_jsonl
+from kvedit.focusing import choice
 from kvedit.focusing.choice import adaptive_strengths, content_free_question
 from kvedit.focusing.guard import AgreementGuard
 from kvedit.focusing.readout import attention_share
@@ -209,13 +209,13 @@ def test_auto_calls_kvedit_focus_on_the_documents(llama, monkeypatch):
     ex = small_examples()[0]
     ctx = ExampleContext(model, tok, ex, max_new_tokens=2)
     calls = []
-    real_focus = kvedit.focus
+    real_focus = choice.focus
 
     def spy(state, question, passages, **kw):
         calls.append((question, passages, kw))
         return real_focus(state, question, passages, **kw)
 
-    monkeypatch.setattr(kvedit, "focus", spy)
+    monkeypatch.setattr(choice, "focus", spy)
     parse_spec("auto").predict(ctx)
     ((question, passages, kw),) = calls
     assert question == ctx.continuation and passages == ctx.doc_spans
