@@ -86,9 +86,7 @@ from .blend_parts import PartReport, encode_parts, part_states
 # blend calls the step through this module's name (tests/reusing/test_blend.py spies on it)
 from .blend_recomputing import recompute_selected as _recompute
 from .blend_rules import BlendRules
-from .blend_selection import deviation as _deviation  # noqa: F401  (tests read it here)
 from .blend_selection import selection as _selection
-from .blend_selection import true_kv as _true_kv  # noqa: F401
 
 BLEND_CONTEXTS = ("prefix", "alone")
 """What :func:`blend`'s later parts are cached after: the shared prefix (part 0), or nothing."""

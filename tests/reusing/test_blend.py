@@ -10,7 +10,8 @@ from helpers import reference_generate
 
 import kvedit
 from kvedit.errors import UnsupportedModelError
-from kvedit.reusing.blending import _deviation, _true_kv
+from kvedit.reusing.blend_selection import deviation as blend_deviation
+from kvedit.reusing.blend_selection import true_kv
 from kvedit.rope import layer_inv_freq, move_keys
 from kvedit.states.capturing import (
     capture_passage,
@@ -187,12 +188,12 @@ def test_partial_recompute_selects_deviating_tokens(tmp_path, llama):
     assert (selected >= n0).all()  # part 0 was cached in its real context: no deviation
     # the selection is the top of the layer-1 deviation of the naive blend
     naive, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0, context="alone")
-    deviation = _deviation(model, ids, naive.layers[1], 1)
+    deviation = blend_deviation(model, ids, naive.layers[1], 1)
     deviation[-1] = float("inf")
     assert set(selected.tolist()) == set(deviation.topk(len(selected)).indices.tolist())
     # layer-0 entries are exact after the move, so the recomputed tokens' layer-1 entries
     # are exactly a real prefill's; the reused ones are not
-    true_k, _ = _true_kv(model, ids, 1)
+    true_k, _ = true_kv(model, ids, 1)
     got = state.layers[1].keys
     torch.testing.assert_close(got[:, :, selected], true_k[:, :, selected], atol=1e-4, rtol=1e-4)
     others = torch.tensor([i for i in range(n0, len(ids)) if i not in set(selected.tolist())])
@@ -210,7 +211,7 @@ def test_gemma3_partial_recompute_respects_the_window(tmp_path, gemma3, monkeypa
     assert max(lengths) < TINY_SLIDING_WINDOW < sum(lengths)
     state, report = kvedit.blend(model, tok, parts, KVStore(tmp_path), recompute=0.5)
     ids = state.token_ids
-    true_k, _ = _true_kv(model, ids, 1)  # layer 1: sliding
+    true_k, _ = true_kv(model, ids, 1)  # layer 1: sliding
     selected = report.recomputed_tokens
     assert selected.min() < len(ids) - TINY_SLIDING_WINDOW  # some early tokens recomputed
     torch.testing.assert_close(
@@ -338,7 +339,7 @@ def test_prefix_context_recomputes_only_after_the_first_passage(tmp_path, llama)
     # the tokens not selected keep
     placed, _ = kvedit.blend(model, tok, PARTS, store, recompute=0.0)
     assert report.deviation_layer == 1
-    deviation = _deviation(model, ids, placed.layers[1], 1)
+    deviation = blend_deviation(model, ids, placed.layers[1], 1)
     deviation[-1] = float("inf")
     assert selected.tolist() == deviation.topk(len(selected)).indices.sort().values.tolist()
     others = torch.tensor([i for i in range(n01, len(ids)) if i not in set(selected.tolist())])
