@@ -83,7 +83,7 @@ check-vllm-cuda:
 	$(PY) -m pip install --dry-run -q -e ".[vllm-cuda]"
 
 test-vllm: vllm-setup check-vllm-env
-	$(VLLM_PY) -m pytest -q tests/test_bad_inputs.py tests/integrations/vllm/test_vllm_stock.py tests/integrations/vllm/test_vllm_cli.py tests/integrations/vllm/test_vllm_engine*.py
+	$(VLLM_PY) -m pytest -q tests/test_bad_inputs.py tests/cli/test_exit_statuses.py tests/integrations/vllm/test_vllm_stock.py tests/integrations/vllm/test_vllm_cli.py tests/integrations/vllm/test_vllm_engine*.py
 
 # Pipeline parallelism on CPU (two workers, ~2 min): left out of test-vllm to keep CI short.
 test-vllm-pipeline: vllm-setup check-vllm-env
