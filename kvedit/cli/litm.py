@@ -57,7 +57,7 @@ def litm_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=32)
     max_positions_arg(p)
     _add_engine_arguments(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_reuse_arguments(p)
     p.set_defaults(run=_run_litm)
 

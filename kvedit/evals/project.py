@@ -186,9 +186,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--depth-window", type=_whole(1), default=3, help="A layers per B layer")
     p.add_argument("--own-last", type=_whole(1), default=1, help="prefix tokens B computes itself")
     p.add_argument("--prefix-fraction", type=_fraction, default=0.5, help="in (0, 1)")
-    p.add_argument("--min-words", type=_whole(1), default=16)
+    p.add_argument(
+        "--min-words",
+        type=_whole(1),
+        default=16,
+        help="fewest words on each side of a passage's cut; shorter passages are skipped (default: 16)",
+    )
     p.add_argument("--device", default=None, help="default: CUDA when available, else CPU")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=main)
     return p
 
