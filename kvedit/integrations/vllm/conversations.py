@@ -50,6 +50,7 @@ from ...memory.held import Scores, arrived
 from ...memory.protection import system_text_ranges
 from ...memory.records import MAX_MESSAGES
 from ...memory.rendering import Message, Rendering, check_readable, common_prefix, renderer_for
+from ...memory.smallest import NEVER_HOLDS, smallest_budget, system_head
 from ...provenance import Step
 from ...states.capturing import empty_state
 from ...states.state import KVState
@@ -63,6 +64,7 @@ __all__ = [
     "MEMORIES",
     "Conversations",
     "Plan",
+    "check_budget_holds",
     "check_max_bytes",
     "message_of",
     "servable_policies",
@@ -145,7 +147,10 @@ class Conversations:
         prompt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
         self.renderer = renderer_for(prompt, tokenizer)
         self.forget = served_policy(forget)
-        self.budget = self._budget(max_bytes)  # checked before any work, built once
+        self._empty = empty_state(model, tokenizer)
+        # checked before any work (a budget that cannot hold the sinks and the recent tokens
+        # of a conversation without a system message), built once
+        self.budget = self._budget(max_bytes, SERVER_BUDGET)
         self.max_bytes = max_bytes
         self.timeout = float(timeout)
         self.memories = MemoryFiles(self.root, model, tokenizer)
@@ -153,14 +158,15 @@ class Conversations:
 
     # ------------------------------------------------------------------ planning
 
-    def _budget(self, max_bytes: object) -> Budget | None:
-        """The budget of ``max_bytes`` (checked: a positive count of bytes), or None."""
-        if check_max_bytes(max_bytes) is None:
+    def _budget(self, max_bytes: object, name: str, system_tokens: int = 0) -> Budget | None:
+        """The budget of ``max_bytes`` (checked: a positive count of bytes that a memory of
+        this model, with ``system_tokens`` of a system message, can hold), or None."""
+        if check_max_bytes(max_bytes, name) is None:
             return None
-        empty = empty_state(self.model, self.tokenizer)
+        check_budget_holds(max_bytes, self._empty, system_tokens=system_tokens, name=name)
         # one choice of tokens for every layer and head: vLLM serves it exactly (no null slots)
         return budget_from(
-            empty,
+            self._empty,
             max_tokens=None,
             max_bytes=max_bytes,
             forget=self.forget,
@@ -178,7 +184,9 @@ class Conversations:
         Raises:
             InvalidInputError: messages kvedit cannot render (none, a non-text content, an
                 unknown role, a lone surrogate), more than ``MAX_MESSAGES`` messages or
-                :data:`MAX_CONVERSATION_CHARS` characters, bad kvedit parameters, or a named
+                :data:`MAX_CONVERSATION_CHARS` characters, bad kvedit parameters, a budget
+                that can never hold this conversation (its system message and the recent
+                tokens: :func:`check_budget_holds`, naming the smallest that holds), or a named
                 digest no memory of these messages has.
             KVEditError: the named memory is damaged; ``ROOT/memories`` is not a folder.
         """
@@ -191,9 +199,14 @@ class Conversations:
         own = own or {}
         max_bytes, budget = self.max_bytes, self.budget
         if "max_bytes" in own:
-            max_bytes = own["max_bytes"]
-            budget = self._budget(max_bytes)  # checked before any work, built once
+            max_bytes = check_max_bytes(own["max_bytes"], REQUEST_BUDGET)
         parsed = _parse(messages)
+        # what no turn forgets: the system message (besides the first and the recent tokens)
+        head = system_head(self.renderer, parsed[0].content) if parsed[0].role == "system" else 0
+        if "max_bytes" in own:  # checked before any work, built once
+            budget = self._budget(max_bytes, REQUEST_BUDGET, head)
+        elif budget is not None and head:
+            check_budget_holds(max_bytes, self._empty, system_tokens=head, name=SERVER_BUDGET)
         rendering = self.renderer.render(parsed, generation_prompt=True)
         digest = own.get("digest")
         digest = None if digest is None else files.check_digest(digest)
@@ -326,6 +339,38 @@ def served_policy(forget: str | None) -> str:
             "the model, which the serving path never does)"
         )
     return policy
+
+
+SERVER_BUDGET = "the server's --memory-max-bytes"
+REQUEST_BUDGET = 'kv_transfer_params["kvedit"]["max_bytes"]'
+
+
+def check_budget_holds(
+    max_bytes: int, source, *, system_tokens: int = 0, name: str = "max_bytes"
+) -> None:
+    """Refuse a served memory's byte budget under the smallest one a memory of ``source``'s
+    model holds (:func:`~kvedit.memory.smallest.smallest_budget`: its sliding windows, the
+    first tokens, ``system_tokens`` of a system message, the recent tokens and one more), so
+    that no turn is answered and then not kept: before any work.
+
+    Args:
+        source: the model (a loaded kvedit model) or an empty state of it.
+        system_tokens: the system message's tokens (:func:`~kvedit.memory.smallest.
+            system_head`); 0: none.
+
+    Raises:
+        InvalidInputError: naming the budget, the smallest that holds and why.
+    """
+    least = smallest_budget(
+        source, system_tokens=system_tokens, recent_tokens=RECENT_TOKENS, per_head=False
+    )
+    if max_bytes < least.max_bytes:
+        system = " with this system message" if system_tokens else ""
+        raise InvalidInputError(
+            f"{name}={max_bytes:,} {NEVER_HOLDS}: the smallest budget a served memory of this "
+            f"model{system} holds is {least.max_bytes:,} bytes ({least.why(RECENT_TOKENS)}); "
+            f"raise {name}"
+        )
 
 
 def check_max_bytes(max_bytes: object, name: str = "max_bytes") -> int | None:

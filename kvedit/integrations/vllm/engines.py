@@ -30,6 +30,7 @@ __all__ = [
     "check_load_failure",
     "connector_config",
     "engine",
+    "loaded_model",
     "model_folder",
     "on_cpu",
     "require_vllm",
@@ -55,15 +56,8 @@ def model_folder(model: str | os.PathLike | PreTrainedModel) -> tuple[str, str]:
         InvalidInputError: a tiny in-memory test model, or a model without a folder.
     """
     from ...fingerprint import model_fingerprint
-    from ...models import load_model
 
-    if isinstance(model, (str, os.PathLike)):
-        if str(model).startswith("tiny-"):
-            raise InvalidInputError(
-                f"{model!r} is built in memory and has no folder vLLM can load; save it with "
-                "save_pretrained and pass the folder"
-            )
-        model, _ = load_model(model, device="cpu")
+    model = loaded_model(model)
     folder = getattr(getattr(model, "config", None), "_name_or_path", "")
     if not folder or not Path(folder).is_dir():
         raise InvalidInputError(
@@ -71,6 +65,25 @@ def model_folder(model: str | os.PathLike | PreTrainedModel) -> tuple[str, str]:
             "model name or a Hugging Face folder"
         )
     return str(folder), model_fingerprint(model)
+
+
+def loaded_model(model: str | os.PathLike | PreTrainedModel) -> PreTrainedModel:
+    """``model`` loaded on CPU (a kvedit model name, a folder or ``.gguf`` file); a loaded
+    model as it is.
+
+    Raises:
+        InvalidInputError: a tiny in-memory test model's name (it has no folder vLLM can load).
+    """
+    from ...models import load_model
+
+    if not isinstance(model, (str, os.PathLike)):
+        return model
+    if str(model).startswith("tiny-"):
+        raise InvalidInputError(
+            f"{model!r} is built in memory and has no folder vLLM can load; save it with "
+            "save_pretrained and pass the folder"
+        )
+    return load_model(model, device="cpu")[0]
 
 
 def on_cpu() -> bool:

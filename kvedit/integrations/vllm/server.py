@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING
 from ...errors import InvalidInputError
 from . import files
 from .chat import CHAT_ENV
-from .conversations import check_max_bytes, served_policy
+from .conversations import check_budget_holds, check_max_bytes, served_policy
 from .engines import (
     CPU_KV_CACHE_BYTES,
     check_load_failure,
     connector_config,
+    loaded_model,
     model_folder,
     on_cpu,
     require_vllm,
@@ -221,17 +222,24 @@ def serve(
     :func:`serve_environment` adds) and run it in place of this process (it returns only with
     ``dry_run``, giving the command). ``memory_max_bytes``: each conversation's byte budget;
     ``forget``: its policy (one of :func:`~kvedit.integrations.vllm.conversations.servable_policies`).
-    The model's weights are loaded once here (for its folder and fingerprint).
+    The model's weights are loaded once here (for its folder and fingerprint, and the
+    smallest budget a memory of it holds).
 
     Raises:
         VLLMUnavailableError: vLLM is not installed (checked before the model is loaded).
         InvalidInputError: a budget or policy without memories, a bad budget or policy, a bad
-            vLLM argument, port, ``load_failure`` or root (all before vLLM is looked for).
+            vLLM argument, port, ``load_failure`` or root (all before vLLM is looked for); a
+            budget under the smallest a memory of the model holds
+            (:func:`~kvedit.integrations.vllm.conversations.check_budget_holds`: once the model
+            is loaded, before vLLM starts).
     """
     check_chat_options(memories, memory_max_bytes, forget)  # before vLLM is looked for
     vllm_args = _checked_command_args(root, port, vllm_args, load_failure)
     require_vllm("kvedit serve")
-    folder, fingerprint = model_folder(model)  # the one load of the weights
+    loaded = loaded_model(model)  # the one load of the weights
+    if memories and memory_max_bytes is not None:
+        check_budget_holds(memory_max_bytes, loaded, name="--memory-max-bytes")
+    folder, fingerprint = model_folder(loaded)
     argv = _command(
         (folder, fingerprint),
         root,

@@ -243,7 +243,9 @@ def test_kvedit_serve_installs_the_check_with_the_connectors_configuration(tmp_p
     assert check.root == tmp_path.resolve() and check.fingerprint == "f1ngerprint"
 
 
-def test_the_printed_serve_command_carries_the_checks_configuration(tmp_path, monkeypatch, capsys):
+def test_the_printed_serve_command_carries_the_checks_configuration(
+    llama, tmp_path, monkeypatch, capsys
+):
     """``kvedit serve --dry-run`` prints a command a shell can run as it is: the request check
     reads its configuration from the environment, so the line sets it."""
     import shlex
@@ -251,14 +253,15 @@ def test_the_printed_serve_command_carries_the_checks_configuration(tmp_path, mo
     from kvedit.integrations.vllm import server
 
     monkeypatch.setattr(server, "require_vllm", lambda what: None)
+    monkeypatch.setattr(server, "loaded_model", lambda model: llama[0])
     monkeypatch.setattr(server, "model_folder", lambda model: ("/models/m", "f1ngerprint"))
-    argv = server.serve("m", tmp_path, dry_run=True, memory_max_bytes=2048, forget="knorm")
+    argv = server.serve("m", tmp_path, dry_run=True, memory_max_bytes=1 << 20, forget="knorm")
     words = shlex.split(capsys.readouterr().err.strip().splitlines()[-1])
     env = dict(w.partition("=")[::2] for w in words[:2])
     assert set(env) == {CONFIG_ENV, CHAT_ENV}
     assert json.loads(env[CONFIG_ENV]) == json.loads(serve_environment(argv)[CONFIG_ENV])
     chat = json.loads(env[CHAT_ENV])
-    assert (chat["model"], chat["max_bytes"], chat["forget"]) == ("/models/m", 2048, "knorm")
+    assert (chat["model"], chat["max_bytes"], chat["forget"]) == ("/models/m", 1 << 20, "knorm")
     assert words[2:] == argv and argv[-2:] == ["--middleware", server.CHAT_MEMORIES]
 
 
@@ -269,6 +272,7 @@ def test_chat_memory_options_are_checked_before_anything_runs(tmp_path, monkeypa
     from kvedit.integrations.vllm import server
 
     monkeypatch.setattr(server, "require_vllm", lambda what: None)
+    monkeypatch.setattr(server, "loaded_model", lambda model: model)
     monkeypatch.setattr(server, "model_folder", lambda model: ("/models/m", "f1ngerprint"))
     for kw, match in (
         ({"memories": False, "forget": "learned"}, "need the chat memories"),
@@ -282,7 +286,7 @@ def test_chat_memory_options_are_checked_before_anything_runs(tmp_path, monkeypa
 
 
 def test_kvedit_serve_loads_the_model_once_and_refuses_bad_roots_and_policies(
-    tmp_path, monkeypatch, capsys
+    llama, tmp_path, monkeypatch, capsys
 ):
     """The weights are loaded once (for the folder and the fingerprint, which both the command
     and the chat memories' configuration use); a root that is a file and an empty --forget
@@ -292,8 +296,9 @@ def test_kvedit_serve_loads_the_model_once_and_refuses_bad_roots_and_policies(
 
     loads: list = []
     monkeypatch.setattr(server, "require_vllm", lambda what: None)
-    monkeypatch.setattr(server, "model_folder", lambda m: loads.append(m) or ("/m", "fp"))
-    server.serve("m", tmp_path, dry_run=True, memory_max_bytes=2048)
+    monkeypatch.setattr(server, "loaded_model", lambda m: loads.append(m) or llama[0])
+    monkeypatch.setattr(server, "model_folder", lambda m: ("/m", "fp"))
+    server.serve("m", tmp_path, dry_run=True, memory_max_bytes=1 << 20)
     assert loads == ["m"]
     afile = tmp_path / "afile"
     afile.write_text("x")
