@@ -495,9 +495,9 @@ def test_a_byte_budget_the_windows_and_the_protected_part_fill_names_both(gemma3
         )
         for i in range(40):
             mem.add("user", f"Message {i}: the river is calm near the old bridge today.")
-    said = str(refused.value)
-    assert "the sliding-window layers hold" in said and "once full" in said
-    assert "the protected part" in said
+    said = str(refused.value)  # refused at once now (#65): it can never hold
+    assert "can never hold" in said and "the sliding-window layers alone hold" in said
+    assert "once their windows are full" in said and "the protected part" in said
 
 
 def test_a_byte_budget_below_the_sliding_windows_is_refused_in_its_own_words(gemma3):
