@@ -60,22 +60,10 @@ def _task_help(option: str) -> str:
     return "; ".join(said) or option
 
 
-def memory_parser(sub) -> None:
-    p = sub.add_parser(
-        "memory",
-        help="what a forgetting kvedit.Memory still answers, by the age of what is asked",
-        epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _conversation_args(p) -> None:
+    """``--conversations FILE`` and ``--speakers``."""
     from ..evals.conversation_files import SPEAKER_MODES
-    from ..evals.tasks import MEMORY_TASKS
 
-    p.add_argument(
-        "--task",
-        default=None,
-        choices=MEMORY_TASKS.names(),
-        help=f"a generated task (default {DEFAULT_TASK}; not with --conversations)",
-    )
     p.add_argument(
         "--conversations",
         metavar="FILE",
@@ -91,6 +79,24 @@ def memory_parser(sub) -> None:
         "user (default: every turn a user message) or alternate (the first speaker the user, "
         "the second the assistant)",
     )
+
+
+def memory_parser(sub) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="what a forgetting kvedit.Memory still answers, by the age of what is asked",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ..evals.tasks import MEMORY_TASKS
+
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=MEMORY_TASKS.names(),
+        help=f"a generated task (default {DEFAULT_TASK}; not with --conversations)",
+    )
+    _conversation_args(p)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--methods", default="reuse,learned,kvzip,window,snapkv-first")
     p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")

@@ -418,7 +418,8 @@ def test_a_second_run_on_a_running_out_is_told_another_run_holds_it(
         ({"budget": None}, "a memory record's 'budget' must be a number in (0, 1], not None"),
         (
             {"bucket": "soon"},
-            "a memory record's 'bucket' must be one of early, middle, late, not 'soon'",
+            "a memory record's 'bucket' must be one of early, middle, late or null (a "
+            "question without evidence), not 'soon'",
         ),
         ({"correct": "yes"}, "a memory record's 'correct' must be a number, not 'yes'"),
         ({"example": 3}, "a memory record's 'example' must be text, not 3"),
