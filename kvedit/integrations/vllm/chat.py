@@ -9,7 +9,9 @@ vLLM takes the memory's slots and the new tokens as its prompt
 passes it to vLLM (with the prompt format's own stop strings, as ``Memory.ask`` stops: the
 ``"plain"`` format's next message label), and once the answer is complete folds the turn into
 the next memory
-(:meth:`~kvedit.integrations.vllm.conversations.Conversations.commit`) before the response ends.
+(:meth:`~kvedit.integrations.vllm.conversations.Conversations.commit`) before the response ends
+(what it says is in the response), and writes it once the response has ended (or when the next
+request comes first: it is then served from it).
 The response's ``kv_transfer_params.kvedit`` says what happened:
 
 * ``digest``: the memory that served the request (None: a new conversation);
@@ -82,7 +84,12 @@ class ChatMemories:
             cfg = self._config or {}
             model, tok = load_model(cfg["model"])
             self._conversations = Conversations(
-                cfg["root"], model, tok, max_bytes=cfg.get("max_bytes"), forget=cfg.get("forget")
+                cfg["root"],
+                model,
+                tok,
+                max_bytes=cfg.get("max_bytes"),
+                forget=cfg.get("forget"),
+                defer_writes=True,  # the memory's files written after the response
             )
         return self._conversations
 
@@ -127,10 +134,11 @@ class ChatMemories:
         response = _Response(send, plan, conversations)
         try:
             await self.app(inner, replay(sent, receive), response.send)
-        finally:  # kept or not, the turn's files go (a late save: once more, later)
-            conversations.drop_turn(plan.turn)
+        finally:  # kept or not, the turn's files go (a late save: once more, later); its
+            # memory, made before the response ended, is written now
             loop = asyncio.get_running_loop()
             loop.call_later(ABANDONED_TURN_SECONDS, conversations.drop_turn, plan.turn)
+            await asyncio.to_thread(conversations.drop_turn, plan.turn)
 
 
 class _Response:

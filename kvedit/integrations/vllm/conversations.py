@@ -130,6 +130,9 @@ class Conversations:
         max_bytes: each conversation's byte budget (None: nothing is forgotten).
         forget: the policy (one of :func:`servable_policies`; None: ``learned``).
         timeout: seconds a commit waits for vLLM's worker to save a turn.
+        defer_writes: a commit makes the memory and writes it when the turn is dropped
+            (:meth:`drop_turn`, once the response has ended) or the next request is planned,
+            whichever comes first (kvedit serve's; False: at once).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class Conversations:
         max_bytes: int | None = None,
         forget: str | None = None,
         timeout: float = 60.0,
+        defer_writes: bool = False,
     ) -> None:
         self.root = files.check_root(root)
         self.model, self.tokenizer = model, tokenizer
@@ -153,6 +157,7 @@ class Conversations:
         self.budget = self._budget(max_bytes, SERVER_BUDGET)
         self.max_bytes = max_bytes
         self.timeout = float(timeout)
+        self.defer_writes = bool(defer_writes)
         self.memories = MemoryFiles(self.root, model, tokenizer)
         self.folder = self.memories.folder
 
@@ -211,6 +216,7 @@ class Conversations:
         digest = own.get("digest")
         digest = None if digest is None else files.check_digest(digest)
         self.memories.check_folder()
+        self.memories.flush(timeout=self.timeout)  # the memories of turns answered
         sweep_turns(self.root)  # turns whose clients left
         self.memories.sweep()  # what killed writers left among the memories
         found = self.memories.find(list(rendering.ids), digest)
@@ -233,6 +239,7 @@ class Conversations:
     def drop_turn(self, turn: str) -> None:
         """Remove turn ``turn``'s saved files, whatever became of its request (idempotent;
         never raises: what cannot be removed now is swept later)."""
+        self.memories.flush(turn, self.timeout)  # its memory, deferred past the response
         with contextlib.suppress(OSError):
             remove_turn(self.root, turn)
 
@@ -240,8 +247,8 @@ class Conversations:
 
     def commit(self, plan: Plan, answer: str) -> dict[str, Any]:
         """Fold the turn ``plan`` served (vLLM saved its K/V; ``answer`` is the text it
-        returned) into a new memory, fitted to the budget and stored. Returns what the response
-        says (``memory_digest``, ``memory_bytes``, ``forgot``).
+        returned) into a new memory, fitted to the budget and stored (``defer_writes``: written
+        by :meth:`drop_turn`). Returns what the response says (``memory_digest``, ...).
 
         Raises:
             KVEditError: the worker saved nothing (its reason), the memory that served the
@@ -254,8 +261,13 @@ class Conversations:
             if plan.memory is not None:
                 parent = self.memories.load(plan.memory, list(plan.rendering.ids))
             state, scores, forgot = self._next(plan, saved, answer, parent)
-            digest = self.memories.store(state, scores, plan.digest)
-            self.memories.prune(plan.digest)
+            made = self.memories.make(state, scores, plan.digest)
+            if self.defer_writes:
+                self.memories.defer(plan.turn, made, plan.digest)
+            else:
+                self.memories.write(made)
+                self.memories.prune(plan.digest)
+            digest = made.digest
         finally:
             remove_turn(self.root, plan.turn)
         return {"memory_digest": digest, "memory_bytes": state.nbytes, "forgot": forgot}

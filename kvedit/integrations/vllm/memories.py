@@ -25,6 +25,7 @@ written). :attr:`MemoryFiles.reads` counts the files read whole (``memory``, ``s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -39,9 +40,11 @@ from ...states.files.write import save_file_version
 from ...states.state import KVState
 from . import files
 from .publishing import publish_stock
+from .servable import realize
+from .stock import StockCache
 from .turns import sweep_folder
 
-__all__ = ["HOT_BYTES", "MEMORIES", "Found", "MemoryFiles"]
+__all__ = ["HOT_BYTES", "MEMORIES", "Found", "MemoryFiles", "Unwritten"]
 
 MEMORIES = "memories"
 """The folder under the publish root that holds the conversations' memories."""
@@ -65,6 +68,16 @@ class Memory:
     scores: Scores | None
     meta: dict = field(default_factory=dict)
     digest: str = ""  # its file's name's digest (the stock file's)
+
+
+@dataclass(frozen=True)
+class Unwritten:
+    """A memory made and checked (its stock form realised: a state vLLM cannot serve is
+    refused then), not yet written (:meth:`MemoryFiles.write`)."""
+
+    digest: str
+    memory: Memory
+    stock: StockCache
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class MemoryFiles:
         self._ram: OrderedDict[tuple, Memory] = OrderedDict()  # by file identity: _identity
         self._ram_bytes = 0
         self._verified: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._deferred: dict[str, _Deferred] = {}  # by turn: made, written after the response
         self._lock = threading.Lock()
         self._swept = 0.0
         self.check_folder()
@@ -253,7 +267,24 @@ class MemoryFiles:
     # ------------------------------------------------------------------ writing
 
     def store(self, state: KVState, scores: Scores | None, parent: str | None) -> str:
-        """Publish ``state``'s stock form and write the memory (both atomic; the memory last,
+        """:meth:`make` and :meth:`write` the memory of ``state``; returns its digest."""
+        return self.write(self.make(state, scores, parent))
+
+    def make(self, state: KVState, scores: Scores | None, parent: str | None) -> Unwritten:
+        """The memory of ``state`` (``parent``: the digest of the memory it follows), its stock
+        form realised (what vLLM serves; refused here when it cannot be), nothing written.
+
+        Raises:
+            InvalidInputError: a state a stock kernel cannot serve.
+        """
+        state.check_unaltered("publishing it")
+        _, stock = realize(state)
+        attachment = {"kind": ATTACHMENT, "parent": parent}
+        digest = stock.digest or state.digest
+        return Unwritten(digest, Memory(state, scores, attachment, digest), stock)
+
+    def write(self, made: Unwritten) -> str:
+        """Publish ``made``'s stock form and write the memory (both atomic; the memory last,
         so a memory found always has its stock file); returns its digest. Both are kept known
         (the memory in RAM, the stock file verified): the next turn reads neither.
 
@@ -261,15 +292,45 @@ class MemoryFiles:
         loads by digest, in the layout it serves; the memory file is kvedit's form (positions,
         history, entry scores, parent), what a restarted server or another on the same root
         reads to fold the next turn, which the stock form does not carry."""
-        ids, stock, stock_path = publish_stock(state, self.root)
-        digest = stock.digest or state.digest
+        ids, _, stock_path = publish_stock(made.stock, self.root)
         self._known_verified(_identity(stock_path), list(ids))
-        path = self.folder / files.file_name(state.token_ids.tolist(), digest)
-        attachment = {"kind": ATTACHMENT, "parent": parent}
+        memory = made.memory
+        path = self.folder / files.file_name(memory.state.token_ids.tolist(), made.digest)
+        scores = memory.scores
         attached = {} if scores is None else {f"scores.{i}": t for i, t in scores.items()}
-        save_file_version(state, path, attachment=attachment, attached=attached)
-        self.remember(_identity(path), Memory(state, scores, attachment, digest))
-        return digest
+        save_file_version(memory.state, path, attachment=memory.meta, attached=attached)
+        self.remember(_identity(path), memory)
+        return made.digest
+
+    def defer(self, turn: str, made: Unwritten, served: str | None) -> None:
+        """Keep ``made`` (turn ``turn``'s memory; ``served``: the memory that served it) to be
+        written and its parent's parent pruned by :meth:`flush`."""
+        with self._lock:
+            self._deferred[turn] = _Deferred(made, served)
+
+    def flush(self, turn: str | None = None, timeout: float = 60.0) -> None:
+        """Write the deferred memories (turn ``turn``'s, or all) and prune; one another thread
+        is writing is waited for (``timeout`` seconds). Never raises: a memory that cannot be
+        written is logged, and its conversation is served from the last memory kept."""
+        with self._lock:
+            turns = list(self._deferred) if turn is None else [turn]
+            items = [(t, self._deferred[t]) for t in turns if t in self._deferred]
+            mine = [(t, d) for t, d in items if not d.claimed]
+            for _, d in mine:
+                d.claimed = True
+        for t, d in items:
+            if (t, d) not in mine:
+                d.done.wait(timeout)
+                continue
+            try:
+                self.write(d.made)
+                self.prune(d.served)
+            except (KVEditError, OSError) as e:
+                _log.error("kvedit: turn %s's memory %s was not kept: %s", t, d.made.digest, e)
+            finally:
+                with self._lock:
+                    self._deferred.pop(t, None)
+                d.done.set()
 
     def prune(self, digest: str | None) -> None:
         """Remove the parent of memory ``digest`` (the one that served a turn just kept): a
@@ -288,6 +349,17 @@ class MemoryFiles:
         with self._lock:
             for key in [k for k, m in self._ram.items() if m.digest == old]:
                 self._ram_bytes -= self._ram.pop(key).state.nbytes
+
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Deferred:
+    made: Unwritten
+    served: str | None
+    claimed: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 def _identity(path: Path) -> tuple:
