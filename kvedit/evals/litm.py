@@ -228,11 +228,7 @@ def evaluate(
     check_lengths(model, tokenizer, examples, prompt, max_positions=max_positions)
     partial, settings_path = resuming.start_partial(out, settings, done)
     done = {**reused, **done}
-
-    def keep(record: dict) -> None:
-        with open(partial, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
+    keep = _appender(partial)
     t0 = time.perf_counter()
     timings: dict = {}
     records = run(
@@ -252,34 +248,50 @@ def evaluate(
     )
     seconds = time.perf_counter() - t0
     summary = summarize(records)
-    extra = {
-        "seed": seed,
-        "n_examples": len(examples),
-        "max_new_tokens": max_new_tokens,
-        "prompt": prompt,
-        "engine": engine,
-        "seconds": round(seconds, 1),
-        "seconds_per_example": round(seconds / max(1, len(examples)), 3),
-        "params": params,
-        "kvedit": code,
-    }
+    extra = _run_extra(settings, code, len(examples), seconds, timings)
     if reuse is not None:
-        extra["reused"] = {
-            "from": str(reuse),
-            "methods": sorted({method for _, method in reused}),
-            "unchecked": bool(reuse_unchecked),
-        }
+        methods_reused = sorted({method for _, method in reused})
+        extra["reused"] = {"from": str(reuse), "methods": methods_reused}
+        extra["reused"]["unchecked"] = bool(reuse_unchecked)
     if engine == "vllm":
-        extra["batch"] = batch
-        extra["approximate"] = bool(approximate)
-        extra.update(timings)
-        warm = seconds - timings.get("engine_start_seconds", 0.0)
-        extra["seconds_per_example_after_start"] = round(warm / max(1, len(examples)), 3)
+        extra.update(batch=batch, approximate=bool(approximate))
     write_results(out, model_name, task_name, records, extra=extra)
     _plot(summary, out / "curve.png", f"{model_name}: {task_name}")
     partial.unlink()
     settings_path.unlink(missing_ok=True)
     return summary
+
+
+def _appender(partial: Path):
+    """A function that appends one record to ``partial`` (JSON lines) as it is answered."""
+
+    def keep(record: dict) -> None:
+        with open(partial, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    return keep
+
+
+def _run_extra(settings: dict, code: dict, n: int, seconds: float, timings: dict) -> dict:
+    """What ``results.json`` records of a run beside its records: its settings, timing (per
+    example; with vLLM the engine's timings and the time per example after its start) and
+    the kvedit source that ran it."""
+    extra = {
+        "seed": settings["seed"],
+        "n_examples": n,
+        "max_new_tokens": settings["max_new_tokens"],
+        "prompt": settings["prompt"],
+        "engine": settings["engine"],
+        "seconds": round(seconds, 1),
+        "seconds_per_example": round(seconds / max(1, n), 3),
+        "params": settings["params"],
+        "kvedit": code,
+    }
+    if settings["engine"] == "vllm":
+        extra.update(timings)
+        warm = seconds - timings.get("engine_start_seconds", 0.0)
+        extra["seconds_per_example_after_start"] = round(warm / max(1, n), 3)
+    return extra
 
 
 def _plot(summary: dict, path: Path, title: str) -> None:
