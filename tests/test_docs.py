@@ -436,10 +436,6 @@ def test_every_blend_rule_is_named_in_the_reuse_doc():
     assert named_in(BLEND_RULES, ["docs/reuse.md"]) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/evals.md does not name the eval methods blend, minicache and repeat (#66)",
-)
 def test_every_eval_method_is_named_in_the_evals_doc():
     import kvedit.evals  # noqa: F401  (registers the methods)
     from kvedit.evals.methods.registry import METHODS
