@@ -13,6 +13,7 @@ from ..memory.forgetting import DEFAULT_POLICY, FALLBACK_POLICY, policies
 from .arguments import byte_size, max_positions_arg, nonempty, positive
 from .chat_file import check_memory_path, lock_memory, open_memory
 from .chat_loop import CHAT_HELP, ChatLoop
+from .chat_sampling import sampling_args, sampling_of
 from .status import UsageError
 
 
@@ -29,11 +30,12 @@ def chat_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument(
         "--memory",
-        required=True,
+        default=None,
         type=nonempty("--memory"),
         metavar="FILE",
         help="the memory file: loaded when it exists (it must be a memory of --model), "
-        "written on exit",
+        "written on exit (default: none, the conversation is held in RAM only; /save PATH "
+        "still writes it)",
     )
     p.add_argument(
         "--system",
@@ -64,6 +66,7 @@ def chat_parser(sub) -> None:
         "(kvedit.Memory.ask(focus=True): the memory itself is not edited); a line after the "
         "cost says what focus did",
     )
+    sampling_args(p)
     max_positions_arg(p)
     _budget_args(p)
     p.set_defaults(run=run_chat)
@@ -143,22 +146,26 @@ def _quantize_args(budget) -> None:
 
 def run_chat(args) -> int:
     """Open (or start) the memory, read questions until end of input, save it; the status.
-    The memory file is held (:func:`~kvedit.cli.chat_file.lock_memory`) from before the model
+    Without --memory the conversation is held in RAM only (no file, no lock). The memory
+    file is held (:func:`~kvedit.cli.chat_file.lock_memory`) from before the model
     loads until the chat ends: a second chat on it is refused."""
     from ..models import load_model
 
     if args.system is not None and not args.system.strip():
         raise UsageError("--system is empty: give the system message, or leave --system out")
-    path = Path(args.memory)
-    check_memory_path(path)
+    path = None if args.memory is None else Path(args.memory)
+    if path is not None:
+        check_memory_path(path)
     budget = _budget(args)
-    lock = lock_memory(path)
+    sampling = sampling_of(args)
+    lock = None if path is None else lock_memory(path)
     try:
         model, tok = load_model(args.model)
         memory = open_memory(path, model, tok, args, budget)
-        return ChatLoop(memory, path, args.max_new_tokens, args.focus).run()
+        return ChatLoop(memory, path, args.max_new_tokens, args.focus, sampling).run()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _budget(args) -> dict:

@@ -117,12 +117,14 @@ def _budget_refused(error: InvalidInputError) -> UsageError | None:
     return UsageError(said)
 
 
-def open_memory(path: Path, model, tok, args, budget: dict):
-    """The memory in ``path`` (checked against --system and --prompt), or a new one; with
-    ``budget`` (``Memory``'s keywords) from here on. What killed saves of ``path`` left beside
-    it is removed first (:func:`kvedit.atomic.sweep_stale`); a budget it can never hold is
-    refused before any message runs."""
-    sweep_stale(path)
+def open_memory(path: Path | None, model, tok, args, budget: dict):
+    """The memory in ``path`` (checked against --system and --prompt), or a new one (always
+    with ``path`` None: held in RAM only); with ``budget`` (``Memory``'s keywords) from here
+    on. What killed saves of ``path`` left beside it is removed first
+    (:func:`kvedit.atomic.sweep_stale`); a budget it can never hold is refused before any
+    message runs."""
+    if path is not None:
+        sweep_stale(path)
     try:
         return _opened(path, model, tok, args, budget)
     except InvalidInputError as e:
@@ -144,7 +146,7 @@ def _load(path: Path, model, tok, args, budget: dict):
         raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
 
 
-def _opened(path: Path, model, tok, args, budget: dict):
+def _opened(path: Path | None, model, tok, args, budget: dict):
     """:func:`open_memory`'s work."""
     from ..memory.conversation import Memory
 
@@ -157,7 +159,7 @@ def _opened(path: Path, model, tok, args, budget: dict):
                 raise UsageError(f"{_options(budget)}: {message(e)}") from None
     # focus reads one choice of entries per token: under --focus no KV head keeps its own
     focused = {"keep": "layer"} if args.focus else {}
-    if not path.exists():
+    if path is None or not path.exists():
         return Memory(
             model,
             tok,

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import KVEditError, TemplateError
 from ..memory.forgetting import global_entries
 from .chat_file import save_copy, target
+from .chat_sampling import with_generator
 from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_status, message
 
 __all__ = ["CHAT_HELP", "COMMANDS", "ChatLoop"]
@@ -61,12 +62,20 @@ COMMANDS = ("/explain", "/save", "/quit", "/help")
 class ChatLoop:
     """The read-ask-print loop over one memory and its file."""
 
-    def __init__(self, memory, path: Path, max_new_tokens: int, focus: bool = False) -> None:
+    def __init__(
+        self,
+        memory,
+        path: Path | None,
+        max_new_tokens: int,
+        focus: bool = False,
+        sampling: dict | None = None,
+    ) -> None:
         self.memory = memory
-        self.path = path
+        self.path = path  # None: held in RAM only
         self.max_new_tokens = max_new_tokens
         self.focus = focus
-        self.existed = path.exists()
+        self.sampling = with_generator(sampling or {}, getattr(memory.model, "device", "cpu"))
+        self.existed = path is not None and path.exists()
         self.saved_at = self._mark() if self.existed else None
         self.line_no = 0
         self.abandoned = False
@@ -147,7 +156,9 @@ class ChatLoop:
         before = self._mark()
         rounds = len(self.memory.forgetting)
         try:
-            answer = self.memory.ask(question, max_new_tokens=self.max_new_tokens, focus=self.focus)
+            answer = self.memory.ask(
+                question, max_new_tokens=self.max_new_tokens, focus=self.focus, **self.sampling
+            )
         except KeyboardInterrupt:
             self._interrupted(before)
             raise
@@ -174,7 +185,7 @@ class ChatLoop:
             self.abandoned = True  # caught between two fields: not written
             raise KVEditError(
                 f"interrupted while the memory was being updated ({before[0]} -> {now[0]} "
-                f"messages, {before[1]} -> {now[1]} tokens); {self.path} is left as it was"
+                f"messages, {before[1]} -> {now[1]} tokens); {self.path or 'nothing'} is left as it was"
             )
 
     def _consistent(self) -> bool:
@@ -214,8 +225,15 @@ class ChatLoop:
         """``/save`` (the chat's own file) or ``/save PATH`` (a copy there); a save that fails
         is one error line, and the chat goes on with its messages."""
         copy = Path(where).expanduser() if where else None
+        if copy is None and self.path is None:
+            self._error("/save: this chat has no --memory file (held in RAM only); give /save PATH")
+            return
         try:
-            if copy is not None and target(copy, None) == target(self.path):
+            if (
+                copy is not None
+                and self.path is not None
+                and target(copy, None) == target(self.path)
+            ):
                 copy = None  # another name of the chat's own file
             if copy is None:
                 self.memory.save(self.path)
@@ -228,7 +246,8 @@ class ChatLoop:
             )
             return
         if copy is not None:
-            self._dim(f"[saved a copy {copy}: {self._counts()}; the chat goes on with {self.path}]")
+            goes_on = "in RAM only" if self.path is None else f"with {self.path}"
+            self._dim(f"[saved a copy {copy}: {self._counts()}; the chat goes on {goes_on}]")
             return
         self.saved_at, self.existed = self._mark(), True
         self._dim(f"[saved {self._summary()}]")
@@ -236,6 +255,9 @@ class ChatLoop:
     def _save_at_exit(self) -> None:
         """Save unless nothing changed; SIGINT is held off while the file is written."""
         if self.abandoned:
+            return
+        if self.path is None:
+            print(f"memory held in RAM only, not written: {self._counts()}", flush=True)
             return
         if self.saved_at == self._mark() or (not self.existed and len(self.memory) == 0):
             what = "unchanged" if self.existed else "not written: no messages"
@@ -256,7 +278,9 @@ class ChatLoop:
         return f"{len(self.memory):,} messages, {len(self.memory.state):,} tok"
 
     def _start_line(self) -> None:
-        if self.existed:
+        if self.path is None:
+            head = f"[new memory held in RAM only (no --memory), prompt {self.memory.prompt!r}"
+        elif self.existed:
             head = f"[memory {self.path}: {self._counts()}, prompt {self.memory.prompt!r}"
         else:
             head = f"[new memory {self.path}, prompt {self.memory.prompt!r}"

@@ -1,0 +1,92 @@
+"""``kvedit chat``'s sampling options (``--temperature``, ``--top-p``, ``--seed``): checked
+before the model loads, then :meth:`kvedit.Memory.ask`'s sampling keywords. Greedy decoding
+(the default) where ``--temperature`` is 0 or left out.
+
+Nothing heavy is imported at module level (``kvedit chat --help`` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .status import UsageError
+
+__all__ = ["sampling_args", "sampling_of", "with_generator"]
+
+
+def _real(name: str):
+    """An argparse type: a finite number (``name`` is the option, for the message)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def sampling_args(p) -> None:
+    """Add the sampling options to the chat's parser ``p``."""
+    group = p.add_argument_group("sampling (default: greedy, the most likely token each step)")
+    group.add_argument(
+        "--temperature",
+        type=_real("--temperature"),
+        default=0.0,
+        metavar="T",
+        help="sample each token at temperature T (above 0); 0 decodes greedily (default 0)",
+    )
+    group.add_argument(
+        "--top-p",
+        type=_real("--top-p"),
+        default=None,
+        metavar="P",
+        help="sample only from the most likely tokens whose probabilities add up to P, in "
+        "(0, 1] (default: all tokens; needs --temperature above 0)",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="seed the sampling (the same seed, question and memory give the same answer; "
+        "default: a fresh seed; needs --temperature above 0)",
+    )
+
+
+def sampling_of(args) -> dict:
+    """``Memory.ask``'s sampling keywords from the options (``seed`` as well, for
+    :func:`with_generator`), refused before the model loads where they cannot be used."""
+    t = args.temperature
+    if t < 0:
+        raise UsageError(f"--temperature must be 0 (greedy) or above, not {t}")
+    needs = [("--top-p", args.top_p), ("--seed", args.seed)]
+    given = [name for name, value in needs if value is not None]
+    if given and t == 0:
+        raise UsageError(
+            f"{', '.join(given)} without sampling: give --temperature above 0 "
+            "(--temperature 0, the default, decodes greedily)"
+        )
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be in [0, 2**63), not {args.seed}")
+    if t == 0:
+        return {}
+    return {"do_sample": True, "temperature": t, "top_p": args.top_p, "seed": args.seed}
+
+
+def with_generator(sampling: dict, device) -> dict:
+    """``sampling`` as ``Memory.ask``'s keywords: its seed a ``torch.Generator`` on the
+    model's ``device`` (None: torch's own random state)."""
+    keywords = dict(sampling)
+    seed = keywords.pop("seed", None)
+    if seed is not None:
+        import torch
+
+        keywords["generator"] = torch.Generator(device=device).manual_seed(seed)
+    return keywords

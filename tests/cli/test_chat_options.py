@@ -1,0 +1,87 @@
+"""``kvedit chat``'s options from issue 69: a chat without --memory (held in RAM only), the
+sampling options passed to ``Memory.ask`` (#69)."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from kvedit.cli import main as cli_main
+from kvedit.memory.conversation import Memory
+from kvedit.models import load_model
+
+CHAT = ["chat", "--model", "tiny-llama", "--max-new-tokens", "6"]
+
+
+def _run(monkeypatch, capsys, lines: str, *args: str) -> tuple[int, str, str]:
+    """``kvedit chat`` (no --memory unless in ``args``) with ``lines`` piped in."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    capsys.readouterr()
+    status = cli_main([*CHAT, *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def tiny():
+    return load_model("tiny-llama")
+
+
+def test_without_memory_the_chat_is_held_in_ram_and_save_path_still_writes(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    monkeypatch.chdir(tmp_path)
+    copy = tmp_path / "copy.kv"
+    status, out, err = _run(monkeypatch, capsys, f"hello there\n/save\n/save {copy}\nagain\n")
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "[new memory held in RAM only (no --memory), prompt 'chat']"
+    assert "/save: this chat has no --memory file (held in RAM only); give /save PATH" in err
+    assert f"[saved a copy {copy}: 2 messages" in out and "goes on in RAM only]" in out
+    assert lines[-1].startswith("memory held in RAM only, not written: 4 messages, ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.kv"]  # no file, no lock
+    assert [m.role for m in Memory.load(copy, *tiny).messages] == ["user", "assistant"]
+
+
+def _asked(monkeypatch) -> list[dict]:
+    seen: list[dict] = []
+    ask = Memory.ask
+
+    def spy(self, question, **keywords):
+        seen.append(keywords)
+        return ask(self, question, **keywords)
+
+    monkeypatch.setattr(Memory, "ask", spy)
+    return seen
+
+
+def test_sampling_options_reach_memory_ask_and_a_seed_repeats_the_answer(monkeypatch, capsys, tiny):
+    seen = _asked(monkeypatch)
+    sampled = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "7"]
+    first = _run(monkeypatch, capsys, "hello\n", *sampled)
+    second = _run(monkeypatch, capsys, "hello\n", *sampled)
+    assert first[0] == second[0] == 0, first[2] + second[2]
+    assert first[1].splitlines()[1] == second[1].splitlines()[1]  # the same seed, same answer
+    k = seen[0]
+    assert (k["do_sample"], k["temperature"], k["top_p"]) == (True, 1.5, 0.9)
+    assert k["generator"].initial_seed() == 7
+    assert _run(monkeypatch, capsys, "hello\n")[0] == 0
+    assert "do_sample" not in seen[-1] and "generator" not in seen[-1]  # greedy by default
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--top-p", "0.9"], "--top-p without sampling: give --temperature above 0"),
+        (["--seed", "1"], "--seed without sampling: give --temperature above 0"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or above, not -1.0"),
+        (["--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1], not 0.0"),
+        (["--temperature", "nan"], "must be a finite number, not 'nan'"),
+    ],
+)
+def test_bad_sampling_options_are_refused_before_the_model_loads(monkeypatch, capsys, args, said):
+    monkeypatch.setattr("kvedit.models.load_model", lambda *a, **k: pytest.fail("loaded"))
+    status, out, err = _run(monkeypatch, capsys, "hello\n", *args)
+    assert status == 2 and said in err, err
