@@ -297,21 +297,7 @@ def to_stock(state: KVState, *, remove_at: float = REMOVE_AT) -> StockCache:
     if any(layer.kv_shape[0] != 1 for layer in state.layers):
         raise InvalidInputError("to_stock takes a state of batch 1")
     refuse_headwise(state.layers, "a stock kernel (vLLM)")
-    realizations: list[BiasRealization] = []
-    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    nulls: list[int] = []
-    shared = _shared_copies([x for x in state.layers if x.window is None])
-    for i, layer in enumerate(state.layers):
-        if layer.window is None:
-            k, v, index, n_null = _realize_global(i, layer, remove_at, realizations, shared)
-        else:
-            k, v, index, n_null = layer.keys[0], layer.values[0], layer.token_index.cpu(), 0
-            bias = _kv_head_bias(layer, k.shape[0])
-            for b in sorted({float(x) for x in bias[bias != 0].tolist()}):
-                n = int((bias == b).any(dim=0).sum())
-                realizations.append(BiasRealization(i, b, 0.0, "unrealized", n))
-        rows.append((k, v, index))
-        nulls.append(n_null)
+    rows, nulls, realizations = _realized_rows(state, remove_at)
     global_rows = [r for r, layer in zip(rows, state.layers, strict=True) if layer.window is None]
     n_slots = max(r[0].shape[1] for r in (global_rows or rows))
     placeholder = _placeholder_id(state)
@@ -346,15 +332,7 @@ def to_stock(state: KVState, *, remove_at: float = REMOVE_AT) -> StockCache:
         token_ids = ids_of(rows[longest][2])
     shift = n_slots - int(state.next_position)
     if shift:
-        if state.model is None:
-            raise ModelNotAttachedError(
-                f"the edit changed the cache to {n_slots} slots for {state.next_position} "
-                "positions; moving the keys needs the state's model (load_state(path, model, tok))"
-            )
-        movers = rope.movers(state.model)
-        for i, k in enumerate(keys_out):
-            delta = torch.full((k.shape[1],), shift, dtype=torch.long)
-            keys_out[i] = movers[i].move(k[None], delta)[0]
+        keys_out = _moved_keys(state, keys_out, n_slots, shift)
     return StockCache(
         token_ids=token_ids,
         keys=[k.transpose(0, 1).contiguous() for k in keys_out],
@@ -370,6 +348,47 @@ def to_stock(state: KVState, *, remove_at: float = REMOVE_AT) -> StockCache:
         digest=state.digest,
         history=state.history,
     )
+
+
+def _realized_rows(state: KVState, remove_at: float):
+    """Each layer's ``(keys [kv_heads, m, head_dim], values, token index [m])`` with its bias
+    realized (global layers: copies or removals, :func:`_realize_global`; a sliding-window
+    layer's bias is recorded as unrealized), the null entries each holds, and the
+    realizations."""
+    realizations: list[BiasRealization] = []
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    nulls: list[int] = []
+    shared = _shared_copies([x for x in state.layers if x.window is None])
+    for i, layer in enumerate(state.layers):
+        if layer.window is None:
+            k, v, index, n_null = _realize_global(i, layer, remove_at, realizations, shared)
+        else:
+            k, v, index, n_null = layer.keys[0], layer.values[0], layer.token_index.cpu(), 0
+            bias = _kv_head_bias(layer, k.shape[0])
+            for b in sorted({float(x) for x in bias[bias != 0].tolist()}):
+                n = int((bias == b).any(dim=0).sum())
+                realizations.append(BiasRealization(i, b, 0.0, "unrealized", n))
+        rows.append((k, v, index))
+        nulls.append(n_null)
+    return rows, nulls, realizations
+
+
+def _moved_keys(
+    state: KVState, keys: list[torch.Tensor], n_slots: int, shift: int
+) -> list[torch.Tensor]:
+    """``keys`` (each ``[kv_heads, n_slots, head_dim]``) moved ``shift`` positions by each
+    layer's RoPE mover, so new tokens sit at the state's ``next_position``."""
+    if state.model is None:
+        raise ModelNotAttachedError(
+            f"the edit changed the cache to {n_slots} slots for {state.next_position} "
+            "positions; moving the keys needs the state's model (load_state(path, model, tok))"
+        )
+    movers = rope.movers(state.model)
+    out = []
+    for i, k in enumerate(keys):
+        delta = torch.full((k.shape[1],), shift, dtype=torch.long)
+        out.append(movers[i].move(k[None], delta)[0])
+    return out
 
 
 def _placeholder_id(state: KVState) -> int:
