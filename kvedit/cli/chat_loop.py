@@ -16,6 +16,8 @@ from pathlib import Path
 from ..errors import KVEditError, TemplateError
 from ..memory.forgetting import global_entries
 from .chat_file import save_copy, target
+from .chat_held import answer_cut, held_now, held_summary
+from .chat_held import size as _size
 from .chat_sampling import with_generator
 from .status import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_status, message
 
@@ -140,7 +142,7 @@ class ChatLoop:
     def _command(self, text: str) -> str:
         word = text.split()[0]
         if word == "/explain":
-            print(self.memory.explain(), flush=True)
+            print(self.memory.explain(), held_now(self.memory), sep="\n", flush=True)
         elif word == "/save":
             self._save(text[len(word) :].strip())
         elif word == "/help":
@@ -168,6 +170,8 @@ class ChatLoop:
             self._error(f"{message(e)}; the question was not kept")
             return
         print(_printable(answer), flush=True)
+        if answer_cut(self.memory, answer, self.max_new_tokens):
+            self._dim(f"[cut at {self.max_new_tokens:,} tokens: --max-new-tokens]")
         self._dim(self._cost(self.memory.forgetting[rounds:]))
         if self.focus:
             said = self.memory.focus_said() or "no earlier message to emphasize"
@@ -206,16 +210,15 @@ class ChatLoop:
             forgot = f", forgot {dropped:,} entries ({rounds[-1].policy}, {seconds:.1f} s)"
         held = ""
         budget = self.memory.budget
-        if budget is not None and budget.max_bytes is not None:
-            held = f" (budget {_size(budget.max_bytes)})"
-        elif budget is not None:  # the budget counts what was held when the question came
+        if budget is not None and budget.max_tokens is not None:
+            # the budget counts what was held when the question came
             entries = global_entries(self.memory.state) - q.n_tokens - a.n_tokens
             held = (
                 f" ({entries:,} of {budget.max_tokens:,} entries held, question and answer on top)"
             )
         return (
             f"[{q.start:,} tok reused, question {q.computed:,} tok computed, {answer}, "
-            f"memory {len(self.memory.state):,} tok{held}, {_size(self.memory.nbytes)}{forgot}]"
+            f"{held_summary(self.memory)}{held}{forgot}]"
         )
 
     def _mark(self) -> tuple[int, int]:
@@ -319,13 +322,6 @@ class ChatLoop:
 def _printable(text: str) -> str:
     """``text`` with control characters (a terminal's escape sequences) written as escapes."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:,.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def _hold_interrupts():

@@ -337,8 +337,10 @@ def test_max_bytes_takes_a_size_with_units(monkeypatch, capsys, tmp_path, tiny):
     status, out, err = _chat(monkeypatch, capsys, path, lines, "--max-bytes", "96KiB")
     assert status == 0, err
     assert "holds at most 96.0 KiB" in out.splitlines()[0]
-    sizes = [float(x) for x in re.findall(r"tok \(budget 96\.0 KiB\), ([\d.]+) KiB", out)]
+    said = re.findall(r"most\), ([\d.]+) KiB of 96\.0 KiB \((\d+)%\)", out)
+    sizes = [float(x) for x, _ in said]
     assert len(sizes) == 8 and max(sizes) <= 96.0  # what each turn line prints, bounded
+    assert [int(p) for _, p in said] == [round(100 * x / 96) for x in sizes]
     assert Memory.load(path, *tiny).nbytes <= 96 * 1024
     small = tmp_path / "small.kv"
     status, out, err = _chat(monkeypatch, capsys, small, "hi\n", "--max-bytes", "300")

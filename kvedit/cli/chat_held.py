@@ -1,0 +1,86 @@
+"""What a ``kvedit chat``'s memory holds now, in the chat's words: the turn line's account
+(entries per global layer held, the transcript's tokens, bytes against the budget),
+``/explain``'s per-message lines (how much of each message is still held), and whether an
+answer was cut at ``--max-new-tokens``.
+
+Read from :class:`kvedit.Memory`'s public fields (``state``, ``turns``, ``budget``,
+``nbytes``); heavy modules are imported inside the functions (``kvedit chat --help`` stays
+fast)."""
+
+from __future__ import annotations
+
+__all__ = ["answer_cut", "held_now", "held_summary", "size"]
+
+
+def size(nbytes: int) -> str:
+    """``nbytes`` in B, KiB, MiB or GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _spread(values: list[float]) -> str:
+    v = sorted(values)
+    return f"{v[0]:,.0f} / {v[len(v) // 2]:,.0f} / {v[-1]:,.0f}"
+
+
+def held_summary(memory) -> str:
+    """What ``memory`` holds now: its transcript's tokens, the entries each global layer
+    holds (least / median / most over those layers, per KV head on average) and its bytes,
+    against a byte budget as a percentage."""
+    from ..memory.forgetting import layer_entries
+
+    state = memory.state
+    entries = [layer_entries(state, i) for i in state.counted_layers]
+    line = (
+        f"memory {len(state):,} tok, holds {_spread(entries)} entries per global layer "
+        f"(least / median / most), {size(memory.nbytes)}"
+    )
+    budget = memory.budget
+    if budget is not None and budget.max_bytes is not None:
+        line += f" of {size(budget.max_bytes)} ({100 * memory.nbytes / budget.max_bytes:.0f}%)"
+    return line
+
+
+def _held_per_layer(state, start: int, end: int) -> list[float]:
+    """The entries of tokens ``start:end`` each counted layer of ``state`` holds (per KV head
+    on average where each head holds its own)."""
+    from ..cache import is_headwise
+
+    held = []
+    for i in state.counted_layers:
+        layer = state.layers[i]
+        index, _ = layer.held_entries()
+        count = int(((index >= start) & (index < end)).sum())
+        held.append(count / layer.kv_shape[1] if is_headwise(layer) else float(count))
+    return held
+
+
+def held_now(memory) -> str:
+    """Per message: its tokens and the entries of them each global layer holds now (least /
+    median / most over those layers): ``all held``, ``forgotten`` (no layer holds any) or
+    the spread."""
+    state = memory.state
+    lines = [
+        "held now, per message: entries of its tokens each global layer holds "
+        "(least / median / most)"
+    ]
+    for t in memory.turns:
+        held = _held_per_layer(state, t.start, t.end)
+        if t.n_tokens and min(held) >= t.n_tokens:
+            said = "all held"
+        elif max(held, default=0) == 0:
+            said = "forgotten"
+        else:
+            said = f"{_spread(held)} of {t.n_tokens:,} ({100 * sum(held) / len(held) / t.n_tokens:.0f}%)"
+        lines.append(f"{t.index:4d} {t.role:9s} {t.n_tokens:6,d} tok  {said}")
+    return "\n".join(lines)
+
+
+def answer_cut(memory, answer: str, max_new_tokens: int) -> bool:
+    """Whether ``answer`` (as :meth:`kvedit.Memory.ask` returned it) took ``max_new_tokens``
+    tokens: its text tokenized again (``Memory.ask`` does not say why an answer ended; an
+    answer decoded as tokens that tokenize otherwise can be counted short by one)."""
+    ids = memory.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return len(ids) >= max_new_tokens
