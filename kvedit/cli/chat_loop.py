@@ -9,6 +9,7 @@ The command's options, and the memory file opened and locked before the loop run
 from __future__ import annotations
 
 import contextlib
+import copy
 import signal
 import sys
 from pathlib import Path
@@ -32,8 +33,12 @@ size. An empty line is skipped. Lines starting with / are commands:
   /explain  each message: tokens, computed / kept / loaded, bytes (kvedit.Memory.explain)
   /save     write the memory file now; /save PATH writes a copy to PATH (the chat goes on
             with its own file); a save that fails is one error line, the chat going on
+  /undo     take back the last question and its answer (again: the one before, back to where
+            this chat started)
+  /retry    /undo, then ask that question again (with --temperature, another answer)
+  /clear    back to the memory this chat started with (a new memory: its system message)
   /quit     save and end (as Ctrl-D does)
-  /help     this list
+  /help     a short list of the commands
 A question that starts with / is written with two (//...). Ctrl-D or /quit ends the chat with
 the memory saved (exit status 0); Ctrl-C, at the prompt or during an answer, ends it the same
 way (exit status 130), and an interrupted answer is not kept: the memory is as it was before
@@ -55,9 +60,18 @@ them, and an option given again replaces the file's (--forget, --recent-tokens a
 with --max-tokens or --max-bytes). A budget the memory can never hold (under its sliding
 windows, its protected part and one token more) is refused at start.
 """
-"""What ``/help`` prints: the epilog of ``kvedit chat --help`` too."""
+"""The epilog of ``kvedit chat --help``."""
 
-COMMANDS = ("/explain", "/save", "/quit", "/help")
+SHORT_HELP = """\
+/explain      what each message cost and how much of it is still held
+/save [PATH]  write the memory file now (PATH: a copy there)
+/undo         take back the last question and answer;  /retry  ask it again
+/clear        back to how this chat started;  /quit  save and end (Ctrl-D)
+A question that starts with / is written //...; kvedit chat --help says more.
+"""
+"""What ``/help`` prints."""
+
+COMMANDS = ("/explain", "/save", "/undo", "/retry", "/clear", "/quit", "/help")
 """The commands a line may start with (:data:`CHAT_HELP` says what each does)."""
 
 
@@ -78,7 +92,9 @@ class ChatLoop:
         self.focus = focus
         self.sampling = with_generator(sampling or {}, getattr(memory.model, "device", "cpu"))
         self.existed = path is not None and path.exists()
-        self.saved_at = self._mark() if self.existed else None
+        self.changes = 0  # questions kept, undone or cleared in this chat
+        self.saved_at = 0 if self.existed else None  # self.changes when last saved
+        self.asked: list[tuple[object, str]] = []  # (the memory before, the question)
         self.line_no = 0
         self.abandoned = False
         self.tty_in = sys.stdin.isatty()
@@ -145,8 +161,10 @@ class ChatLoop:
             print(self.memory.explain(), held_now(self.memory), sep="\n", flush=True)
         elif word == "/save":
             self._save(text[len(word) :].strip())
+        elif word in ("/undo", "/retry", "/clear"):
+            self._take_back(word)
         elif word == "/help":
-            print(CHAT_HELP, end="", flush=True)
+            print(SHORT_HELP, end="", flush=True)
         elif word != "/quit":
             self._error(
                 f"unknown command {word!r}: the commands are {', '.join(COMMANDS)} "
@@ -154,21 +172,48 @@ class ChatLoop:
             )
         return word
 
+    def _take_back(self, word: str) -> None:
+        """``/undo``, ``/retry`` (``/undo``, then the question again) and ``/clear``: the
+        memory as it was before a question, kept when it was asked (nothing is recomputed)."""
+        if not self.asked:
+            self._error(f"{word}: no question asked in this chat to take back")
+            return
+        memory, question = self.asked.pop() if word != "/clear" else self.asked[0]
+        n = 1 if word != "/clear" else len(self.asked)
+        if word == "/clear":
+            self.asked.clear()
+        self.memory = memory
+        self.changes += 1
+        what = "the last question and its answer" if n == 1 else f"{n} questions and answers"
+        self._dim(f"[{word[1:]}: {what} taken back; the memory holds {self._counts()}]")
+        if word == "/retry":
+            self._ask(question)
+
+    def _asked(self, before, question: str) -> None:
+        """``question`` was kept: ``before``, the memory before it, is what /undo restores."""
+        self.asked.append((before, question))
+        self.changes += 1
+
     def _ask(self, question: str) -> None:
         before = self._mark()
         rounds = len(self.memory.forgetting)
+        # Memory.ask replaces the memory's one snapshot of its fields when it keeps a question
+        # (it never edits them): a shallow copy taken before is the memory as it was
+        was = copy.copy(self.memory)
         try:
             answer = self.memory.ask(
                 question, max_new_tokens=self.max_new_tokens, focus=self.focus, **self.sampling
             )
         except KeyboardInterrupt:
-            self._interrupted(before)
+            if self._interrupted(before):
+                self._asked(was, question)
             raise
         except KVEditError as e:
             if exit_status(e) != EXIT_USAGE and not isinstance(e, TemplateError):
                 raise
             self._error(f"{message(e)}; the question was not kept")
             return
+        self._asked(was, question)
         print(_printable(answer), flush=True)
         if answer_cut(self.memory, answer, self.max_new_tokens):
             self._dim(f"[cut at {self.max_new_tokens:,} tokens: --max-new-tokens]")
@@ -177,20 +222,23 @@ class ChatLoop:
             said = self.memory.focus_said() or "no earlier message to emphasize"
             self._dim(f"[focus: {_printable(said)}]")
 
-    def _interrupted(self, before: tuple[int, int]) -> None:
+    def _interrupted(self, before: tuple[int, int]) -> bool:
         """After Ctrl-C during an answer: say whether the question was kept (it is not, unless
-        the answer had been committed already), and refuse to save a memory caught midway."""
+        the answer had been committed already: True), and refuse to save a memory caught
+        midway."""
         now = self._mark()
         if now == before:
             self._dim("[interrupted: the question and its partial answer were not kept]")
-        elif now[0] == before[0] + 2 and self._consistent():
+            return False
+        if now[0] == before[0] + 2 and self._consistent():
             self._dim("[interrupted after the answer was kept]")
-        else:
-            self.abandoned = True  # caught between two fields: not written
-            raise KVEditError(
-                f"interrupted while the memory was being updated ({before[0]} -> {now[0]} "
-                f"messages, {before[1]} -> {now[1]} tokens); {self.path or 'nothing'} is left as it was"
-            )
+            return True
+        self.abandoned = True  # caught between two fields: not written
+        raise KVEditError(
+            f"interrupted while the memory was being updated ({before[0]} -> {now[0]} "
+            f"messages, {before[1]} -> {now[1]} tokens); {self.path or 'nothing'} is left as "
+            "it was"
+        )
 
     def _consistent(self) -> bool:
         turns = self.memory.turns
@@ -252,7 +300,7 @@ class ChatLoop:
             goes_on = "in RAM only" if self.path is None else f"with {self.path}"
             self._dim(f"[saved a copy {copy}: {self._counts()}; the chat goes on {goes_on}]")
             return
-        self.saved_at, self.existed = self._mark(), True
+        self.saved_at, self.existed = self.changes, True
         self._dim(f"[saved {self._summary()}]")
 
     def _save_at_exit(self) -> None:
@@ -262,7 +310,7 @@ class ChatLoop:
         if self.path is None:
             print(f"memory held in RAM only, not written: {self._counts()}", flush=True)
             return
-        if self.saved_at == self._mark() or (not self.existed and len(self.memory) == 0):
+        if self.saved_at == self.changes or (not self.existed and len(self.memory) == 0):
             what = "unchanged" if self.existed else "not written: no messages"
             print(f"memory {self.path} {what}: {self._counts()}", flush=True)
             return
@@ -271,7 +319,7 @@ class ChatLoop:
             self.memory.save(self.path)
         finally:
             _release_interrupts(held)
-        self.saved_at = self._mark()
+        self.saved_at = self.changes
         print(f"saved {self._summary()}", flush=True)
 
     def _summary(self) -> str:

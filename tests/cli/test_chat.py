@@ -112,8 +112,8 @@ def test_a_question_starting_with_a_slash_is_written_with_two(monkeypatch, capsy
     status, _, err = _chat(monkeypatch, capsys, path, "/nope\n//etc/hosts?\n")
     assert status == 0
     assert err.splitlines() == [
-        "kvedit chat: error: unknown command '/nope': the commands are /explain, /save, /quit, "
-        "/help (a question that starts with / is written //...)"
+        "kvedit chat: error: unknown command '/nope': the commands are /explain, /save, /undo, "
+        "/retry, /clear, /quit, /help (a question that starts with / is written //...)"
     ]
     assert Memory.load(path, *tiny).messages[0].content == "/etc/hosts?"
 
