@@ -20,6 +20,7 @@ from ..errors import (
     CacheMismatchError,
     CorruptCacheError,
     InvalidInputError,
+    KVEditError,
     UnsupportedModelError,
 )
 from ..memory.smallest import NEVER_HOLDS
@@ -140,10 +141,31 @@ def _load(path: Path, model, tok, args, budget: dict):
 
     try:
         return Memory.load(path, model, tok, max_positions=args.max_positions, **budget)
-    except (CacheMismatchError, CorruptCacheError) as e:
+    except CacheMismatchError as e:
+        made_by = _made_by(path)
+        if made_by is None or made_by == args.model:
+            raise UsageError(f"--memory {e}; the file is left as it is") from None
+        raise UsageError(
+            f"--memory {path}: a memory of the model {made_by!r}, not of {args.model!r} "
+            f"(--model): give --model {made_by}, or another --memory file; the file is left as "
+            "it is"
+        ) from None
+    except CorruptCacheError as e:
         raise UsageError(f"--memory {e}; the file is left as it is") from None
     except OSError as e:
         raise UsageError(f"--memory {path}: cannot read it: {e.strerror or e}") from None
+
+
+def _made_by(path: Path) -> str | None:
+    """The name of the model that made the memory file ``path`` (as its header records it),
+    or None where it records none or cannot be read."""
+    from ..states.files.read import read_state_file
+
+    try:
+        name = read_state_file(path).meta.get("model")
+    except (OSError, KVEditError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def _opened(path: Path | None, model, tok, args, budget: dict):

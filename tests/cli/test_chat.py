@@ -176,7 +176,11 @@ def _text(path: Path) -> None:
 @pytest.mark.parametrize(
     ("make", "says"),
     [
-        (_other_model, "this cache was made by another model"),
+        (
+            _other_model,
+            "a memory of the model 'tiny-qwen2', not of 'tiny-llama' (--model): give --model "
+            "tiny-qwen2, or another --memory file",
+        ),
         (_damaged, "checksum mismatch"),
         (_plain_state, "a state file, not a memory"),
         (_text, "safetensors"),
