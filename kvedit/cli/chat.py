@@ -96,6 +96,15 @@ def _budget_args(p) -> None:
         "(a number of bytes, or with KB, MB, GB, KiB, MiB or GiB): the size each turn prints "
         "never passes it",
     )
+    held.add_argument(
+        "--keep",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="a fraction in (0, 1], as kvedit eval memory's budgets: the memory holds at most "
+        "round(F x E) entries per global layer on average, E the entries it holds when the "
+        "chat starts (an existing --memory file's; a new memory is refused: give --max-tokens)",
+    )
     budget.add_argument(
         "--forget",
         default=None,
@@ -120,6 +129,17 @@ def _budget_args(p) -> None:
         help="a text never forgotten where the memory holds it (repeatable)",
     )
     _quantize_args(budget)
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], not {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return value
 
 
 def _quantize_args(budget) -> None:
@@ -171,18 +191,24 @@ def run_chat(args) -> int:
 def _budget(args) -> dict:
     """``Memory``'s budget keywords from the forgetting and quantizing options; refused,
     before the model loads, where an option needs a budget that is not given."""
-    budgeted = args.max_tokens is not None or args.max_bytes is not None
+    budgeted = any(v is not None for v in (args.max_tokens, args.max_bytes, args.keep))
     needs = [("--forget", args.forget), ("--recent-tokens", args.recent_tokens)]
     needs.append(("--protect", args.protect))
     given = [name for name, value in needs if value is not None]
     if given and not budgeted:
         raise UsageError(
-            f"{', '.join(given)} without a budget: give --max-tokens or --max-bytes "
+            f"{', '.join(given)} without a budget: give --max-tokens, --max-bytes or --keep "
             "(nothing is forgotten without one)"
         )
     if args.exact_messages is not None and args.quantize is None:
         raise UsageError(
             "--exact-messages says which messages --quantize holds exact: give --quantize"
+        )
+    if args.keep is not None and (args.memory is None or not Path(args.memory).exists()):
+        raise UsageError(
+            f"--keep {args.keep}: a fraction of the entries the memory holds when the chat "
+            "starts, and a new memory holds only its system message; give --max-tokens or "
+            "--max-bytes, or --memory an existing file"
         )
     if args.recent_tokens is not None and args.recent_tokens < 0:
         raise UsageError(f"--recent-tokens must be 0 or more, not {args.recent_tokens}")

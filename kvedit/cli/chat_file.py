@@ -168,9 +168,21 @@ def _made_by(path: Path) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+def _kept(path: Path, model, tok, args, budget: dict) -> dict:
+    """``budget`` with ``--keep F`` as ``max_tokens``: round(F x the entries the memory in
+    ``path`` holds per global layer now, on average), at least 1."""
+    from ..memory.forgetting import global_entries
+
+    entries = global_entries(_load(path, model, tok, args, {}).state)
+    return {**budget, "max_tokens": max(1, round(args.keep * entries))}
+
+
 def _opened(path: Path | None, model, tok, args, budget: dict):
     """:func:`open_memory`'s work."""
     from ..memory.conversation import Memory
+
+    if getattr(args, "keep", None) is not None and path is not None and path.exists():
+        budget = _kept(path, model, tok, args, budget)
 
     if budget:  # a budget the model cannot serve is a bad option, refused before the file
         try:

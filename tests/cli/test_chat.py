@@ -385,8 +385,14 @@ def test_quantize_holds_older_messages_in_fewer_bits(monkeypatch, capsys, tmp_pa
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--forget", "knorm"], "--forget without a budget: give --max-tokens or --max-bytes"),
-        (["--protect", "x"], "--protect without a budget: give --max-tokens or --max-bytes"),
+        (
+            ["--forget", "knorm"],
+            "--forget without a budget: give --max-tokens, --max-bytes or --keep",
+        ),
+        (
+            ["--protect", "x"],
+            "--protect without a budget: give --max-tokens, --max-bytes or --keep",
+        ),
         (["--recent-tokens", "3"], "--recent-tokens without a budget"),
         (["--recent", "3"], "--exact-messages says which messages --quantize holds exact"),
         (["--max-bytes", "3XB"], "argument --max-bytes: expected a size such as 2000000"),

@@ -85,3 +85,32 @@ def test_bad_sampling_options_are_refused_before_the_model_loads(monkeypatch, ca
     monkeypatch.setattr("kvedit.models.load_model", lambda *a, **k: pytest.fail("loaded"))
     status, out, err = _run(monkeypatch, capsys, "hello\n", *args)
     assert status == 2 and said in err, err
+
+
+def test_keep_is_a_fraction_of_the_entries_the_memory_holds_at_start(
+    monkeypatch, capsys, tmp_path, tiny
+):
+    path = tmp_path / "chat.kv"
+    lines = "".join(
+        f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(4)
+    )
+    assert _run(monkeypatch, capsys, lines, "--memory", str(path))[0] == 0
+    entries = len(Memory.load(path, *tiny).state)  # nothing forgotten: every token an entry
+    status, out, err = _run(
+        monkeypatch, capsys, "and more\n", "--memory", str(path), "--keep", "0.5"
+    )
+    assert status == 0, err
+    most = round(0.5 * entries)
+    assert f"holds at most {most:,} entries a global layer on average" in out.splitlines()[0]
+    assert Memory.load(path, *tiny).budget.max_tokens == most
+
+
+def test_keep_without_an_existing_memory_file_is_refused_before_the_model_loads(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr("kvedit.models.load_model", lambda *a, **k: pytest.fail("loaded"))
+    for where in ([], ["--memory", str(tmp_path / "new.kv")]):
+        status, out, err = _run(monkeypatch, capsys, "hello\n", "--keep", "0.25", *where)
+        assert status == 2 and "--keep 0.25: a fraction of the entries the memory holds" in err
+    status, out, err = _run(monkeypatch, capsys, "hello\n", "--keep", "1.5")
+    assert status == 2 and "--keep: must be in (0, 1], not 1.5" in err, err
