@@ -27,10 +27,14 @@ __all__ = ["CHAT_HELP", "COMMANDS", "ChatLoop"]
 _NAME = "kvedit chat"
 
 CHAT_HELP = """\
-Each line read is a question: the answer is printed, then (dimmed on a terminal) what the turn
-cost: tokens computed for the question, the answer's tokens kept from decoding, the memory's
-size. An empty line is skipped. Lines starting with / are commands:
-  /explain  each message: tokens, computed / kept / loaded, bytes (kvedit.Memory.explain)
+Each line read is a question: the answer is printed ([cut at N tokens] after it when it took
+--max-new-tokens), then (dimmed on a terminal) what the turn cost and what the memory holds:
+tokens computed for the question, the answer's tokens kept from decoding, the transcript's
+tokens, the entries each global layer holds (an entry: one token's K/V in one layer; least /
+median / most over the layers: fewer than the transcript's tokens once it forgot) and its
+bytes (of a --max-bytes budget, as a percentage). An empty line is skipped. Lines starting with / are commands:
+  /explain  each message: tokens, computed / kept / loaded, bytes (kvedit.Memory.explain),
+            then how much of it each global layer still holds
   /save     write the memory file now; /save PATH writes a copy to PATH (the chat goes on
             with its own file); a save that fails is one error line, the chat going on
   /undo     take back the last question and its answer (again: the one before, back to where
@@ -40,7 +44,8 @@ size. An empty line is skipped. Lines starting with / are commands:
   /quit     save and end (as Ctrl-D does)
   /help     a short list of the commands
 A question that starts with / is written with two (//...). Ctrl-D or /quit ends the chat with
-the memory saved (exit status 0); Ctrl-C, at the prompt or during an answer, ends it the same
+the memory saved (exit status 0; without --memory the conversation is held in RAM only and
+nothing is written: /save PATH writes a copy); Ctrl-C, at the prompt or during an answer, ends it the same
 way (exit status 130), and an interrupted answer is not kept: the memory is as it was before
 that question. A line the model cannot take (too long for its positions) gets one error line
 and the chat goes on. Lines may be piped in (one question a line).
