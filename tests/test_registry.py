@@ -107,6 +107,8 @@ CALLS: list[str] = []  # what each scoring saw: proof the scorer ran, not a buil
 class Oldest(Scorer):
     """The oldest entries first (no built-in scorer keeps these): ``-token`` per entry."""
 
+    reads_model = False  # it scores from the cache alone, so a server may forget with it
+
     def score(self, state, layers):
         CALLS.append(state.text[-20:])
         out = {}
@@ -174,6 +176,20 @@ def test_a_scorer_registered_here_is_an_eval_memory_method(tmp_path, oldest, cap
     forgot = [r for r in data["examples"] if r["method"] == oldest]
     assert forgot and all(r["rounds"] >= 1 for r in forgot)
     assert CALLS
+
+
+def test_a_scorer_registered_here_serves_by_its_trait(oldest, capsys):
+    from kvedit.integrations.vllm.conversations import servable_policies, served_policy
+
+    assert oldest in servable_policies() and served_policy(oldest) == oldest
+    assert cli_main(["serve", "--help"]) == 0
+    assert oldest in capsys.readouterr().out  # --forget's help comes from the registry
+    SCORERS[oldest].reads_model = True  # the same scorer, were it to run the model
+    try:
+        with pytest.raises(InvalidInputError, match="cannot serve"):
+            served_policy(oldest)
+    finally:
+        SCORERS[oldest].reads_model = False
 
 
 def test_a_scorer_name_taken_is_refused():
