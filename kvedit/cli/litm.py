@@ -23,10 +23,14 @@ another format (files without it were made with chat).
 """
 
 
+LITM_SUMMARY = "lost-in-the-middle accuracy by gold position"
+"""``kvedit eval litm``'s line in ``kvedit eval --help``."""
+
+
 def litm_parser(sub) -> None:
     p = sub.add_parser(
         "litm",
-        help="lost-in-the-middle accuracy by gold position",
+        help=LITM_SUMMARY,
         epilog=_LITM_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -8,6 +8,7 @@ import os
 import select
 import sys
 import traceback
+from collections.abc import Sequence
 
 from ..errors import (
     KVEditError,
@@ -15,15 +16,25 @@ from ..errors import (
 from ..version import __version__
 from .app import run_app
 from .arguments import port, positive
-from .chat import chat_parser
-from .litm import litm_parser, run_demo
-from .memory import memory_parser
+from .chat_options import CHAT_SUMMARY
+from .litm import LITM_SUMMARY, litm_parser, run_demo
+from .memory import MEMORY_SUMMARY, memory_parser
+from .scorer import TOOLS_SUMMARY
 from .scorer import memory_parser as memory_tools_parser
-from .serving import publish_parser, serve_parser
+from .serving import PUBLISH_SUMMARY, SERVE_SUMMARY, publish_parser, serve_parser
 from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
 
+PROJECT_SUMMARY = "cross-model KV projection: B's loss with a projected cache of A"
+"""``kvedit eval project``'s line in ``kvedit eval --help`` (its parser is
+:func:`kvedit.evals.project.add_parser`'s, whose module imports torch; a test compares the two)."""
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvedit`` parser. With ``argv``, only the commands it names get their options
+    (their modules may import torch to list their choices); the others are listed by their line
+    in ``--help`` alone, so that ``kvedit --help`` and a light command's help print at once.
+    Without it (the default), every command is built."""
+    wanted = None if argv is None else frozenset(argv)
     parser = argparse.ArgumentParser(
         prog="kvedit",
         description="kvedit: edit a language model's KV cache to change what it attends to.",
@@ -46,11 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=run_demo)
     ev = sub.add_parser("eval", help="evaluations")
     ev_sub = ev.add_subparsers(dest="suite", required=True)
-    litm_parser(ev_sub)
-    memory_parser(ev_sub)
-    from ..evals.project import add_parser as _project_parser
-
-    _project_parser(ev_sub)
+    suites = wanted if wanted is None or "eval" in wanted else frozenset()
+    _add(ev_sub, "litm", LITM_SUMMARY, litm_parser, suites)
+    _add(ev_sub, "memory", MEMORY_SUMMARY, memory_parser, suites)
+    _add(ev_sub, "project", PROJECT_SUMMARY, _project_parser, suites)
     app = sub.add_parser("app", help="the highlight app (Gradio) on http://HOST:PORT")
     app.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     app.add_argument("--port", type=port, default=7860)
@@ -58,12 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="interface to bind (default: this machine only)"
     )
     app.set_defaults(run=run_app)
-    publish_parser(sub)
-    serve_parser(sub)
-    chat_parser(sub)
-    memory_tools_parser(sub)
+    _add(sub, "publish", PUBLISH_SUMMARY, publish_parser, wanted)
+    _add(sub, "serve", SERVE_SUMMARY, serve_parser, wanted)
+    _add(sub, "chat", CHAT_SUMMARY, _chat_parser, wanted)
+    _add(sub, "memory", TOOLS_SUMMARY, memory_tools_parser, wanted)
     _label(parser)
     return parser
+
+
+def _add(sub, name: str, summary: str, build, wanted: frozenset[str] | None) -> None:
+    """Add the command ``name``: built by ``build(sub)`` when ``wanted`` (the command line's
+    words) names it or is None, else only listed, by ``summary`` (what ``build`` gives it)."""
+    if wanted is None or name in wanted:
+        build(sub)
+    else:
+        sub.add_parser(name, help=summary, add_help=False)
+
+
+def _project_parser(sub) -> None:
+    from ..evals.project import add_parser
+
+    add_parser(sub)
+
+
+def _chat_parser(sub) -> None:
+    from .chat import chat_parser
+
+    chat_parser(sub)
 
 
 def _subparsers(parser: argparse.ArgumentParser):
@@ -140,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("KVEDIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
     name = _command_name(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
     except SystemExit as e:  # argparse printed its message (status 2) or --help / --version
         return e.code if isinstance(e.code, int) else (EXIT_USAGE if e.code else EXIT_OK)
     debug = debug or bool(getattr(args, "debug", False))

@@ -81,10 +81,14 @@ def _conversation_args(p) -> None:
     )
 
 
+MEMORY_SUMMARY = "what a forgetting kvedit.Memory still answers, by the age of what is asked"
+"""``kvedit eval memory``'s line in ``kvedit eval --help``."""
+
+
 def memory_parser(sub) -> None:
     p = sub.add_parser(
         "memory",
-        help="what a forgetting kvedit.Memory still answers, by the age of what is asked",
+        help=MEMORY_SUMMARY,
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

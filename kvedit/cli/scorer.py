@@ -9,10 +9,13 @@ from pathlib import Path
 
 from .arguments import positive
 
+TOOLS_SUMMARY = "a memory's tools (fit the learned scorer)"
+"""``kvedit memory``'s line in ``kvedit --help``."""
+
 
 def memory_parser(sub) -> None:
     """``kvedit memory`` and its one subcommand, ``fit-scorer``."""
-    memory = sub.add_parser("memory", help="a memory's tools (fit the learned scorer)")
+    memory = sub.add_parser("memory", help=TOOLS_SUMMARY)
     memory_sub = memory.add_subparsers(dest="tool", required=True)
     p = memory_sub.add_parser(
         "fit-scorer",

@@ -17,10 +17,16 @@ http://HOST:PORT/v1/completions. Needs kvedit[vllm]; in a checkout: make vllm-se
 """
 
 
+SERVE_SUMMARY = "vLLM's OpenAI-compatible server, answering from the caches published under ROOT"
+"""``kvedit serve``'s line in ``kvedit --help``."""
+PUBLISH_SUMMARY = "capture a context, edit it, publish it for kvedit serve; prints what to send"
+"""``kvedit publish``'s line in ``kvedit --help``."""
+
+
 def serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="vLLM's OpenAI-compatible server, answering from the caches published under ROOT",
+        help=SERVE_SUMMARY,
         epilog=_SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -100,10 +106,7 @@ def _run_serve(args) -> int:
 
 
 def publish_parser(sub) -> None:
-    p = sub.add_parser(
-        "publish",
-        help="capture a context, edit it, publish it for kvedit serve; prints what to send",
-    )
+    p = sub.add_parser("publish", help=PUBLISH_SUMMARY)
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument(
         "--root",
