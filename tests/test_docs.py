@@ -486,10 +486,5 @@ def test_the_option_walker_reaches_every_subcommand():
     assert len(cli_options()) > 50
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no help text and no doc for --no-progress (eval litm, memory, project) and "
-    "--min-words (eval project) (#66)",
-)
 def test_every_cli_option_has_help_text_or_a_doc():
     assert undocumented_options() == []

@@ -134,7 +134,7 @@ def memory_parser(sub) -> None:
         "cut by a kill is dropped with a warning)",
     )
     p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=16)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=_run_memory)
 
 
