@@ -130,19 +130,7 @@ def publish_parser(sub) -> None:
         "edit where the unedited answer already comes from the chosen passage) or none (the "
         "edit always stands)",
     )
-    p.add_argument("--emphasize", action="append", default=[], metavar="TEXT")
-    p.add_argument("--suppress", action="append", default=[], metavar="TEXT")
-    p.add_argument("--duplicate", action="append", default=[], metavar="TEXT")
-    p.add_argument("--strength", type=float, default=2.0, help="--emphasize bias, nats")
-    p.add_argument(
-        "--suppress-strength",
-        type=float,
-        default=1e4,
-        help="--suppress bias, nats (at least 20: vLLM realises a suppress as a removal)",
-    )
-    p.add_argument(
-        "--copies", type=positive("--copies"), default=3, help="--duplicate extra copies"
-    )
+    _edit_args(p)
     p.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"])
     p.add_argument(
         "--approximate",
@@ -168,6 +156,23 @@ def publish_parser(sub) -> None:
         "--request", default=None, metavar="FILE", help="also write the request body to FILE"
     )
     p.set_defaults(run=_run_publish)
+
+
+def _edit_args(p) -> None:
+    """``kvedit publish``'s span edits: what to emphasize, suppress or duplicate, and how much."""
+    p.add_argument("--emphasize", action="append", default=[], metavar="TEXT")
+    p.add_argument("--suppress", action="append", default=[], metavar="TEXT")
+    p.add_argument("--duplicate", action="append", default=[], metavar="TEXT")
+    p.add_argument("--strength", type=float, default=2.0, help="--emphasize bias, nats")
+    p.add_argument(
+        "--suppress-strength",
+        type=float,
+        default=1e4,
+        help="--suppress bias, nats (at least 20: vLLM realises a suppress as a removal)",
+    )
+    p.add_argument(
+        "--copies", type=positive("--copies"), default=3, help="--duplicate extra copies"
+    )
 
 
 def _run_publish(args) -> int:
