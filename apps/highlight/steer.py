@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kvedit
+from kvedit.focusing.choice import ABSTAIN_THRESHOLD
 from kvedit.focusing.passages import split_passages
 from kvedit.spans import tokens_in_ranges
 
@@ -96,7 +97,7 @@ class Highlighter:
         tokenizer: PreTrainedTokenizerBase,
         model_name: str,
         limits: Limits | None = None,
-        focus_threshold: float | None = kvedit.focusing.choice.ABSTAIN_THRESHOLD,
+        focus_threshold: float | None = ABSTAIN_THRESHOLD,
     ):
         self.model = model
         self.tokenizer = tokenizer

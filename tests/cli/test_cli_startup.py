@@ -1,7 +1,7 @@
 """The ``kvedit`` command line starts light: the parser lists a command by its summary alone
 unless the command line names it, and the listing reads the same as the whole parser's; a named
-command gets its whole parser; errors keep their usage and status. The target, marked xfail
-until ``kvedit/__init__.py`` loads its names on first use: ``import kvedit`` and the help of
+command gets its whole parser; errors keep their usage and status. ``kvedit/__init__.py``
+loads its names on first use: ``import kvedit`` and the help of
 the commands whose options need no registry import none of torch, transformers, numpy, gradio,
 vllm or safetensors (a fresh interpreter's ``sys.modules``, not a timing) (#69)."""
 
@@ -40,15 +40,6 @@ def _fresh(code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-EAGER = pytest.mark.xfail(
-    strict=True,
-    reason="kvedit/__init__.py still imports every public name (torch with them) when any kvedit "
-    "module is imported; loading them on first use waits on apps/highlight/steer.py reading "
-    "kvedit.focusing.choice without importing it (#69)",
-)
-
-
-@EAGER
 def test_help_and_version_import_nothing_heavy():
     code = (
         "import contextlib, io, json, sys\n"
@@ -66,7 +57,6 @@ def test_help_and_version_import_nothing_heavy():
     assert all(status == 0 and printed > 0 for status, printed in seen["statuses"])
 
 
-@EAGER
 def test_import_kvedit_is_light_and_a_name_loads_on_use():
     code = (
         "import json, sys, kvedit\n"
