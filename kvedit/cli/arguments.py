@@ -33,6 +33,22 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30})
 
 
+def finite(name: str):
+    """An argparse type: a finite number (``name`` is the option, for the message)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
 def byte_size(name: str):
     """An argparse type: a size in bytes, ``1000000``, ``512KiB`` or ``1.5GB`` (units KB, MB,
     GB of 1000 and KiB, MiB, GiB of 1024, any case); at least one byte."""

@@ -6,28 +6,10 @@ Nothing heavy is imported at module level (``kvedit chat --help`` stays fast).""
 
 from __future__ import annotations
 
-import argparse
-import math
-
+from .arguments import finite
 from .status import UsageError
 
 __all__ = ["sampling_args", "sampling_of", "with_generator"]
-
-
-def _real(name: str):
-    """An argparse type: a finite number (``name`` is the option, for the message)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
-        return value
-
-    parse.__name__ = name
-    return parse
 
 
 def sampling_args(p) -> None:
@@ -35,14 +17,14 @@ def sampling_args(p) -> None:
     group = p.add_argument_group("sampling (default: greedy, the most likely token each step)")
     group.add_argument(
         "--temperature",
-        type=_real("--temperature"),
+        type=finite("--temperature"),
         default=0.0,
         metavar="T",
         help="sample each token at temperature T (above 0); 0 decodes greedily (default 0)",
     )
     group.add_argument(
         "--top-p",
-        type=_real("--top-p"),
+        type=finite("--top-p"),
         default=None,
         metavar="P",
         help="sample only from the most likely tokens whose probabilities add up to P, in "
