@@ -327,10 +327,14 @@ def _scores(value) -> dict | None:
     scores the file holds (``attached.scores.{layer}``), or None."""
     if value is None:
         return None
-    kw = _keys("scores", value, {"policy", "layers"}, {"policy", "layers"})
+    kw = _keys("scores", value, {"policy", "layers", "key"}, {"policy", "layers"})
     if not isinstance(kw["policy"], str) or not kw["policy"]:
         raise _Bad("scores.policy", f"is {checks.describe(kw['policy'])}, not a policy's name")
+    key = kw.get("key")
+    if key is not None and (not isinstance(key, str) or not key):
+        raise _Bad("scores.key", f"is {checks.describe(key)}, not a scorer's key")
     layers = [
         _int(f"scores.layers[{i}]", x) for i, x in enumerate(_list("scores.layers", kw["layers"]))
     ]
-    return {"policy": kw["policy"], "layers": layers}
+    out = {"policy": kw["policy"], "layers": layers}
+    return out if key is None else {**out, "key": key}

@@ -93,6 +93,14 @@ class MemoryFile:
         meta = self.attachment.scores
         return None if meta is None else meta["policy"]
 
+    @property
+    def scores_key(self) -> str | None:
+        """The scorer's key (:meth:`kvedit.compress.Scorer.scores_key`: a learned fit's
+        digest) under which :attr:`scores` were made; None without one (or a file before
+        keys were kept)."""
+        meta = self.attachment.scores
+        return None if meta is None else meta.get("key")
+
 
 def budget_keywords(budget: Budget | None, exact_messages: int, quantize: int | None) -> dict:
     """The ``Memory`` keywords that give a memory ``budget``, ``exact_messages`` and
@@ -112,10 +120,12 @@ def memory_attachment(
     keywords: dict | None = None,
     scores: Mapping[int, object] | None = None,
     scored_by: str | None = None,
+    scores_key: str | None = None,
 ) -> dict:
     """The header attachment of a memory file (JSON-ready); ``keywords``: the
     :func:`budget_keywords` to keep (None: none); ``scores``: the layers whose entry scores
-    (by the arrival policy ``scored_by``) the file holds as tensors (:func:`score_tensors`)."""
+    (by the arrival policy ``scored_by``, under its ``scores_key``) the file holds as tensors
+    (:func:`score_tensors`)."""
     out = {
         "kind": ATTACHMENT_KIND,
         "version": ATTACHMENT_VERSION,
@@ -127,6 +137,8 @@ def memory_attachment(
     }
     if scores is not None:
         out["scores"] = {"policy": scored_by, "layers": sorted(int(i) for i in scores)}
+        if scores_key is not None:
+            out["scores"]["key"] = scores_key
     return out
 
 
@@ -266,8 +278,9 @@ def write_memory(
     ``known`` (None: not checked). The check and the write hold the file's saving lock
     (:func:`saving_lock`): of two savers of one version, the second finds the first's file."""
     policy = None if budget is None else budget.policy
+    key = None if held.scores is None or budget is None else budget.scorer.scores_key(held.state)
     attachment = memory_attachment(
-        prompt, held.messages, held.turns, held.rounds, keywords, held.scores, policy
+        prompt, held.messages, held.turns, held.rounds, keywords, held.scores, policy, key
     )
     lock = saving_lock(path)
     try:
@@ -351,6 +364,20 @@ def merged_keywords(kept: dict, given: dict) -> dict:
     return merged
 
 
+def _check_scores_key(found: MemoryFile, key: str | None) -> None:
+    """Refuse a memory that forgot per KV head whose scores were made under another scorer
+    key (another learned fit) than ``key``: they are not comparable, and its cache cannot be
+    scored again (each head holds other tokens)."""
+    made = found.scores_key  # None: a file from before keys were kept, taken as it was
+    if made is not None and made != key and any(map(is_headwise, found.state.layers)):
+        raise InvalidInputError(
+            f"this memory's {found.scored_by} scores were made under the fit {made}, not the "
+            f"one {found.scored_by} uses now ({key}), and a memory that forgot per KV head "
+            "cannot be scored again: load it where the fit that made them is found, or with "
+            "another forget= policy"
+        )
+
+
 def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
     """What a memory loaded from ``found`` holds under ``budget``: the file's state, messages,
     rendering and rounds, its turns marked ``loaded``, and an arrival policy's scores (the
@@ -377,8 +404,12 @@ def held_from_file(found: MemoryFile, budget: Budget | None) -> Held:
             "file's policy"
         )
     scores = found.scores
-    if arrival and (scores is None or found.scored_by != budget.policy):
-        scores = scored_from_scratch(budget, found.state)
+    key = budget.scorer.scores_key(found.state) if arrival else None
+    if arrival and scores is not None and found.scored_by == budget.policy:
+        _check_scores_key(found, key)
+    other_fit = found.scores_key != key and not any(map(is_headwise, found.state.layers))
+    if arrival and (scores is None or found.scored_by != budget.policy or other_fit):
+        scores = scored_from_scratch(budget, found.state)  # another policy's or fit's: again
     return Held(
         found.state,
         tuple(held.messages),

@@ -63,6 +63,12 @@ class Scorer:
         when the configuration cannot tell (:meth:`refuses` decides once a state exists)."""
         return None
 
+    def scores_key(self, state: KVState) -> str | None:
+        """What this scorer's scores of ``state``'s model depend on beyond its name (a learned
+        fit's digest): scores kept under another key are not comparable and are made again.
+        None: the name says it all."""
+        return None
+
     def score_tokens(
         self, state: KVState, start: int, end: int, layers: Sequence[int]
     ) -> dict[int, torch.Tensor]:

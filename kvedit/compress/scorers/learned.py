@@ -106,6 +106,10 @@ class Learned(Scorer):
         (:attr:`Fitted.digest`): scores of two fits compare only under the same digest."""
         return self.fitted(state).digest
 
+    def scores_key(self, state: KVState) -> str | None:
+        """The fit's digest (:meth:`fit_digest`): a refit's scores never mix with the old."""
+        return self.fit_digest(state)
+
     def score(self, state: KVState, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """``{layer: [batch, kv_heads, n]}`` predicted log KVzip scores.
 
