@@ -200,4 +200,7 @@ def test_two_servers_share_the_root_and_a_killed_turn_loses_only_itself(
     finally:
         stop(other)
     for path in (root / MEMORIES).glob("*.safetensors"):  # no torn memory
-        read_attached(path, model, tok)
+        try:
+            read_attached(path, model, tok)
+        except FileNotFoundError:  # pruned by the live server since listed: not torn
+            continue
