@@ -63,6 +63,20 @@ def emulate_vllm(conv: Conversations, plan, answer: str, model, tok) -> None:
     return state
 
 
+def next_messages(n):
+    """The system message, ``n`` user/assistant exchanges, then user message ``n``."""
+    messages = [SYSTEM]
+    for user, answer in zip(USERS[:n], ANSWERS[:n], strict=True):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return [*messages, {"role": "user", "content": USERS[n]}]
+
+
+def memory_file(root, digest):
+    """The one memory file under ``root`` whose name ends in ``digest``."""
+    (path,) = (root / MEMORIES).glob(f"*-{digest}.safetensors")
+    return path
+
+
 def converse(conv, model, tok, n=3, params=None):
     """Serve ``n`` turns; yields ``(plan, said, emulated state)`` per turn."""
     messages = [SYSTEM]

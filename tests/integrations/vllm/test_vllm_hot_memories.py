@@ -17,24 +17,20 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from test_vllm_conversations import ANSWERS, SYSTEM, USERS, converse, emulate_vllm
+from test_vllm_conversations import (
+    ANSWERS,
+    SYSTEM,
+    USERS,
+    converse,
+    emulate_vllm,
+    memory_file,
+    next_messages,
+)
 
 from kvedit.errors import KVEditError
 from kvedit.integrations.vllm.chat import TURN_SCOPE_KEY, ChatMemories
 from kvedit.integrations.vllm.conversations import MEMORIES, Conversations
 from kvedit.integrations.vllm.memories import HOT_BYTES
-
-
-def _next_messages(n):
-    messages = [SYSTEM]
-    for user, answer in zip(USERS[:n], ANSWERS[:n], strict=True):
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-    return [*messages, {"role": "user", "content": USERS[n]}]
-
-
-def _memory(root, digest):
-    (path,) = (root / MEMORIES).glob(f"*-{digest}.safetensors")
-    return path
 
 
 def test_a_served_conversation_reads_and_verifies_each_file_once(llama, tmp_path):
@@ -46,7 +42,7 @@ def test_a_served_conversation_reads_and_verifies_each_file_once(llama, tmp_path
     assert sum(conv.memories.reads.values()) == 0  # what it stored it knows: no read
     # another server on the root reads the latest memory and its stock file once ...
     fresh = Conversations(tmp_path, model, tok, forget="window")
-    messages = [*_next_messages(2), {"role": "assistant", "content": ANSWERS[2]}]
+    messages = [*next_messages(2), {"role": "assistant", "content": ANSWERS[2]}]
     plan = fresh.plan([*messages, {"role": "user", "content": "And Carol's?"}])
     assert plan.digest == done[2][1]["memory_digest"]
     assert fresh.memories.reads == {"memory": 1, "stock": 1}
@@ -65,8 +61,8 @@ def test_a_file_changed_on_disk_is_read_and_checked_again(llama, tmp_path):
     model, tok = llama
     conv = Conversations(tmp_path, model, tok, forget="window")
     first, second = converse(conv, model, tok, n=2)
-    a = _memory(tmp_path, first[1]["memory_digest"])
-    b = _memory(tmp_path, second[1]["memory_digest"])
+    a = memory_file(tmp_path, first[1]["memory_digest"])
+    b = memory_file(tmp_path, second[1]["memory_digest"])
     kept = b.read_bytes()
     shutil.copyfile(a, b)  # in RAM in this server, copied over on disk
     n_a, n_b = (int(p.name.split("-")[0]) for p in (a, b))
@@ -77,7 +73,7 @@ def test_a_file_changed_on_disk_is_read_and_checked_again(llama, tmp_path):
     data = bytearray(kept)
     data[-5] ^= 0xFF  # a bad seal, same size
     b.write_bytes(bytes(data))
-    plan = conv.plan(_next_messages(2))  # the damaged latest passed over, its parent serves
+    plan = conv.plan(next_messages(2))  # the damaged latest passed over, its parent serves
     assert plan.digest == first[1]["memory_digest"]
     assert plan.fallback["from"] == second[1]["memory_digest"]
     assert conv.memories.reads["memory"] == 2
@@ -90,8 +86,8 @@ def test_the_memories_kept_in_ram_are_bounded_least_recently_used_first(llama, t
     assert conv.memories.hot() == [first[1]["memory_digest"], second[1]["memory_digest"]]
     small = Conversations(tmp_path, model, tok, forget="window")
     small.memories.hot_bytes = second[1]["memory_bytes"]  # room for one memory
-    a = _memory(tmp_path, first[1]["memory_digest"])
-    b = _memory(tmp_path, second[1]["memory_digest"])
+    a = memory_file(tmp_path, first[1]["memory_digest"])
+    b = memory_file(tmp_path, second[1]["memory_digest"])
     small.memories.load(a)
     small.memories.load(b)  # the first goes
     assert small.memories.hot() == [second[1]["memory_digest"]]
@@ -109,7 +105,7 @@ def test_a_deferred_memory_is_written_after_the_response_or_by_the_next_request(
     said = conv.commit(plan, ANSWERS[0])
     assert not list((tmp_path / MEMORIES).iterdir())  # made, not yet written
     conv.drop_turn(plan.turn)  # the response has ended
-    assert _memory(tmp_path, said["memory_digest"]).is_file()
+    assert memory_file(tmp_path, said["memory_digest"]).is_file()
     messages += [{"role": "assistant", "content": ANSWERS[0]}]
     messages += [{"role": "user", "content": USERS[1]}]
     plan = conv.plan(messages)
@@ -155,4 +151,4 @@ def test_kvedit_serves_chat_memory_is_written_once_the_response_has_ended(llama,
     said = json.loads(sent[-1]["body"])["kv_transfer_params"]["kvedit"]
     assert "error" not in said and said["memory_digest"]
     assert written_at_end == [False]  # the response ended before the files were written
-    assert _memory(tmp_path, said["memory_digest"]).is_file()  # and then they were
+    assert memory_file(tmp_path, said["memory_digest"]).is_file()  # and then they were

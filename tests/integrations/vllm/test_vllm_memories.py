@@ -14,7 +14,15 @@ import shutil
 import time
 
 import pytest
-from test_vllm_conversations import ANSWERS, SYSTEM, USERS, converse, emulate_vllm
+from test_vllm_conversations import (
+    ANSWERS,
+    SYSTEM,
+    USERS,
+    converse,
+    emulate_vllm,
+    memory_file,
+    next_messages,
+)
 
 from kvedit.atomic import STALE_TEMP_SECONDS, temp_name
 from kvedit.errors import InvalidInputError, KVEditError, StorageError
@@ -25,18 +33,6 @@ from kvedit.integrations.vllm.conversations import MEMORIES, Conversations
 def _aged(path, seconds):
     then = time.time() - seconds
     os.utime(path, (then, then), follow_symlinks=False)
-
-
-def _next_messages(n):
-    messages = [SYSTEM]
-    for user, answer in zip(USERS[:n], ANSWERS[:n], strict=True):
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-    return [*messages, {"role": "user", "content": USERS[n]}]
-
-
-def _memory(root, digest):
-    (path,) = (root / MEMORIES).glob(f"*-{digest}.safetensors")
-    return path
 
 
 def test_leftover_folders_are_swept_and_never_stop_a_chat_request(llama, tmp_path):
@@ -70,8 +66,8 @@ def test_a_memory_copied_over_another_is_refused_by_name(llama, tmp_path):
     conv = Conversations(tmp_path, model, tok, forget="window")
     first, second = converse(conv, model, tok, n=2)
     a, b = (
-        _memory(tmp_path, first[1]["memory_digest"]),
-        _memory(tmp_path, second[1]["memory_digest"]),
+        memory_file(tmp_path, first[1]["memory_digest"]),
+        memory_file(tmp_path, second[1]["memory_digest"]),
     )
     # another server (a fresh process: nothing in RAM) reads the files
     fresh = Conversations(tmp_path, model, tok, forget="window")
@@ -83,7 +79,7 @@ def test_a_memory_copied_over_another_is_refused_by_name(llama, tmp_path):
         fresh.memories.load(b)
     with pytest.raises(KVEditError, match="holds"):  # nor served: the parent serves instead
         fresh.memories.find(
-            list(fresh.plan(_next_messages(2)).rendering.ids), second[1]["memory_digest"]
+            list(fresh.plan(next_messages(2)).rendering.ids), second[1]["memory_digest"]
         )
     # same length, other ids: a memory file renamed to another conversation's name
     forged = b.with_name(f"{n_a}-{'0' * 32}-{first[1]['memory_digest']}.safetensors")
@@ -102,12 +98,12 @@ def test_a_damaged_latest_memory_is_passed_over_for_its_parent_and_said(llama, t
     model, tok = llama
     conv = Conversations(tmp_path, model, tok, forget="window")
     first, second = converse(conv, model, tok, n=2)
-    latest = _memory(tmp_path, second[1]["memory_digest"])
+    latest = memory_file(tmp_path, second[1]["memory_digest"])
     data = bytearray(latest.read_bytes())
     data[-5] ^= 0xFF  # a bad seal
     latest.write_bytes(bytes(data))
     fresh = Conversations(tmp_path, model, tok, forget="window")
-    plan = fresh.plan(_next_messages(2))
+    plan = fresh.plan(next_messages(2))
     assert plan.digest == first[1]["memory_digest"]  # the parent serves
     assert plan.fallback["from"] == second[1]["memory_digest"] and plan.fallback["why"]
     emulate_vllm(fresh, plan, ANSWERS[2], model, tok)
@@ -117,7 +113,7 @@ def test_a_damaged_latest_memory_is_passed_over_for_its_parent_and_said(llama, t
     fresh = Conversations(tmp_path, model, tok, forget="window")
     (stock,) = files.PublishedIndex(tmp_path).with_digest(said["memory_digest"])
     stock[0].unlink()
-    messages = [*_next_messages(2), {"role": "assistant", "content": ANSWERS[2]}]
+    messages = [*next_messages(2), {"role": "assistant", "content": ANSWERS[2]}]
     plan = fresh.plan([*messages, {"role": "user", "content": "And Carol's?"}])
     assert plan.fallback["from"] == said["memory_digest"]
     assert "no published stock file" in plan.fallback["why"]
