@@ -191,3 +191,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     if not hasattr(session.config, "workerinput"):  # not on an xdist worker
         slowest.write(session.config, _SECONDS)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """``kvedit.models.load_model`` fails the test if called: a refusal must come before the
+    model loads."""
+    import kvedit.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(kvedit.models, "load_model", refuse)

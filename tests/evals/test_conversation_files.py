@@ -290,16 +290,6 @@ def test_a_run_on_the_example_scores_by_category_and_age(tmp_path, capsys):
     assert all(0 <= x["f1"] <= 1 for x in data["examples"])
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    import kvedit.models
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the refusal")
-
-    monkeypatch.setattr(kvedit.models, "load_model", refuse)
-
-
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

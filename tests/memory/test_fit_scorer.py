@@ -50,16 +50,6 @@ def test_no_transcript_within_the_models_positions_is_refused_in_words(llama, mo
 FIT = ["memory", "fit-scorer", "--facts", "2", "--nq", "0"]
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    import kvedit.models
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the refusal")
-
-    monkeypatch.setattr(kvedit.models, "load_model", refuse)
-
-
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
