@@ -39,12 +39,21 @@ ORIGINS = ("capture", "projection", "blend", "unknown")
 ``projection`` of another model's state, a ``blend`` of separately cached passages, or
 ``unknown`` (a file written before kvedit 0.3 recorded nothing)."""
 
-STEP_KINDS = ("edit", "compression", "cast", "reread", "approximation", "computed")
+STEP_KINDS = (
+    "edit",
+    "compression",
+    "cast",
+    "reread",
+    "approximation",
+    "computed",
+    "reposition",
+)
 """What a step did: an ``edit`` of attention (bias, scaled keys, copies), a ``compression``
 (selection, quantization, merging), a dtype ``cast``, a ``reread`` (entries appended at new
 positions), an ``approximation`` (another engine realising an edit approximately), or
 entries ``computed`` by another engine (vLLM's kernels: kvedit's own entries only within float
-tolerance)."""
+tolerance), or a ``reposition`` (entries given new positions, their keys re-rotated: a memory's
+compact positions, :mod:`kvedit.memory.repositioning`)."""
 
 
 def _canonical(value: Any) -> Any:

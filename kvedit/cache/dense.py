@@ -271,6 +271,18 @@ class LayerKV:
             window=self.window,
         )
 
+    def repositioned(self, new_positions, move) -> LayerKV:
+        """This layer with every entry at ``new_positions(positions)`` (a function of a long
+        tensor of positions, same shape), its keys moved there by ``move(keys, delta)`` (keys
+        ``[batch, kv_heads, n, head_dim]``, ``delta`` ``[n]``: a
+        :class:`~kvedit.rope.KeyMover`'s ``move``). A packed layer refuses (its keys would be
+        unpacked and packed again): callers check :attr:`packed` first."""
+        if self.packed:
+            raise TypeError(f"a {self.kind} layer's keys cannot be moved without repacking")
+        positions = new_positions(self.positions)
+        keys = move(self.keys, positions - self.positions)
+        return dataclasses.replace(self, keys=keys, positions=positions)
+
     def trimmed(self) -> LayerKV:
         """Keep only the last ``window`` entries on a sliding-window layer."""
         if self.window is None or len(self) <= self.window:

@@ -120,6 +120,20 @@ class HeadwiseLayerKV(LayerKV):
         plain = LayerKV.extended(self, full_keys, full_values, token_index, positions)
         return self._grown(plain, token_index, positions)
 
+    def repositioned(self, new_positions, move) -> LayerKV:
+        """As :meth:`LayerKV.repositioned`, each KV head's slots moved by their own positions
+        (a padding slot keeps its position and its zero key)."""
+        held = self.held()
+        head_positions = torch.where(
+            held, new_positions(self.head_positions.clamp_min(0)), self.head_positions
+        )
+        delta = torch.where(held, head_positions - self.head_positions, 0)
+        keys = torch.cat(
+            [move(self.keys[:, h : h + 1], delta[h]) for h in range(delta.shape[0])], dim=1
+        )
+        plain = dataclasses.replace(LayerKV.select(self, slice(None)), keys=keys)
+        return _headwise(plain, self.head_index, head_positions)
+
     def _grown(self, plain: LayerKV, token_index, positions) -> LayerKV:
         heads = self.head_index.shape[0]
         new_index = token_index.to(self.head_index.device)[None].expand(heads, -1)

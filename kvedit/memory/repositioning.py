@@ -1,0 +1,109 @@
+"""Positions that never run out: a memory's kept entries given compact positions
+(:func:`compact_positions`), so that a memory under a budget goes on past the model's
+positions.
+
+A memory's positions grow with every token it has read, forgotten or not: after forgetting,
+its entries sit at scattered positions (the first tokens, the system message, what the policy
+kept, the recent tail) and the next token's position is one past everything ever read. When
+that position would pass the model's positions, :func:`compact_positions` closes the gaps: the
+positions held on any layer (every KV head's, the sliding windows' included), in order, become
+``0, 1, 2, ...``, each layer's keys are re-rotated by its own RoPE
+(:func:`kvedit.rope.movers`: Gemma-3's sliding and global bases each their own) and the next
+token comes right after the last kept one. This is StreamingLLM's rule ("positions within the
+cache"): the order of the entries and the distances within the recent, unforgotten tail (the
+sliding windows) are kept exactly, the distances across a forgotten stretch shrink. It changes
+what the model computes, so the state's history records a step ``exact=False`` with the
+positions before and after; the memory file holds the moved positions as it holds any.
+
+A memory with no budget never forgets, so its positions have no gaps to close: it still stops
+at the model's positions with the room check's error. A layer held packed (``quantize=``) is
+refused: its keys would be unpacked and packed again.
+
+Shapes: positions ``[n]`` long; a headwise layer's ``[kv_heads, n]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidInputError, ModelNotAttachedError
+from ..provenance import Step
+from ..rope import movers
+from ..states.state import KVState
+
+__all__ = ["REPOSITIONS", "compact_positions", "held_positions", "is_compact"]
+
+REPOSITIONS = ("at_limit", "always", "never")
+"""When a memory under a budget gives its entries compact positions: ``at_limit`` (the
+default) when the next message or answer would pass the model's positions, ``always`` before
+every message and question (the positions never hold a gap), ``never`` (the memory stops at
+the model's positions, as one with no budget does)."""
+
+
+def held_positions(state: KVState) -> torch.Tensor:
+    """``[m]`` the sorted distinct positions some layer (some KV head) of ``state`` holds."""
+    held = []
+    for layer in state.layers:
+        _, positions = layer.held_entries()
+        held.append(positions.reshape(-1).cpu())
+    every = torch.cat(held) if held else torch.zeros(0, dtype=torch.long)
+    return torch.unique(every[every >= 0])  # unique sorts
+
+
+def is_compact(state: KVState) -> bool:
+    """Whether ``state``'s held positions are ``0 .. m-1`` and the next position is ``m``."""
+    kept = held_positions(state)
+    m = int(kept.numel())
+    return state.next_position == m and (m == 0 or int(kept[-1]) == m - 1)
+
+
+def compact_positions(state: KVState, reason: str = "at_limit") -> KVState:
+    """``state`` with its held positions made ``0 .. m-1`` in order, keys re-rotated per layer,
+    ``position_ids`` of the text's tokens mapped the same way (a forgotten token to the
+    position of the next kept one), the last input's position moved with it and the next
+    position ``m``. ``state`` itself is unchanged; a compact state is returned as it is.
+
+    Raises:
+        ModelNotAttachedError: the state has no model (its RoPE moves the keys).
+        InvalidInputError: a layer is held packed (``quantize=``), before any work.
+        UnsupportedModelError: a layer whose keys cannot be moved (:func:`kvedit.rope.movers`).
+    """
+    for i, layer in enumerate(state.layers):
+        if layer.packed:
+            raise InvalidInputError(
+                f"layer {i} is held {layer.kind} (a memory with quantize=): its keys cannot "
+                "be given new positions without unpacking and packing them again, so this "
+                "memory stops at the model's positions; make it without quantize= to go on"
+            )
+    if is_compact(state):
+        return state
+    if state.model is None:
+        raise ModelNotAttachedError(
+            "giving a memory's entries compact positions moves their keys by the model's "
+            "RoPE: attach the model (Memory.load(path, model, tokenizer))"
+        )
+    kept = held_positions(state)
+
+    def new_positions(positions: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(kept.to(positions.device), positions)
+
+    layer_movers = movers(state.model)
+    layers = [
+        layer.repositioned(new_positions, layer_movers[i].move)
+        for i, layer in enumerate(state.layers)
+    ]
+    last = state.last_input
+    if last is not None:
+        last = type(last)(last.token_index, int(new_positions(torch.tensor([last.position]))[0]))
+    params = {
+        "reason": reason,
+        "next_position": [int(state.next_position), int(kept.numel())],
+        "held_positions": int(kept.numel()),
+    }
+    out = state.replace(
+        layers=layers,
+        position_ids=new_positions(state.position_ids),
+        next_position=int(kept.numel()),
+        last_input=last,
+    )
+    return out.with_step(Step("reposition", "compact_positions", params, exact=False))

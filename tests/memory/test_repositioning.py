@@ -1,0 +1,137 @@
+"""kvedit.memory.repositioning: a memory's kept entries given compact positions, keys moved by
+each layer's own RoPE; exact where the move is a uniform shift, refused where it cannot be done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvedit
+from kvedit.cache.headwise import is_headwise, keep_per_head
+from kvedit.compress.quantization import quantize
+from kvedit.errors import InvalidInputError, ModelNotAttachedError
+from kvedit.memory.repositioning import compact_positions, held_positions, is_compact
+from kvedit.rope import movers
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away. " * 3
+
+
+def dropped(state: kvedit.KVState, keep) -> kvedit.KVState:
+    """``state`` with its global layers holding only the tokens ``keep(token_index)`` says."""
+    layers = []
+    for layer in state.layers:
+        if layer.window is None:
+            layer = layer.select(keep(layer.token_index).nonzero().flatten())
+        layers.append(layer)
+    return state.replace(layers=layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_a_uniform_shift_is_exact(arch):
+    """Forgetting the first tokens leaves no gap inside: compacting moves every entry by the
+    same amount, and RoPE attends by distance, so the next tokens' logits are unchanged (Gemma-3:
+    sliding and global layers, each its own RoPE base)."""
+    model, tok = _model(arch)
+    state = kvedit.capture(model, tok, TEXT)
+    k = 10
+    gone = dropped(state, lambda index: index >= k)
+    moved = compact_positions(gone)
+    assert moved.next_position == gone.next_position - k
+    assert held_positions(moved).tolist() == list(range(len(gone) - k))
+    for a, b in zip(gone.layers, moved.layers, strict=True):
+        assert torch.equal(b.positions, a.positions - k)
+    before = gone.logits(" and the dog sleeps")
+    after = moved.logits(" and the dog sleeps")
+    assert (before - after).abs().max().item() < 1e-4
+
+
+_MODELS: dict = {}
+
+
+def _model(arch):
+    from kvedit.testing import tiny_model
+
+    if arch not in _MODELS:
+        _MODELS[arch] = tiny_model(arch)
+    return _MODELS[arch]
+
+
+def test_gaps_are_closed_and_recorded(llama):
+    model, tok = llama
+    state = kvedit.capture(model, tok, TEXT)
+    n = len(state)
+    gone = dropped(state, lambda index: (index < 4) | (index >= n - 20))
+    digest = gone.digest
+    keys = [layer.keys.clone() for layer in gone.layers]
+    moved = compact_positions(gone, reason="always")
+    assert moved.next_position == 24
+    assert is_compact(moved) and not is_compact(gone)
+    assert moved.layers[0].positions.tolist() == list(range(24))
+    # the text's tokens: kept ones at their new places, a forgotten one at the next kept one's
+    assert moved.position_ids[:4].tolist() == [0, 1, 2, 3]
+    assert moved.position_ids[4:].max().item() == 23
+    assert moved.position_ids[n - 20 :].tolist() == list(range(4, 24))
+    assert int(moved.position_ids[10]) == 4
+    assert moved.last_input.position == 23
+    step = moved.history.steps[-1]
+    assert (step.kind, step.name, step.exact) == ("reposition", "compact_positions", False)
+    assert step.params["next_position"] == [n, 24]
+    assert step.params["reason"] == "always"
+    # the state it came from is untouched
+    assert gone.digest == digest
+    assert all(torch.equal(a, b.keys) for a, b in zip(keys, gone.layers, strict=True))
+    # each key is the old one moved by its own delta: moved back, it is the old key
+    mover = movers(model)[0]
+    delta = moved.layers[0].positions - gone.layers[0].positions
+    back = mover.move(moved.layers[0].keys, -delta)
+    assert (back - gone.layers[0].keys).abs().max().item() < 1e-4
+    assert compact_positions(moved) is moved  # compact already: nothing to do
+
+
+def test_each_kv_head_moves_by_its_own_positions(llama):
+    model, tok = llama
+    state = kvedit.capture(model, tok, TEXT)
+    n = len(state)
+    layer = state.layers[0]
+    heads = layer.kv_shape[1]
+    kept = torch.zeros(heads, n, dtype=torch.bool)
+    kept[:, -8:] = True
+    kept[0, :6] = True  # head 0 keeps the first tokens, the others some in the middle
+    kept[1:, 20:23] = True
+    per_head = keep_per_head(layer, kept)
+    assert is_headwise(per_head)
+    gone = dropped(
+        state, lambda index: (index < 6) | ((index >= 20) & (index < 23)) | (index >= n - 8)
+    )
+    gone = gone.replace(layers=[per_head, *gone.layers[1:]])
+    moved = compact_positions(gone)
+    out = moved.layers[0]
+    assert is_headwise(out)
+    assert torch.equal(out.head_index, per_head.head_index)
+    held = per_head.held()
+    kept_positions = held_positions(gone)
+    expected = torch.searchsorted(kept_positions, per_head.head_positions.clamp_min(0))
+    assert torch.equal(out.head_positions[held], expected[held])
+    assert bool((out.head_positions[~held] == -1).all())
+    mover = movers(model)[0]
+    for h in range(heads):
+        delta = torch.where(held[h], out.head_positions[h] - per_head.head_positions[h], 0)
+        back = mover.move(out.keys[:, h : h + 1], -delta)
+        assert (back - per_head.keys[:, h : h + 1]).abs().max().item() < 1e-4
+
+
+def test_a_packed_layer_is_refused_before_any_work(llama):
+    model, tok = llama
+    state = kvedit.capture(model, tok, TEXT)
+    packed = quantize(state, bits=4)
+    assert any(layer.packed for layer in packed.layers)
+    with pytest.raises(InvalidInputError, match="quantize="):
+        compact_positions(packed)
+
+
+def test_no_model_is_refused_by_name(llama):
+    model, tok = llama
+    state = kvedit.capture(model, tok, TEXT)
+    gone = dropped(state, lambda index: index >= 5).replace(model=None)
+    with pytest.raises(ModelNotAttachedError, match="attach the model"):
+        compact_positions(gone)
