@@ -1,11 +1,10 @@
 """What a :class:`kvedit.Memory` holds, per message and per layer, and its chart.
 
-Computed in the app from the memory's public attributes: each message's tokens
-(``mem.turns``: ``start``, ``end``), each counted layer's entries (``mem.state.layers[i]``:
-``token_index`` for a layer holding the same tokens on every KV head, ``head_index`` for one
-whose heads hold their own, averaged over the heads) and, for a quantized layer, its first
-``n_packed`` slots held in low bits. An entry of a message's token is **kept** (exact),
-**quantized** (held in low bits) or **forgotten** (dropped by a forgetting round). The counted
+The rows (each message's entries kept, quantized and forgotten in each counted layer) are
+:mod:`kvedit.memory.holdings`' (computed from the memory's public attributes: ``mem.turns``,
+``mem.state``); ``kvedit memory show FILE --plot`` draws the same rows to a PNG. This module
+draws them as the Memory tab's HTML table. An entry of a message's token is **kept** (exact),
+**quantized** (held in low bits) or **forgotten** (dropped by a forgetting round); the counted
 layers are the global-attention ones (every layer when every layer slides): a sliding-window
 layer keeps its last tokens by itself and is not drawn.
 """
@@ -14,108 +13,24 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+from kvedit.memory import holdings
+from kvedit.memory.holdings import COLORS, LayerHeld, MessageHeld
 
 if TYPE_CHECKING:
     from kvedit.memory.conversation import Memory
 
 __all__ = ["LayerHeld", "MessageHeld", "held_by_message", "render_held"]
 
-_KEPT = "#16a34a"  # green
-_QUANTIZED = "#2563eb"  # blue
-_FORGOTTEN = "#e5e7eb"  # light grey
-
-
-@dataclass(frozen=True)
-class LayerHeld:
-    """One message's entries in one layer (per KV head, on average over a layer's heads)."""
-
-    layer: int
-    kept: float
-    quantized: float
-    forgotten: float
-
-    @property
-    def state(self) -> str:
-        """``kept``, ``quantized``, ``forgotten`` (nothing held) or ``partial``."""
-        held = self.kept + self.quantized
-        if held <= 0 < self.forgotten:
-            return "forgotten"
-        if self.forgotten > 0:
-            return "partial"
-        return "quantized" if self.quantized > 0 else "kept"
-
-
-@dataclass(frozen=True)
-class MessageHeld:
-    """What the memory holds of one message: its tokens and each counted layer's entries."""
-
-    index: int
-    role: str
-    content: str
-    n_tokens: int
-    layers: tuple[LayerHeld, ...]
-
-    @property
-    def held_share(self) -> float:
-        """The share of the message's entries still held (kept or quantized), all layers."""
-        total = sum(x.kept + x.quantized + x.forgotten for x in self.layers)
-        return 1.0 if total <= 0 else sum(x.kept + x.quantized for x in self.layers) / total
-
-    @property
-    def state(self) -> str:
-        """``forgotten`` when no layer holds any of it, ``kept`` / ``quantized`` when every
-        layer holds all of it, else ``partial``."""
-        states = {x.state for x in self.layers}
-        if states == {"forgotten"}:
-            return "forgotten"
-        if states <= {"kept", "quantized"}:
-            return "quantized" if "quantized" in states else "kept"
-        return "partial"
-
-
-def _layer_counts(layer, bounds: torch.Tensor, n_messages: int) -> tuple[torch.Tensor, ...]:
-    """``(exact, quantized)`` entries per message held by ``layer`` (per KV head, averaged);
-    ``bounds``: each message's end token, in order."""
-    head_index = getattr(layer, "head_index", None)
-    if head_index is not None:  # each KV head its own entries: padding is -1
-        tokens, heads = head_index[head_index >= 0], max(head_index.shape[0], 1)
-        packed = torch.zeros(0, dtype=torch.long)
-    else:
-        n_packed = int(getattr(layer, "n_packed", 0) or 0)
-        tokens, heads = layer.token_index.reshape(-1), 1
-        packed, tokens = tokens[:n_packed], tokens[n_packed:]
-
-    def per_message(index: torch.Tensor) -> torch.Tensor:
-        index = index[index >= 0].cpu()
-        which = torch.searchsorted(bounds, index, right=True)
-        return torch.bincount(which, minlength=n_messages + 1)[:n_messages].double() / heads
-
-    return per_message(tokens), per_message(packed)
+_KEPT, _QUANTIZED, _FORGOTTEN = COLORS["kept"], COLORS["quantized"], COLORS["forgotten"]
 
 
 def held_by_message(mem: Memory) -> list[MessageHeld]:
     """Per message (``mem.turns``) and per counted layer, the entries kept, quantized and
-    forgotten now."""
-    state, turns = mem.state, mem.turns
-    if not turns:
-        return []
-    n_state = len(state)
-    bounds = torch.tensor([t.end for t in turns], dtype=torch.long)
-    sizes = [max(0, min(t.end, n_state) - t.start) for t in turns]
-    layers = state.counted_layers
-    counts = {i: _layer_counts(state.layers[i], bounds, len(turns)) for i in layers}
-    out = []
-    for m, t in enumerate(turns):
-        row = []
-        for i in layers:
-            exact, packed = (float(c[m]) for c in counts[i])
-            row.append(LayerHeld(i, exact, packed, max(0.0, sizes[m] - exact - packed)))
-        out.append(MessageHeld(t.index, t.role, t.content, t.n_tokens, tuple(row)))
-    return out
+    forgotten now (:func:`kvedit.memory.holdings.held_by_message`)."""
+    state = mem.state
+    return holdings.held_by_message(mem.turns, state.layers, state.counted_layers, len(state))
 
 
 def _cell(x: LayerHeld) -> str:

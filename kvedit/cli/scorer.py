@@ -1,5 +1,6 @@
-"""``kvedit memory fit-scorer``: fit the learned forgetting scorer for a model
-(:mod:`kvedit.evals.fitting`), written where ``Memory(forget="learned")`` finds it."""
+"""``kvedit memory``'s tools: ``fit-scorer`` fits the learned forgetting scorer for a model
+(:mod:`kvedit.evals.fitting`), written where ``Memory(forget="learned")`` finds it; ``show``
+prints what a memory file holds (:mod:`kvedit.cli.memory_show`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import sys
 from pathlib import Path
 
 from .arguments import positive
+from .memory_show import add_show_parser
 
-TOOLS_SUMMARY = "a memory's tools (fit the learned scorer)"
+TOOLS_SUMMARY = "a memory's tools (fit the learned scorer, show what a memory file holds)"
 """``kvedit memory``'s line in ``kvedit --help``."""
 
 
 def memory_parser(sub) -> None:
-    """``kvedit memory`` and its one subcommand, ``fit-scorer``."""
+    """``kvedit memory`` and its subcommands, ``fit-scorer`` and ``show``."""
     memory = sub.add_parser("memory", help=TOOLS_SUMMARY)
     memory_sub = memory.add_subparsers(dest="tool", required=True)
     p = memory_sub.add_parser(
@@ -45,6 +47,7 @@ def memory_parser(sub) -> None:
         "forget='learned' looks first)",
     )
     p.set_defaults(run=_run_fit)
+    add_show_parser(memory_sub)
 
 
 def fit_out(args) -> Path:
