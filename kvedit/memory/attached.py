@@ -52,6 +52,7 @@ from .forgetting import Round
 from .keeping import KEEPS
 from .records import MAX_MESSAGES, SOURCES, Turn
 from .rendering import RENDERERS, ROLES, Message, Rendering, lone_surrogate, renderer_for
+from .repositioning import REPOSITIONS
 
 __all__ = [
     "ATTACHMENT_KIND",
@@ -79,6 +80,7 @@ BUDGET_KEYWORDS = (
     "per_layer",
     "protect",
     "quantize",
+    "reposition",
 )
 """The ``Memory`` keywords a memory file keeps (``recent``, ``per_head`` and ``per_layer``: the
 older names of ``exact_messages`` and ``keep``, read in files written before)."""
@@ -231,6 +233,8 @@ def _budget(value) -> dict:
     for key in ("exact_messages", "recent", "recent_tokens"):
         if key in kw:
             _int(f"budget.{key}", kw[key])
+    if "reposition" in kw and kw["reposition"] not in REPOSITIONS:
+        raise _Bad("budget.reposition", f"is {kw['reposition']!r}, not one of {list(REPOSITIONS)}")
     if "keep" in kw and kw["keep"] not in KEEPS:
         raise _Bad("budget.keep", f"is {kw['keep']!r}, not one of {list(KEEPS)}")
     for key in ("per_head", "per_layer"):

@@ -40,6 +40,7 @@ from .forgetting import (
     protected_slots,
 )
 from .keeping import KEEPS, checked_keep, keep_of
+from .repositioning import REPOSITIONS
 
 __all__ = [
     "BYTE_STEP",
@@ -122,6 +123,8 @@ class Budget:
         protect: spans of the memory's text never forgotten (as :func:`kvedit.compress.select`
             takes them); a span not (yet) in the text protects nothing.
         keep: ``"head"``, ``"layer"`` or ``"token"`` (:data:`KEEPS`; never ``"auto"``).
+        reposition: when the kept entries get compact positions
+            (:data:`~kvedit.memory.repositioning.REPOSITIONS`).
     """
 
     max_tokens: int | None
@@ -130,6 +133,7 @@ class Budget:
     recent_tokens: int = RECENT_TOKENS
     protect: tuple = ()
     keep: str = "layer"
+    reposition: str = "at_limit"
 
     @property
     def per_head(self) -> bool:
@@ -161,6 +165,8 @@ class Budget:
         }
         if not self.per_layer:  # written only when off: files that keep none read as per layer
             out["per_layer"] = False
+        if self.reposition != "at_limit":  # written only when set: files without it read so
+            out["reposition"] = self.reposition
         return out
 
     @classmethod
@@ -177,6 +183,7 @@ class Budget:
             data["recent_tokens"],
             tuple(span_from_json(item) for item in data["protect"]),
             "layer" if keep == "auto" else keep,
+            data.get("reposition") or "at_limit",
         )
 
     def describe(self) -> str:
@@ -373,6 +380,7 @@ def budget_from(
     quantize: int | None = None,
     per_head: bool | None = None,
     per_layer: bool | None = None,
+    reposition: str | None = None,
 ) -> Budget | None:
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
@@ -387,7 +395,8 @@ def budget_from(
             (nothing is forgotten without one).
     """
     budgeted = max_tokens is not None or max_bytes is not None
-    for name, value in (("forget", forget), ("protect", protect)):
+    reposition = _checked_reposition(reposition, quantize)
+    for name, value in (("forget", forget), ("protect", protect), ("reposition", reposition)):
         if value is not None and not budgeted:
             raise InvalidInputError(
                 f"{name}= without a budget: give max_tokens= or max_bytes= (nothing is "
@@ -409,8 +418,28 @@ def budget_from(
     protect = () if protect is None else tuple(as_span_list(protect))
     if max_bytes is not None:
         max_bytes = checks.count("max_bytes", max_bytes, minimum=1)
-        return Budget(None, max_bytes, forget, recent_tokens, protect, keep)
+        return Budget(
+            None, max_bytes, forget, recent_tokens, protect, keep, reposition or "at_limit"
+        )
     if max_tokens is None:
         return None
     max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    return Budget(max_tokens, None, forget, recent_tokens, protect, keep)
+    return Budget(max_tokens, None, forget, recent_tokens, protect, keep, reposition or "at_limit")
+
+
+def _checked_reposition(reposition: str | None, quantize: int | None) -> str | None:
+    """``reposition`` checked: one of :data:`REPOSITIONS` (None: the default), and not
+    ``"always"`` with ``quantize`` (packed keys cannot be moved without repacking)."""
+    if reposition is None:
+        return None
+    if not isinstance(reposition, str) or reposition not in REPOSITIONS:
+        raise InvalidInputError(
+            f"reposition must be one of {list(REPOSITIONS)}, not {checks.describe(reposition)}"
+        )
+    if reposition == "always" and quantize is not None:
+        raise InvalidInputError(
+            "reposition='always' with quantize=: the packed older messages' keys cannot be "
+            "moved without unpacking and packing them again; use reposition='at_limit' (the "
+            "memory then stops at the model's positions) or no quantize="
+        )
+    return reposition

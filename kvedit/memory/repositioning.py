@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import checks
 from ..errors import InvalidInputError, ModelNotAttachedError
 from ..provenance import Step
 from ..rope import movers
+from ..states.room import chars_per_token
 from ..states.state import KVState
 
-__all__ = ["REPOSITIONS", "compact_positions", "held_positions", "is_compact"]
+__all__ = ["REPOSITIONS", "compact_positions", "held_positions", "is_compact", "with_room"]
 
 REPOSITIONS = ("at_limit", "always", "never")
 """When a memory under a budget gives its entries compact positions: ``at_limit`` (the
@@ -107,3 +109,43 @@ def compact_positions(state: KVState, reason: str = "at_limit") -> KVState:
         last_input=last,
     )
     return out.with_step(Step("reposition", "compact_positions", params, exact=False))
+
+
+def with_room(
+    state: KVState,
+    reposition: str,
+    n_tokens: int,
+    reserve: int = 0,
+    *,
+    what: str,
+    n_chars: int | None = None,
+) -> KVState:
+    """``state``, given compact positions where ``reposition`` says
+    (:data:`REPOSITIONS`: ``"always"``; ``"at_limit"`` when ``n_tokens`` and ``reserve`` more
+    would pass the model's positions), checked to have room for them
+    (:meth:`KVState.check_room`). ``state`` itself is unchanged.
+
+    Raises:
+        InvalidInputError: no room even with compact positions (the room check's error), or a
+            layer held packed at the limit.
+    """
+    if reposition == "always" or (
+        reposition == "at_limit" and not _fits(state, n_tokens, reserve, n_chars)
+    ):
+        state = compact_positions(state, reason=reposition)
+    state.check_room(n_tokens, reserve, what=what, n_chars=n_chars)
+    return state
+
+
+def _fits(state: KVState, n_tokens: int, reserve: int, n_chars: int | None) -> bool:
+    """Whether ``n_tokens`` and ``reserve`` more (and a text of ``n_chars`` characters, by the
+    room check's bound) fit in the positions ``state`` has left."""
+    limit = checks.positions_limit(state.model, state.max_positions)
+    if limit is None:
+        return True
+    room = limit - state.next_position - reserve
+    tok = state.tokenizer
+    too_long = n_chars is not None and tok is not None
+    if too_long and n_chars > max(room, 0) * chars_per_token(tok):
+        return False
+    return n_tokens <= room

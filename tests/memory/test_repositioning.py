@@ -135,3 +135,23 @@ def test_no_model_is_refused_by_name(llama):
     gone = dropped(state, lambda index: index >= 5).replace(model=None)
     with pytest.raises(ModelNotAttachedError, match="attach the model"):
         compact_positions(gone)
+
+
+def test_budget_reposition_is_checked_and_kept(llama):
+    from kvedit.memory.budget import Budget, budget_from
+    from kvedit.states.capturing import empty_state
+
+    model, tok = llama
+    state = empty_state(model, tok)
+    with pytest.raises(InvalidInputError, match="reposition must be one of"):
+        budget_from(state, max_tokens=64, reposition="sometimes")
+    with pytest.raises(InvalidInputError, match="reposition= without a budget"):
+        budget_from(state, reposition="always")
+    with pytest.raises(InvalidInputError, match="quantize="):
+        budget_from(state, max_tokens=64, reposition="always", quantize=4)
+    assert budget_from(state, max_tokens=64).reposition == "at_limit"
+    budget = budget_from(state, max_tokens=64, reposition="never")
+    data = budget.to_json()
+    assert data["reposition"] == "never"
+    assert Budget.from_json(data).reposition == "never"
+    assert "reposition" not in budget_from(state, max_tokens=64).to_json()  # files read as before
