@@ -23,7 +23,11 @@ where the conversation re-rendered with the answer differs (the answer's last sa
 no K/V yet: it is computed with the next message), scores them on arrival, fits the memory to
 its byte budget (:class:`~kvedit.memory.budget.Budget` with ``per_head=False,
 per_layer=False``: every layer and KV head keeps the same tokens, which a stock kernel, one slot
-per token for all layers, serves exactly) and stores the result. The history records that vLLM computed entries
+per token for all layers, serves exactly), gives the kept entries compact positions (a server
+cannot know how long the next request is, and vLLM accepts up to its ``max_model_len`` after the
+slots: a memory whose positions held a gap could be asked past the model's positions;
+:mod:`kvedit.memory.repositioning`, so a conversation under a budget never ends at them) and
+stores the result. The history records that vLLM computed entries
 (a ``computed`` step): no served memory's digest claims a transformers capture.
 
 Shapes: a saved turn's K/V are ``[n, kv_heads, head_dim]`` per layer; a memory's layers
@@ -50,6 +54,7 @@ from ...memory.held import Scores, arrived
 from ...memory.protection import system_text_ranges
 from ...memory.records import MAX_MESSAGES
 from ...memory.rendering import Message, Rendering, check_readable, common_prefix, renderer_for
+from ...memory.repositioning import compact_positions
 from ...memory.smallest import NEVER_HOLDS, smallest_budget, system_head
 from ...provenance import Step
 from ...states.capturing import empty_state
@@ -179,6 +184,7 @@ class Conversations:
             protect=None,
             per_head=False,
             per_layer=False,
+            reposition="always",
         )
 
     def plan(self, messages: Sequence[Mapping], params: object = None) -> Plan:
@@ -326,6 +332,8 @@ class Conversations:
         before = sum(len(x) for x in state.layers)
         ranges = _system_ranges(self.renderer, plan.messages, full)
         state, scores, _ = budget.fit(state, scores, ranges, len(plan.messages))
+        if budget.reposition == "always":  # a server cannot know how long the next turn is
+            state = compact_positions(state, reason="always")
         return state, scores, before - sum(len(x) for x in state.layers)
 
 
