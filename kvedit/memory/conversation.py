@@ -16,19 +16,29 @@ older messages in low bits (:mod:`kvedit.memory.quantizing`); the history record
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .. import checks
 from ..errors import InvalidInputError
-from ..focusing.choice import Focus, focus
+from ..focusing.choice import Focus
 from ..focusing.guard import Guard
 from ..spans import Spans
 from ..states.capturing import empty_state, extend_ids
 from ..states.decoding import Sampling
 from ..states.state import KVState
-from .answering import answer_turns, commit, decode, guard_of
+from .answering import (
+    Answered,
+    Stripped,
+    answer_turns,
+    check_on_text,
+    commit,
+    decode,
+    focused_on,
+    guard_of,
+    stops_of,
+)
 from .budget import RECENT_TOKENS, budget_from
 from .explaining import explain_text, focus_said
 from .forgetting import Round
@@ -46,11 +56,12 @@ from .rendering import (
     renderer_for,
 )
 from .smallest import check_holds, system_head
+from .undoing import UNDO_STEPS, MemoryUndoMethods
 
-__all__ = ["MAX_MESSAGES", "Memory"]
+__all__ = ["MAX_MESSAGES", "UNDO_STEPS", "Memory"]
 
 
-class Memory(MemoryFileMethods):
+class Memory(MemoryFileMethods, MemoryUndoMethods):
     """A conversation an agent keeps as one exact KV cache.
 
     ``Memory(model, tokenizer, system=..., prompt="chat")`` renders messages with the
@@ -83,7 +94,8 @@ class Memory(MemoryFileMethods):
     many bits (:mod:`kvedit.memory.quantizing`), with or without a budget.
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
-    question and keeps the answer's decoded K/V. A failed call leaves the memory as it was.
+    question and keeps the answer's decoded K/V. A failed call leaves the memory as it was;
+    :meth:`undo` takes back the last :data:`UNDO_STEPS` changes, one at a time.
     """
 
     def __init__(
@@ -139,6 +151,10 @@ class Memory(MemoryFileMethods):
         self.last_focus: Focus | None = None
         """The :class:`~kvedit.Focus` of the last :meth:`ask` with focus that succeeded (None
         before, or when no message held a passage)."""
+        self.last_answer: Answered | None = None
+        """The last answer :meth:`ask` gave (:class:`~kvedit.memory.answering.Answered`: its
+        text, its tokens and why it ended: ``"eos"``, ``"stop"`` or ``"length"``, cut at
+        ``max_new_tokens``); None before the first."""
         self._files: dict[str, tuple | None] = {}  # file -> the version loaded or saved last
         self.scoring_seconds = 0.0
         """Seconds an arrival policy spent scoring the messages as they came (this process)."""
@@ -282,13 +298,15 @@ class Memory(MemoryFileMethods):
             state = hold_older_quantized(state, self.quantize, starts, self.exact_messages, forgot)
         per_token = bytes_per_token(state)
         turns = [t.with_nbytes(round(per_token * t.n_tokens)) for t in turns]
-        self._held = Held(
-            state,
-            (*self._messages, *messages),
-            rendering,
-            (*self._turns, *turns),
-            (*self._rounds, *rounds),
-            scores,
+        self._replace_held(
+            Held(
+                state,
+                (*self._messages, *messages),
+                rendering,
+                (*self._turns, *turns),
+                (*self._rounds, *rounds),
+                scores,
+            )
         )
 
     # the memory's fields, read from its one snapshot
@@ -312,6 +330,8 @@ class Memory(MemoryFileMethods):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        repetition_penalty: float = 1.0,
+        on_text: Callable[[str], object] | None = None,
     ) -> str:
         """Ask ``question`` as a user message and return the answer's text (stripped of
         surrounding whitespace, as it is committed).
@@ -330,6 +350,16 @@ class Memory(MemoryFileMethods):
         committed is what an unedited memory would hold (the question and the answer are run
         again over it; :attr:`Turn.recomputed` says so). :attr:`last_focus` keeps the choice.
 
+        ``repetition_penalty`` (1.0: off; in ``(0, 10]``): the logits of the answer's tokens so
+        far and of the last 64 tokens before it (the EOS ids never) divided by it where
+        positive, multiplied where negative (:class:`~kvedit.states.decoding.Sampling`).
+        ``on_text``: called with each new piece of the answer's text as it is decoded; the
+        pieces concatenate to exactly the text returned (nothing handed on is taken back: a
+        partial character, the start of a possible stop string and surrounding whitespace
+        wait for what follows). The answer is the same with or without it.
+        :attr:`last_answer` says why the answer ended; :meth:`undo` takes a remembered
+        question and answer back.
+
         Raises:
             InvalidInputError: an empty question, a bad argument (``remember`` not a bool,
                 sampling arguments: :class:`~kvedit.states.decoding.Sampling`), or a question
@@ -338,11 +368,12 @@ class Memory(MemoryFileMethods):
                 or refuses the conversation itself.
         """
         remember = checks.flag("remember", remember)
-        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        sampling = Sampling(do_sample, temperature, top_k, top_p, generator, repetition_penalty)
+        check_on_text(on_text)
         sampling.check_device(self._state.last_logits.device)
         guard = guard_of(focus, self._state)
         max_new_tokens = checks.count("max_new_tokens", max_new_tokens, minimum=1)
-        stops = self._stops(stop)
+        stops = stops_of(self.renderer.stops, stop)
         message = self._message("user", question)
         self._check_count(2)
         asked = [*self._messages, message]
@@ -353,14 +384,16 @@ class Memory(MemoryFileMethods):
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
         self._state.check_room(n_p - n, max_new_tokens, what="question")
         held = self._state  # the question and the answer come on top of the budget
-        found = None if guard is None else self._focused(held, question, p, guard)
+        found = None if guard is None else focused_on(held, question, p, guard, self._rendering)
         focused = found is not None and bool(found.chosen) and found.kept
         prompt = extend_ids(found.state if focused else held, p.ids[n:], p.offsets[n:], p.text)
-        decoded = decode(prompt, max_new_tokens, stops, **vars(sampling))
+        streamed = None if on_text is None else Stripped(on_text)
+        decoded = decode(prompt, max_new_tokens, stops, **vars(sampling), on_text=streamed)
         text = decoded.text.strip()
         last_focus = self.last_focus if guard is None else found  # kept once the ask succeeds
+        answered = Answered(text, len(decoded.token_ids), decoded.ended)
         if not remember:
-            self.last_focus = last_focus
+            self.last_focus, self.last_answer = last_focus, answered
             return text
         if not text:  # an empty answer is still a whole message
             text = decoded.text or " "
@@ -372,27 +405,8 @@ class Memory(MemoryFileMethods):
         scores = self._arrived(done.state, self._held.scores, n, len(full.ids))
         state, scores, rounds = self._fit(done.state, scores, [message, answer], full, turns)
         self._keep(state, [message, answer], full, turns, rounds, scores)
-        self.last_focus = last_focus
+        self.last_focus, self.last_answer = last_focus, answered
         return answer.content.strip()
-
-    def _stops(self, stop: Sequence[str] | None) -> tuple[str, ...]:
-        if stop is None:
-            stop = ()
-        if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidInputError(f"stop must be a list of non-empty strings, not {stop!r}")
-        return (*self.renderer.stops, *stop)
-
-    def _focused(
-        self, held: KVState, question: str, p: Rendering, guard: Guard | None
-    ) -> Focus | None:
-        """Run focus over ``held`` (the memory's state) for ``question``: its :class:`Focus`
-        (None when no message holds a passage). The memory is not changed: :meth:`ask` keeps
-        it in :attr:`last_focus` once it succeeds."""
-        passages = [r for r in self._rendering.contents if r is not None]
-        if not passages:
-            return None
-        n_text = len(self._rendering.text)
-        return focus(held, p.text[n_text:], passages, query=question, guard=guard)
 
     def explain(self) -> str:
         """Per message: role, tokens, computed / kept / loaded, bytes; the memory's size; the

@@ -21,10 +21,27 @@ from ..runtime import forward
 from .passes import StateBias, appended_layers
 from .view import StateView
 
-__all__ = ["SAMPLING_KEYWORDS", "Answer", "Decoder", "Sampling", "eos_ids", "sample"]
+__all__ = [
+    "MAX_REPETITION_PENALTY",
+    "PENALTY_WINDOW",
+    "SAMPLING_KEYWORDS",
+    "Answer",
+    "Decoder",
+    "Sampling",
+    "eos_ids",
+    "sample",
+]
 
 SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
-"""The keyword arguments that choose how tokens are picked (:class:`Sampling`'s fields)."""
+"""The keyword arguments that choose how tokens are picked (:class:`Sampling`'s fields, but
+``repetition_penalty``, which only the paths that keep the tokens seen take)."""
+
+MAX_REPETITION_PENALTY = 10.0
+"""The largest ``repetition_penalty`` taken (its range: ``(0, 10]``)."""
+
+PENALTY_WINDOW = 64
+"""How many tokens before an answer a ``repetition_penalty`` counts as seen (llama.cpp's
+``repeat_last_n`` default), beside every token of the answer itself."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +144,16 @@ class Sampling:
     ``do_sample`` a real bool (``"False"`` is not false); ``temperature`` a finite number,
     above 0 when sampling (0 or less would not sample: give ``do_sample=False`` for greedy),
     at least 0 otherwise; ``top_k`` None or an int of at least 1; ``top_p`` None or a number
-    in ``(0, 1]``; ``generator`` None or a ``torch.Generator``. The values are held in
-    canonical form (a ``float`` temperature, an ``int`` top-k).
+    in ``(0, 1]``; ``generator`` None or a ``torch.Generator``; ``repetition_penalty`` a
+    number in ``(0, 10]`` (1.0, the default: off). The values are held in canonical form (a
+    ``float`` temperature, an ``int`` top-k).
+
+    ``repetition_penalty`` (Hugging Face's and llama.cpp's meaning, greedy or sampled): before
+    the temperature, the logit of each token already seen is divided by it where positive and
+    multiplied by it where negative (above 1: a repeat is less likely). Seen: the tokens the
+    caller passes to :meth:`pick` (:func:`kvedit.memory.answering.decode`: every token of the
+    answer so far and the last :data:`PENALTY_WINDOW` tokens before it), the EOS ids never
+    (penalizing the end of an answer would only lengthen it).
 
     Raises:
         InvalidTypeError: an argument of the wrong type.
@@ -140,6 +165,7 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         do_sample = checks.flag("do_sample", self.do_sample)
@@ -163,7 +189,14 @@ class Sampling:
             raise InvalidTypeError(
                 f"generator must be a torch.Generator or None, not {checks.describe(self.generator)}"
             )
+        penalty = checks.real("repetition_penalty", self.repetition_penalty)
+        if not 0 < penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidInputError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1.0: off; "
+                f"above 1 makes a repeat less likely), not {penalty!r}"
+            )
         for name, value in (
+            ("repetition_penalty", penalty),
             ("do_sample", do_sample),
             ("temperature", temperature),
             ("top_k", top_k),
@@ -188,8 +221,11 @@ class Sampling:
                 "give a torch.Generator of the model's device"
             )
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """One token id from ``logits [vocab]``."""
+    def pick(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
+        """One token id from ``logits [vocab]``; ``seen``: the token ids a
+        ``repetition_penalty`` other than 1 penalizes (required then: a penalty is never
+        silently left out)."""
+        logits = self.penalized(logits, seen)
         if not self.do_sample:
             return int(torch.argmax(logits))
         logits = logits.float() / self.temperature
@@ -203,6 +239,25 @@ class Sampling:
             sorted_p[cut] = 0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def penalized(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """``logits`` with the ``seen`` tokens' logits divided by ``repetition_penalty`` where
+        positive, multiplied where negative (``logits`` itself when the penalty is 1)."""
+        if self.repetition_penalty == 1.0:
+            return logits
+        if seen is None:
+            raise InvalidInputError(
+                "repetition_penalty needs the tokens seen: this decoding path does not keep "
+                "them (give repetition_penalty=1.0)"
+            )
+        ids = seen.to(device=logits.device, dtype=torch.long).unique()
+        if not len(ids):
+            return logits
+        chosen = logits[ids]
+        penalty = self.repetition_penalty
+        out = logits.clone()
+        out[ids] = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
+        return out
 
 
 def sample(
