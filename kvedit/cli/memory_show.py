@@ -154,6 +154,8 @@ def _run_show(args) -> int:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"{args.file}: cannot read it: {e.strerror or e}") from None
+    if out is not None and not found.messages:
+        raise UsageError(f"--plot {out}: {args.file} holds no messages, there is nothing to draw")
     print("\n".join(show_lines(found)))
     if out is not None:
         from ..memory.holdings_plot import plot_held

@@ -191,3 +191,15 @@ def test_help_imports_nothing_heavy():
     )
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"statuses": [[0, True], [0, True]], "heavy": []}
+
+
+def test_an_empty_memory_is_shown_but_not_drawn(llama, tmp_path, capsys):
+    model, tok = llama
+    empty = tmp_path / "empty.kvm"
+    kvedit.Memory(model, tok).save(empty)
+    status, out, _ = _run(capsys, empty)
+    assert status == 0 and "messages: 0, 0 tokens" in out
+    assert "holds no messages, there is nothing to draw" in _error(
+        capsys, empty, "--plot", tmp_path / "e.png"
+    )
+    assert not (tmp_path / "e.png").exists()
