@@ -1,4 +1,5 @@
-"""A memory file's attachment, read strictly: :func:`parse_attachment`.
+"""A memory file's attachment, read strictly: :func:`parse_attachment` (and
+:func:`check_fields`, the same checks without the tokenizer).
 
 :meth:`kvedit.Memory.save` writes the conversation in the state file's header (its
 ``attachment``: the prompt format, the messages, their :class:`~kvedit.memory.records.Turn`
@@ -59,6 +60,8 @@ __all__ = [
     "ATTACHMENT_VERSION",
     "BUDGET_KEYWORDS",
     "Attachment",
+    "Fields",
+    "check_fields",
     "parse_attachment",
 ]
 
@@ -111,6 +114,21 @@ class Attachment:
     turns: list[Turn]
     rounds: list[Round]
     rendering: Rendering
+    keywords: dict
+    scores: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fields:
+    """A memory file's attachment fields, checked without the tokenizer
+    (:func:`check_fields`): the ``prompt`` format, the ``messages``, their ``turns``, the
+    forgetting ``rounds``, the ``Memory`` ``keywords`` of its budget (empty for a file that has
+    none) and the ``scores`` field (None: none)."""
+
+    prompt: str
+    messages: list[Message]
+    turns: list[Turn]
+    rounds: list[Round]
     keywords: dict
     scores: dict | None = None
 
@@ -257,20 +275,24 @@ def _budget(value) -> dict:
     return kw
 
 
-def _bounds(renderer, messages: list[Message], turns: list, full: Rendering, trusted: bool):
-    """Each message's first token, then the end: the rendering's message boundaries
-    (module docstring); a sealed file's own turns, checked to tile the tokens in order."""
-    if trusted:
-        bounds = [0]
-        for i, t in enumerate(turns):
-            start = t.get("start") if isinstance(t, dict) else None
-            if start != bounds[-1]:
-                where = f"where turns[{i - 1}] ends" if i else "the first token"
-                raise _Bad(f"turns[{i}].start", f"is {start!r}, not {where} ({bounds[-1]})")
-            bounds.append(_int(f"turns[{i}].end", t.get("end"), minimum=bounds[-1] + 1))
-        if bounds[-1] != len(full.ids):
-            raise _Bad(f"turns[{len(turns) - 1}].end", f"is not the {len(full.ids)} tokens'")
-        return bounds
+def _tiled(turns: list, n_tokens: int) -> list[int]:
+    """Each message's first token, then the end, from the turns' own boundaries: they must
+    tile the ``n_tokens`` in order (what a sealed file's turns are checked to do)."""
+    bounds = [0]
+    for i, t in enumerate(turns):
+        start = t.get("start") if isinstance(t, dict) else None
+        if start != bounds[-1]:
+            where = f"where turns[{i - 1}] ends" if i else "the first token"
+            raise _Bad(f"turns[{i}].start", f"is {start!r}, not {where} ({bounds[-1]})")
+        bounds.append(_int(f"turns[{i}].end", t.get("end"), minimum=bounds[-1] + 1))
+    if bounds[-1] != n_tokens:
+        raise _Bad("turns", f"end at token {bounds[-1]}, not at the file's {n_tokens} tokens")
+    return bounds
+
+
+def _rendered(renderer, messages: list[Message], full: Rendering) -> list[int]:
+    """Each message's first token, then the end: the rendering's message boundaries, found by
+    rendering every prefix again (module docstring)."""
     bounds, held = [0], None
     for i in range(1, len(messages)):
         held = renderer.render(messages[:i], after=held)
@@ -280,7 +302,62 @@ def _bounds(renderer, messages: list[Message], turns: list, full: Rendering, tru
     return [*bounds, len(full.ids)]
 
 
-def parse_attachment(attachment, path, token_ids: list[int], tokenizer, trusted: bool):
+def _memory(attachment, path) -> None:
+    """Refuses an attachment that is not a memory's."""
+    if not isinstance(attachment, dict) or attachment.get("kind") != ATTACHMENT_KIND:
+        raise CorruptCacheError(f"{path}: a state file, not a memory (Memory.save writes one)")
+
+
+def _head(attachment: dict) -> tuple[dict, list[Message], list]:
+    """The attachment's fields, version, prompt format and messages checked, and its turns
+    (still unchecked), one per message."""
+    a = _keys("attachment", attachment, _FIELDS, _REQUIRED)
+    if _int("version", a["version"]) != ATTACHMENT_VERSION:
+        raise _Bad("version", f"{a['version']} is not supported (this kvedit reads 1)")
+    if a["prompt"] not in RENDERERS:
+        raise _Bad("prompt", f"is {a['prompt']!r}, not one of {sorted(RENDERERS)}")
+    messages = _messages(a["messages"])
+    turns = _list("turns", a["turns"])
+    if len(turns) != len(messages):
+        raise _Bad("turns", f"are {len(turns)} for {len(messages)} messages")
+    return a, messages, turns
+
+
+def _rest(a: dict, messages: list[Message], turns: list, bounds: list[int]) -> Fields:
+    """The turns at the message ``bounds``, the rounds, the budget and the scores, checked."""
+    parsed = [
+        _turn(i, t, m, bounds[i], bounds[i + 1])
+        for i, (t, m) in enumerate(zip(turns, messages, strict=True))
+    ]
+    rounds, last = [], 0
+    for i, r in enumerate(_list("rounds", a.get("rounds", []))):
+        rounds.append(_round(i, r, bounds, last))
+        last = rounds[-1].at_message
+    keywords = _budget(a.get("budget"))
+    return Fields(a["prompt"], messages, parsed, rounds, keywords, _scores(a.get("scores")))
+
+
+def check_fields(attachment, path, n_tokens: int) -> Fields:
+    """The :class:`Fields` of a memory file at ``path`` whose state holds ``n_tokens`` tokens,
+    checked as :func:`parse_attachment` checks them without the tokenizer: the messages are
+    not rendered again, the turns must tile the ``n_tokens`` in order instead (what a load
+    checks of a file this installation sealed).
+
+    Raises:
+        CorruptCacheError: not a memory file, or a field that is not what
+            :meth:`kvedit.Memory.save` writes (naming the file and the field).
+    """
+    _memory(attachment, path)
+    try:
+        a, messages, turns = _head(attachment)
+        return _rest(a, messages, turns, _tiled(turns, n_tokens))
+    except _Bad as e:
+        raise CorruptCacheError(f"{path}: the memory's {e}") from None
+
+
+def parse_attachment(
+    attachment, path, token_ids: list[int], tokenizer, trusted: bool
+) -> Attachment:
     """The :class:`Attachment` of a memory file at ``path`` whose state holds ``token_ids``
     (module docstring); ``trusted``: this installation sealed the file.
 
@@ -288,18 +365,9 @@ def parse_attachment(attachment, path, token_ids: list[int], tokenizer, trusted:
         CorruptCacheError: not a memory file, or a field that is not what
             :meth:`kvedit.Memory.save` writes (naming the file and the field).
     """
-    if not isinstance(attachment, dict) or attachment.get("kind") != ATTACHMENT_KIND:
-        raise CorruptCacheError(f"{path}: a state file, not a memory (Memory.save writes one)")
+    _memory(attachment, path)
     try:
-        a = _keys("attachment", attachment, _FIELDS, _REQUIRED)
-        if _int("version", a["version"]) != ATTACHMENT_VERSION:
-            raise _Bad("version", f"{a['version']} is not supported (this kvedit reads 1)")
-        if a["prompt"] not in RENDERERS:
-            raise _Bad("prompt", f"is {a['prompt']!r}, not one of {sorted(RENDERERS)}")
-        messages = _messages(a["messages"])
-        turns = _list("turns", a["turns"])
-        if len(turns) != len(messages):
-            raise _Bad("turns", f"are {len(turns)} for {len(messages)} messages")
+        a, messages, turns = _head(attachment)
         renderer = renderer_for(a["prompt"], tokenizer)
         try:  # an empty memory holds no token, not even the BOS its rendering opens with
             full = renderer.render(messages)
@@ -310,20 +378,16 @@ def parse_attachment(attachment, path, token_ids: list[int], tokenizer, trusted:
                 f"{path}: the memory's {len(messages)} messages do not render to its "
                 f"{len(token_ids)} tokens"
             )
-        bounds = _bounds(renderer, messages, turns, full, trusted) if messages else [0]
-        parsed = [
-            _turn(i, t, m, bounds[i], bounds[i + 1])
-            for i, (t, m) in enumerate(zip(turns, messages, strict=True))
-        ]
-        rounds, last = [], 0
-        for i, r in enumerate(_list("rounds", a.get("rounds", []))):
-            rounds.append(_round(i, r, bounds, last))
-            last = rounds[-1].at_message
-        keywords = _budget(a.get("budget"))
-        scores = _scores(a.get("scores"))
+        if not messages:
+            bounds = [0]
+        elif trusted:
+            bounds = _tiled(turns, len(full.ids))
+        else:
+            bounds = _rendered(renderer, messages, full)
+        f = _rest(a, messages, turns, bounds)
     except _Bad as e:
         raise CorruptCacheError(f"{path}: the memory's {e}") from None
-    return Attachment(a["prompt"], messages, parsed, rounds, full, keywords, scores)
+    return Attachment(f.prompt, f.messages, f.turns, f.rounds, full, f.keywords, f.scores)
 
 
 def _scores(value) -> dict | None:

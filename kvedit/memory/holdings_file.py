@@ -3,10 +3,11 @@
 The file is read and verified as any state file is (:func:`kvedit.states.files.read.read_state_file`:
 its header, format and version, and its seal over header and tensors, so a torn or edited file
 is refused), then its attachment's fields are checked as :meth:`kvedit.Memory.load` checks them
-(:mod:`kvedit.memory.attached`), except the one check that needs the tokenizer: that the
-messages rendered again give the file's token ids. Here the turns must tile the file's tokens
-in order instead (what a load checks of a file this installation sealed). The layers are built
-on the CPU in the dtype their keys and values were written in, so their bytes are the file's.
+(:func:`kvedit.memory.attached.check_fields`), except the one check that needs the tokenizer:
+that the messages rendered again give the file's token ids. Here the turns must tile the
+file's tokens in order instead (what a load checks of a file this installation sealed). The
+layers are built on the CPU in the dtype their keys and values were written in, so their bytes
+are the file's.
 """
 
 from __future__ import annotations
@@ -20,25 +21,11 @@ import torch
 from ..cache import layer_class
 from ..errors import CorruptCacheError, InvalidInputError
 from ..states.files.read import read_state_file
-from .attached import (
-    _FIELDS,
-    _REQUIRED,
-    ATTACHMENT_KIND,
-    ATTACHMENT_VERSION,
-    _Bad,
-    _budget,
-    _int,
-    _keys,
-    _list,
-    _messages,
-    _round,
-    _scores,
-    _turn,
-)
+from .attached import ATTACHMENT_KIND, check_fields
 from .forgetting import Round
 from .holdings import MessageHeld, held_by_message
 from .records import Turn
-from .rendering import RENDERERS, Message
+from .rendering import Message
 
 __all__ = ["HeldFile", "read_held_file"]
 
@@ -109,56 +96,20 @@ def read_held_file(path: str | os.PathLike) -> HeldFile:
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise CorruptCacheError(f"{path}: the state file holds no token ids")
     n_tokens = int(token_ids.shape[0])
-    try:
-        prompt, messages, turns, rounds, keywords = _attachment(attachment, n_tokens)
-    except _Bad as e:
-        raise CorruptCacheError(f"{path}: the memory's {e}") from None
+    fields = check_fields(attachment, path, n_tokens)
     model = meta.get("model")
     return HeldFile(
         path=path,
         model=model if isinstance(model, str) and model else None,
-        prompt=prompt,
-        messages=messages,
-        turns=turns,
-        rounds=rounds,
-        keywords=keywords,
+        prompt=fields.prompt,
+        messages=fields.messages,
+        turns=fields.turns,
+        rounds=fields.rounds,
+        keywords=fields.keywords,
         layers=_layers(meta, tensors, path),
         n_tokens=n_tokens,
         trusted=found.trusted,
     )
-
-
-def _attachment(a: dict, n_tokens: int) -> tuple:
-    """The attachment's fields, each checked as :func:`kvedit.memory.attached.parse_attachment`
-    checks it, with the turns' own boundaries, which must tile the ``n_tokens`` in order."""
-    a = _keys("attachment", a, _FIELDS, _REQUIRED)
-    if _int("version", a["version"]) != ATTACHMENT_VERSION:
-        raise _Bad("version", f"{a['version']} is not supported (this kvedit reads 1)")
-    if a["prompt"] not in RENDERERS:
-        raise _Bad("prompt", f"is {a['prompt']!r}, not one of {sorted(RENDERERS)}")
-    messages = _messages(a["messages"])
-    raw = _list("turns", a["turns"])
-    if len(raw) != len(messages):
-        raise _Bad("turns", f"are {len(raw)} for {len(messages)} messages")
-    bounds = [0]
-    for i, t in enumerate(raw):
-        start = t.get("start") if isinstance(t, dict) else None
-        if start != bounds[-1]:
-            where = f"where turns[{i - 1}] ends" if i else "the first token"
-            raise _Bad(f"turns[{i}].start", f"is {start!r}, not {where} ({bounds[-1]})")
-        bounds.append(_int(f"turns[{i}].end", t.get("end"), minimum=bounds[-1] + 1))
-    if bounds[-1] != n_tokens:
-        raise _Bad("turns", f"end at token {bounds[-1]}, not at the file's {n_tokens} tokens")
-    turns = [
-        _turn(i, t, m, bounds[i], bounds[i + 1])
-        for i, (t, m) in enumerate(zip(raw, messages, strict=True))
-    ]
-    rounds, last = [], 0
-    for i, r in enumerate(_list("rounds", a.get("rounds", []))):
-        rounds.append(_round(i, r, bounds, last))
-        last = rounds[-1].at_message
-    _scores(a.get("scores"))
-    return a["prompt"], messages, turns, rounds, _budget(a.get("budget"))
 
 
 def _kv_dtype(meta: dict, path: Path) -> torch.dtype:
