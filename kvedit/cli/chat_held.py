@@ -4,7 +4,7 @@
 answer was cut at ``--max-new-tokens``.
 
 Read from :class:`kvedit.Memory`'s public fields (``state``, ``turns``, ``budget``,
-``nbytes``); heavy modules are imported inside the functions (``kvedit chat --help`` stays
+``nbytes``, ``last_answer``); heavy modules are imported inside the functions (``kvedit chat --help`` stays
 fast)."""
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def held_now(memory) -> str:
     return "\n".join(lines)
 
 
-def answer_cut(memory, answer: str, max_new_tokens: int) -> bool:
-    """Whether ``answer`` (as :meth:`kvedit.Memory.ask` returned it) took ``max_new_tokens``
-    tokens: its text tokenized again (``Memory.ask`` does not say why an answer ended; an
-    answer decoded as tokens that tokenize otherwise can be counted short by one)."""
-    ids = memory.tokenizer(answer, add_special_tokens=False)["input_ids"]
-    return len(ids) >= max_new_tokens
+def answer_cut(memory) -> int | None:
+    """The tokens the last answer took when it was cut at ``--max-new-tokens``, else None
+    (it ended at EOS or a stop string): ``Memory.last_answer`` says why it
+    ended."""
+    said = memory.last_answer
+    return said.n_tokens if said is not None and said.ended == "length" else None

@@ -27,8 +27,8 @@ __all__ = ["CHAT_HELP", "COMMANDS", "ChatLoop"]
 _NAME = "kvedit chat"
 
 CHAT_HELP = """\
-Each line read is a question: the answer is printed ([cut at N tokens] after it when it took
---max-new-tokens), then (dimmed on a terminal) what the turn cost and what the memory holds:
+Each line read is a question: the answer is printed as it is decoded ([cut at N tokens] after
+it when it took --max-new-tokens), then (dimmed on a terminal) what the turn cost and what the memory holds:
 tokens computed for the question, the answer's tokens kept from decoding, the transcript's
 tokens, the entries each global layer holds (an entry: one token's K/V in one layer; least /
 median / most over the layers: fewer than the transcript's tokens once it forgot) and its
@@ -37,8 +37,8 @@ bytes (of a --max-bytes budget, as a percentage). An empty line is skipped. Line
             then how much of it each global layer still holds
   /save     write the memory file now; /save PATH writes a copy to PATH (the chat goes on
             with its own file); a save that fails is one error line, the chat going on
-  /undo     take back the last question and its answer (again: the one before, back to where
-            this chat started)
+  /undo     take back the last question and its answer (again: the one before, up to the
+            last 4 of this chat: kvedit.Memory.undo)
   /retry    /undo, then ask that question again (with --temperature, another answer)
   /clear    back to the memory this chat started with (a new memory: its system message)
   /quit     save and end (as Ctrl-D does)
@@ -99,7 +99,8 @@ class ChatLoop:
         self.existed = path is not None and path.exists()
         self.changes = 0  # questions kept, undone or cleared in this chat
         self.saved_at = 0 if self.existed else None  # self.changes when last saved
-        self.asked: list[tuple[object, str]] = []  # (the memory before, the question)
+        self.asked: list[str] = []  # the questions kept in this chat, in order
+        self.start = copy.copy(memory)  # what /clear goes back to (Memory replaces, never edits)
         self.line_no = 0
         self.abandoned = False
         self.tty_in = sys.stdin.isatty()
@@ -178,50 +179,65 @@ class ChatLoop:
         return word
 
     def _take_back(self, word: str) -> None:
-        """``/undo``, ``/retry`` (``/undo``, then the question again) and ``/clear``: the
-        memory as it was before a question, kept when it was asked (nothing is recomputed)."""
+        """``/undo``, ``/retry`` (``/undo``, then the question again): :meth:`Memory.undo
+        <kvedit.Memory.undo>`; ``/clear``: the memory this chat started with. Nothing is
+        recomputed."""
         if not self.asked:
             self._error(f"{word}: no question asked in this chat to take back")
             return
-        memory, question = self.asked.pop() if word != "/clear" else self.asked[0]
-        n = 1 if word != "/clear" else len(self.asked)
         if word == "/clear":
+            n, question = len(self.asked), self.asked[0]
             self.asked.clear()
-        self.memory = memory
+            self.memory = copy.copy(self.start)
+        elif not self.memory.undoable:
+            self._error(
+                f"{word}: the memory keeps only its last few changes to take back "
+                "(kvedit.Memory.undo), and they were taken back already; /clear goes back to "
+                "where this chat started"
+            )
+            return
+        else:
+            n, question = 1, self.asked.pop()
+            self.memory.undo()
         self.changes += 1
         what = "the last question and its answer" if n == 1 else f"{n} questions and answers"
         self._dim(f"[{word[1:]}: {what} taken back; the memory holds {self._counts()}]")
         if word == "/retry":
             self._ask(question)
 
-    def _asked(self, before, question: str) -> None:
-        """``question`` was kept: ``before``, the memory before it, is what /undo restores."""
-        self.asked.append((before, question))
+    def _asked(self, question: str) -> None:
+        """``question`` was kept: /undo takes it back (:meth:`kvedit.Memory.undo`)."""
+        self.asked.append(question)
         self.changes += 1
 
     def _ask(self, question: str) -> None:
         before = self._mark()
         rounds = len(self.memory.forgetting)
-        # Memory.ask replaces the memory's one snapshot of its fields when it keeps a question
-        # (it never edits them): a shallow copy taken before is the memory as it was
-        was = copy.copy(self.memory)
+        printer = _Streamed()
         try:
             answer = self.memory.ask(
-                question, max_new_tokens=self.max_new_tokens, focus=self.focus, **self.sampling
+                question,
+                max_new_tokens=self.max_new_tokens,
+                focus=self.focus,
+                on_text=printer.write,
+                **self.sampling,
             )
         except KeyboardInterrupt:
+            printer.break_line()
             if self._interrupted(before):
-                self._asked(was, question)
+                self._asked(question)
             raise
         except KVEditError as e:
+            printer.break_line()
             if exit_status(e) != EXIT_USAGE and not isinstance(e, TemplateError):
                 raise
             self._error(f"{message(e)}; the question was not kept")
             return
-        self._asked(was, question)
-        print(_printable(answer), flush=True)
-        if answer_cut(self.memory, answer, self.max_new_tokens):
-            self._dim(f"[cut at {self.max_new_tokens:,} tokens: --max-new-tokens]")
+        self._asked(question)
+        printer.end(answer)
+        cut = answer_cut(self.memory)
+        if cut is not None:
+            self._dim(f"[cut at {cut:,} tokens: --max-new-tokens]")
         self._dim(self._cost(self.memory.forgetting[rounds:]))
         if self.focus:
             said = self.memory.focus_said() or "no earlier message to emphasize"
@@ -370,6 +386,29 @@ class ChatLoop:
 
     def _error(self, text: str) -> None:
         print(f"{_NAME}: error: {text}", file=sys.stderr, flush=True)
+
+
+class _Streamed:
+    """The answer printed as :meth:`kvedit.Memory.ask` hands on its pieces (``on_text``),
+    stdout flushed after each; :meth:`end` prints what was not streamed (all of it, from an
+    ``ask`` that streams nothing) and ends the line."""
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def write(self, piece: str) -> None:
+        sys.stdout.write(_printable(piece))
+        sys.stdout.flush()
+        self.sent += piece
+
+    def break_line(self) -> None:
+        """End a partly printed answer's line (before an error or interruption line)."""
+        if self.sent:
+            print(flush=True)
+
+    def end(self, answer: str) -> None:
+        rest = answer[len(self.sent) :] if answer.startswith(self.sent) else "\n" + answer
+        print(_printable(rest), flush=True)
 
 
 def _printable(text: str) -> str:

@@ -1,6 +1,7 @@
-"""``kvedit chat``'s sampling options (``--temperature``, ``--top-p``, ``--seed``): checked
-before the model loads, then :meth:`kvedit.Memory.ask`'s sampling keywords. Greedy decoding
-(the default) where ``--temperature`` is 0 or left out.
+"""``kvedit chat``'s sampling options (``--temperature``, ``--top-p``, ``--seed``,
+``--repeat-penalty``): checked before the model loads, then :meth:`kvedit.Memory.ask`'s
+sampling keywords. Greedy decoding (the default) where ``--temperature`` is 0 or left out;
+``--repeat-penalty`` applies greedy or sampled.
 
 Nothing heavy is imported at module level (``kvedit chat --help`` stays fast)."""
 
@@ -38,6 +39,16 @@ def sampling_args(p) -> None:
         help="seed the sampling (the same seed, question and memory give the same answer; "
         "default: a fresh seed; needs --temperature above 0)",
     )
+    group.add_argument(
+        "--repeat-penalty",
+        type=finite("--repeat-penalty"),
+        default=1.0,
+        metavar="F",
+        help="make tokens already said less likely, greedy or sampled: the logit of each token "
+        "of the answer so far and of the last 64 tokens before it (the question's end) is "
+        "divided by F where positive, multiplied where negative (as llama.cpp's and Hugging "
+        "Face's); F in (0, 10], 1.1-1.3 is usual; 1 is off (default 1)",
+    )
 
 
 def sampling_of(args) -> dict:
@@ -57,9 +68,13 @@ def sampling_of(args) -> dict:
         raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed must be in [0, 2**63), not {args.seed}")
-    if t == 0:
-        return {}
-    return {"do_sample": True, "temperature": t, "top_p": args.top_p, "seed": args.seed}
+    penalty = getattr(args, "repeat_penalty", 1.0)
+    if not 0 < penalty <= 10:
+        raise UsageError(f"--repeat-penalty must be in (0, 10] (1: off), not {penalty}")
+    out = {"do_sample": True, "temperature": t, "top_p": args.top_p, "seed": args.seed} if t else {}
+    if penalty != 1.0:
+        out["repetition_penalty"] = penalty
+    return out
 
 
 def with_generator(sampling: dict, device) -> dict:

@@ -65,7 +65,7 @@ class Decoded:
 
 @dataclass(frozen=True)
 class Answered:
-    """The last answer :meth:`kvedit.Memory.ask` gave (:attr:`kvedit.Memory.last_answer`):
+    """The last answer :meth:`kvedit.Memory.ask` gave (``Memory.last_answer``):
     its ``text`` (as ``ask`` returned it), the ``n_tokens`` decoded for it (EOS excluded,
     a stop string's tokens included) and why it ``ended``: ``"eos"`` (the model ended it),
     ``"stop"`` (a stop string, cut before it) or ``"length"`` (``max_new_tokens`` reached:

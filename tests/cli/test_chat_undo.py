@@ -81,3 +81,31 @@ def test_help_is_short(monkeypatch, capsys, tmp_path):
     said = out.splitlines()[1:-1]
     assert said[0].startswith("/explain") and len(said) <= 6
     assert all(c in out for c in ("/undo", "/retry", "/clear", "/save", "/quit"))
+
+
+def test_undo_and_retry_are_memory_undo_and_bounded_by_it(monkeypatch, capsys, tmp_path, tiny):
+    """/undo and /retry take back through kvedit.Memory.undo (nothing copied by the chat): as
+    far back as the memory keeps (UNDO_STEPS changes), then an error that names /clear."""
+    from kvedit.memory.undoing import UNDO_STEPS
+
+    calls = []
+    undo = Memory.undo
+
+    def spy(self):
+        calls.append(len(self))
+        return undo(self)
+
+    monkeypatch.setattr(Memory, "undo", spy)
+    questions = "".join(f"q{k}\n" for k in range(UNDO_STEPS + 1))
+    lines = questions + "/retry\n" + "/undo\n" * (UNDO_STEPS + 1)
+    status, out, err = _run(monkeypatch, capsys, tmp_path / "chat.kv", lines, "--system", "S.")
+    assert status == 0, err
+    n = 1 + 2 * (UNDO_STEPS + 1)
+    assert calls == [n, n] + [n - 2 * k for k in range(1, UNDO_STEPS)]
+    assert err.splitlines() == [
+        "kvedit chat: error: /undo: the memory keeps only its last few changes to take back "
+        "(kvedit.Memory.undo), and they were taken back already; /clear goes back to where "
+        "this chat started"
+    ]
+    assert _contents(tmp_path / "chat.kv", tiny)[:2] == ["S.", "q0"]
+    assert len(_contents(tmp_path / "chat.kv", tiny)) == 3
