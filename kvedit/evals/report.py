@@ -36,6 +36,7 @@ __all__ = [
     "check_out",
     "format_table",
     "hold_out",
+    "oracle_label",
     "plot_curves",
     "plotting_available",
     "save_accuracy_plot",
@@ -247,8 +248,10 @@ def plot_curves(
 ) -> Path:
     """Plot accuracy against gold position, one line per method, and save it as a PNG.
 
-    A method whose name starts with ``"oracle"`` is drawn dashed and labelled as the upper
-    bound. A method measured at a single position (a position-independent baseline) is drawn
+    A method whose name starts with ``"oracle"`` is drawn dashed and labelled for what it is
+    (:func:`oracle_label`): told the gold passage, it edits it by a fixed rule, so it is an
+    oracle of the choice, not of the edit, and no upper bound (``auto`` sizes its bias per
+    layer and scores above it at some positions: ``reports/litm/README.md``). A method measured at a single position (a position-independent baseline) is drawn
     as a flat dotted line across all positions. Rendering uses Matplotlib's Agg canvas directly, so
     the global backend (pyplot) is left alone. The file is written atomically; returns its
     path.
@@ -278,7 +281,7 @@ def plot_curves(
                 marker=next(oracle_markers),
                 markersize=4,
                 alpha=0.8,
-                label=f"{method} (upper bound)",
+                label=oracle_label(method),
             )
         elif len(points) == 1:
             ax.plot(xs, ys, linestyle=":", label=method)
@@ -287,6 +290,20 @@ def plot_curves(
     ax.set_xticks(positions)
     ax.set_xlabel("Position of the gold document (0 = first)")
     return save_accuracy_plot(fig, ax, path, title)
+
+
+ORACLE_STRENGTH = 2.0
+"""The bias in nats the ``oracle`` method adds with its default parameters
+(:class:`kvedit.evals.methods.edits.EditParams`' ``strength``), on every layer."""
+
+
+def oracle_label(method: str) -> str:
+    """The plot label of an ``oracle`` method (by its name, ``oracle`` or
+    ``oracle:key=value...``): told the gold passage, a fixed edit (``oracle`` alone: +2 nats,
+    :data:`ORACLE_STRENGTH`), no sizing, no guard, so an oracle of the choice, not of the
+    edit."""
+    edit = f"fixed +{ORACLE_STRENGTH:g} nats" if method.lower() == "oracle" else "fixed edit"
+    return f"{method} (gold passage, {edit}: an oracle of the choice, not of the edit)"
 
 
 def accuracy_axes(width: float):

@@ -1,4 +1,10 @@
-"""``oracle``: edit the gold document (an upper bound: it knows where the answer is)."""
+"""``oracle``: edit the gold document, told which one it is.
+
+An oracle of the choice, not of the edit: it edits the gold document by a fixed rule (by
+default ``emphasize``, +2 nats on every layer), no sizing, no guard, so it is no upper bound on
+a method that chooses for itself: ``auto`` sizes its bias per layer, guards its answer, and can
+score above it (NQ-10 in ``reports/litm/README.md``).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,8 @@ __all__ = ["Oracle"]
 
 @register_method("oracle")
 class Oracle(Method):
-    """Edit the gold document (an upper bound: it knows the answer's location).
+    """Edit the gold document, told which one it is: an oracle of the choice, not of the edit
+    (a fixed edit, no sizing, no guard; module docstring), so no upper bound on ``auto``.
 
     Parameters: :class:`~kvedit.evals.methods.edits.EditParams`
     (``oracle:edit=scale_keys:factor=1.5``).
