@@ -194,9 +194,7 @@ class MemoryExtendMethods:
         for k, end in enumerate(planned.ends):
             if state.next_position + end - n > limit:
                 role = planned.messages[k].role
-                state.check_room(
-                    end - n, what=f"batch through message {k} ({role}), {end - n} tokens,"
-                )
+                state.check_room(end - n, what=f"batch through its message {k} ({role})")
                 raise InvalidInputError(  # check_room refuses it first: this is the backstop
                     f"message {k} of the batch would run past the model's {limit} positions"
                 )
@@ -247,18 +245,18 @@ class MemoryExtendMethods:
         before = self._held
         undo = getattr(self, "_undo", None)
         try:
-            turns = [self.add(m.role, m.content) for m in planned.messages]
+            for m in planned.messages:
+                self.add(m.role, m.content)
         except BaseException:
             self._held = before
             if undo is not None:
                 self._undo = undo
             raise
         after = self._held
-        if undo is None:
-            return turns
-        self._held, self._undo = before, undo
-        self._replace_held(after)  # one change: the snapshot before the batch kept for undo
-        return turns
+        if undo is not None:  # one change: the snapshot before the batch kept for undo
+            self._held, self._undo = before, undo
+            self._replace_held(after)
+        return list(after.turns[-len(planned.messages) :])
 
 
 def _groups_arrivals(budget: Budget | None, state: KVState) -> bool:
