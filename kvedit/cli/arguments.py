@@ -1,5 +1,5 @@
-"""Argument types, input-file reading and the eval suites' ``--out`` lock, shared by the
-``kvedit`` subcommands."""
+"""The parser class and help formatter of ``kvedit`` and its subcommands, argument types,
+input-file reading and the eval suites' ``--out`` lock, shared by the ``kvedit`` subcommands."""
 
 from __future__ import annotations
 
@@ -11,6 +11,45 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .status import UsageError
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every ``kvedit`` parser's help: descriptions and epilogs as written, and an option that
+    takes a value and has a default (not None, not empty) says it, `` (default: X)`` after its
+    help, unless the help already says its default in its own words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = (
+            action.option_strings
+            and action.nargs != 0  # a flag: its default is its absence
+            and default is not None
+            and default is not argparse.SUPPRESS
+            and not (isinstance(default, (list, tuple, str)) and len(default) == 0)
+            and "default" not in text
+        )
+        return f"{text} (default: %(default)s)" if shown else text
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``kvedit`` and of each of its subcommands (their subparsers are of this
+    class too): help by :class:`HelpFormatter`, and arguments a subcommand does not take are
+    refused by the subcommand itself, under its own usage and name (``kvedit chat: error:
+    unrecognized arguments: MiB``), not passed up to ``kvedit``'s."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            hint = "" if extras[0].startswith("-") else _SPACE_HINT
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace, extras
+
+
+_SPACE_HINT = " (a value with a space in it is one argument only when quoted)"
 
 
 def positive(name: str):

@@ -7,25 +7,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..cache.packed import BITS
-from ..memory.budget import RECENT_TOKENS
-from ..memory.forgetting import DEFAULT_POLICY, FALLBACK_POLICY, policies
 from .arguments import byte_size, max_positions_arg, nonempty, positive
-from .chat_file import check_memory_path, lock_memory, open_memory
-from .chat_loop import CHAT_HELP, ChatLoop
+from .chat_options import CHAT_HELP, CHAT_SUMMARY
 from .chat_sampling import sampling_args, sampling_of
+from .names import DEFAULT_POLICY, FALLBACK_POLICY, QUANTIZE_BITS, RECENT_TOKENS, policies
 from .status import UsageError
 
 
 def chat_parser(sub) -> None:
+    """Add ``chat`` to ``kvedit``'s commands (imports no torch: :mod:`kvedit.cli.names`)."""
     p = sub.add_parser(
         "chat",
-        help="a terminal chat whose conversation is one exact cache, saved in a memory file",
+        help=CHAT_SUMMARY,
         description="Chat with a model; the conversation is a kvedit.Memory: each message is\n"
         "computed once, answers keep their decoded K/V, and --memory holds it between runs\n"
         "(loaded when the file exists, saved on exit).",
         epilog=CHAT_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument(
@@ -157,7 +154,7 @@ def _quantize_args(budget) -> None:
         "--quantize",
         type=int,
         default=None,
-        choices=BITS,
+        choices=QUANTIZE_BITS,
         metavar="BITS",
         help="hold the messages before the last --exact-messages in 2, 4 or 8 bits (fewer "
         "bytes for the same entries; with or without a budget)",
@@ -170,6 +167,8 @@ def run_chat(args) -> int:
     file is held (:func:`~kvedit.cli.chat_file.lock_memory`) from before the model
     loads until the chat ends: a second chat on it is refused."""
     from ..models import load_model
+    from .chat_file import check_memory_path, lock_memory, open_memory
+    from .chat_loop import ChatLoop
 
     if args.system is not None and not args.system.strip():
         raise UsageError("--system is empty: give the system message, or leave --system out")

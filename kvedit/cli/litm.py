@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from .arguments import check_out_free, holding_out, max_positions_arg, positions, positive
+from .names import ENGINES, VLLM_BATCH, litm_tasks
 from .status import UsageError
 
 _LITM_EPILOG = """\
@@ -32,20 +33,40 @@ def litm_parser(sub) -> None:
         "litm",
         help=LITM_SUMMARY,
         epilog=_LITM_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from ..evals.tasks import TASKS
-
-    p.add_argument("--task", default="records", choices=TASKS.names())
-    p.add_argument("--data", default=None, help="custom JSONL examples (replaces --task)")
-    p.add_argument("--methods", default="none,auto,oracle", help="comma-separated method specs")
-    p.add_argument("--n-docs", type=positive("--n-docs"), default=None, help="documents per prompt")
-    p.add_argument("--positions", type=positions, default=None, help="gold positions, e.g. 0,5,10")
     p.add_argument(
-        "--trials", type=positive("--trials"), default=None, help="examples per position"
+        "--task", default="records", choices=litm_tasks(), help="the generated task's name"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a JSONL file of your own examples, run instead of --task (default: none)",
+    )
+    p.add_argument(
+        "--methods",
+        default="none,auto,oracle",
+        help="comma-separated method specs, name[:key=value...]",
+    )
+    p.add_argument(
+        "--n-docs",
+        type=positive("--n-docs"),
+        default=None,
+        help="documents per prompt (default: the task's own)",
+    )
+    p.add_argument(
+        "--positions",
+        type=positions,
+        default=None,
+        help="gold positions, e.g. 0,5,10 (default: the task's own)",
+    )
+    p.add_argument(
+        "--trials",
+        type=positive("--trials"),
+        default=None,
+        help="examples per position (default: the task's own)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the examples' random seed")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument(
         "--prompt",
         default="auto",
@@ -53,12 +74,20 @@ def litm_parser(sub) -> None:
         help="prompt format: chat template or plain text with an answer cue; auto: the "
         "model's registered format (see below)",
     )
-    p.add_argument("--out", default="runs/litm")
+    p.add_argument("--out", default="runs/litm", help="the results folder")
     overwrite_arg(p)
     p.add_argument(
-        "--limit", type=positive("--limit"), default=None, help="cap on the number of examples"
+        "--limit",
+        type=positive("--limit"),
+        default=None,
+        help="cap on the number of examples (default: no cap)",
     )
-    p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=32)
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive("--max-new-tokens"),
+        default=32,
+        help="the longest answer, in tokens",
+    )
     max_positions_arg(p)
     _add_engine_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -68,15 +97,13 @@ def litm_parser(sub) -> None:
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """``--engine``, and vLLM's ``--batch`` and ``--approximate``."""
-    from ..evals.engines import ENGINES, VLLM_BATCH
-
     p.add_argument(
         "--engine",
         default="transformers",
         choices=list(ENGINES),
-        help="what decodes the answers: kvedit on the Hugging Face model, or vLLM serving "
-        "each method's published cache (methods none, oracle, auto, reread; needs "
-        "kvedit[vllm])",
+        help="what decodes the answers: kvedit on the Hugging Face model (transformers), or "
+        "vLLM serving each method's published cache (methods none, oracle, auto, reread; "
+        "needs kvedit[vllm])",
     )
     p.add_argument(
         "--batch",
@@ -115,7 +142,7 @@ def _add_reuse_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SPECS",
         help="with --reuse: take only these methods (comma-separated specs, as in --methods) "
-        "from the earlier run; needed when it ran other kvedit code, to say which answers the "
+        "from the earlier run (default: every method it ran); needed when it ran other kvedit code, to say which answers the "
         "change left alone",
     )
     p.add_argument(

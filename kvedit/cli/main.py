@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from ..errors import (
     KVEditError,
 )
+from ..evals.project_args import PROJECT_SUMMARY
+from ..evals.project_args import add_parser as project_parser
 from ..version import __version__
 from .app import run_app
-from .arguments import port, positive
+from .arguments import CommandParser, port, positive
 from .chat_options import CHAT_SUMMARY
 from .litm import LITM_SUMMARY, litm_parser, run_demo
 from .memory import MEMORY_SUMMARY, memory_parser
@@ -24,22 +26,23 @@ from .scorer import memory_parser as memory_tools_parser
 from .serving import PUBLISH_SUMMARY, SERVE_SUMMARY, publish_parser, serve_parser
 from .status import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_EPILOG, EXIT_USAGE, exit_status, message
 
-PROJECT_SUMMARY = "cross-model KV projection: B's loss with a projected cache of A"
-"""``kvedit eval project``'s line in ``kvedit eval --help`` (its parser is
-:func:`kvedit.evals.project.add_parser`'s, whose module imports torch; a test compares the two)."""
+DEMO_SUMMARY = "a short lost-in-the-middle run on the bundled model"
+"""``kvedit demo``'s line in ``kvedit --help``."""
+APP_SUMMARY = "the highlight app (Gradio) on http://HOST:PORT"
+"""``kvedit app``'s line in ``kvedit --help``."""
+_MODEL_HELP = "model name (a bundled one) or path"
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The ``kvedit`` parser. With ``argv``, only the commands it names get their options
-    (their modules may import torch to list their choices); the others are listed by their line
-    in ``--help`` alone, so that ``kvedit --help`` and a light command's help print at once.
-    Without it (the default), every command is built."""
+    """The ``kvedit`` parser. With ``argv``, only the commands it names get their options; the
+    others are listed by their line in ``--help`` alone. Without it (the default), every
+    command is built. Building any of them imports no torch (the names their options list come
+    from :mod:`kvedit.cli.names`): every ``--help`` prints at once."""
     wanted = None if argv is None else frozenset(argv)
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvedit",
         description="kvedit: edit a language model's KV cache to change what it attends to.",
         epilog=EXIT_STATUS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvedit {__version__}")
     parser.add_argument(
@@ -49,25 +52,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="on an error, also print the traceback (or set KVEDIT_DEBUG=1)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a short lost-in-the-middle run on the bundled model")
-    demo.add_argument("--model", default="smollm2-135m-instruct")
-    demo.add_argument("--trials", type=positive("--trials"), default=3)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default="runs/demo", help="replaced on every run (runs/demo)")
-    demo.set_defaults(run=run_demo)
+    _add(sub, "demo", DEMO_SUMMARY, _demo_parser, wanted)
     ev = sub.add_parser("eval", help="evaluations")
     ev_sub = ev.add_subparsers(dest="suite", required=True)
     suites = wanted if wanted is None or "eval" in wanted else frozenset()
     _add(ev_sub, "litm", LITM_SUMMARY, litm_parser, suites)
     _add(ev_sub, "memory", MEMORY_SUMMARY, memory_parser, suites)
     _add(ev_sub, "project", PROJECT_SUMMARY, _project_parser, suites)
-    app = sub.add_parser("app", help="the highlight app (Gradio) on http://HOST:PORT")
-    app.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
-    app.add_argument("--port", type=port, default=7860)
-    app.add_argument(
-        "--host", default="127.0.0.1", help="interface to bind (default: this machine only)"
-    )
-    app.set_defaults(run=run_app)
+    _add(sub, "app", APP_SUMMARY, _app_parser, wanted)
     _add(sub, "publish", PUBLISH_SUMMARY, publish_parser, wanted)
     _add(sub, "serve", SERVE_SUMMARY, serve_parser, wanted)
     _add(sub, "chat", CHAT_SUMMARY, _chat_parser, wanted)
@@ -85,10 +77,37 @@ def _add(sub, name: str, summary: str, build, wanted: frozenset[str] | None) -> 
         sub.add_parser(name, help=summary, add_help=False)
 
 
-def _project_parser(sub) -> None:
-    from ..evals.project import add_parser
+def _demo_parser(sub) -> None:
+    demo = sub.add_parser("demo", help=DEMO_SUMMARY)
+    demo.add_argument("--model", default="smollm2-135m-instruct", help=_MODEL_HELP)
+    demo.add_argument(
+        "--trials", type=positive("--trials"), default=3, help="examples per gold position"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="the examples' random seed")
+    demo.add_argument("--out", default="runs/demo", help="the results folder, replaced every run")
+    demo.set_defaults(run=run_demo)
 
-    add_parser(sub)
+
+def _app_parser(sub) -> None:
+    app = sub.add_parser("app", help=APP_SUMMARY)
+    app.add_argument("--model", default="smollm2-135m-instruct", help=_MODEL_HELP)
+    app.add_argument("--port", type=port, default=7860, help="the port to serve on")
+    app.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind (default: %(default)s, this machine only)",
+    )
+    app.set_defaults(run=run_app)
+
+
+def _project_parser(sub) -> None:
+    project_parser(sub, run=_run_project)
+
+
+def _run_project(args) -> int:
+    from ..evals.project import main as run_project
+
+    return run_project(args)
 
 
 def _chat_parser(sub) -> None:

@@ -16,10 +16,9 @@ rendered by ``--speakers``; a generated task's options (``--task``, ``--n-exampl
 
 from __future__ import annotations
 
-import argparse
-
 from .arguments import check_out_free, holding_out, positive
 from .litm import overwrite_arg
+from .names import RECENT_TOKENS, SPEAKER_MODES, memory_task_help, memory_tasks, policies
 
 DEFAULT_TASK = "facts"
 """The generated task run when neither --task nor --conversations is given."""
@@ -28,9 +27,7 @@ DEFAULTS = {"n_examples": 10, "seed": 0}
 
 
 def _epilog() -> str:
-    """The methods and parameters, from the registry of policies."""
-    from ..memory.forgetting import policies
-
+    """The methods and parameters (the policies: every registered scorer)."""
     names = ", ".join(policies())
     return f"""\
 methods (--methods, comma-separated specs name[:key=value...]):
@@ -41,7 +38,7 @@ methods (--methods, comma-separated specs name[:key=value...]):
   snapkv-first  everything kept, compressed once by SnapKV with the first question as query,
                 then reused for every question
   parameters: budget=F (this budget only), recent_tokens=N (the last tokens never forgotten;
-  default 16), per_head=True|False (each KV head its own entries; default: where the policy
+  default {RECENT_TOKENS}), per_head=True|False (each KV head its own entries; default: where the policy
   allows), recent=N (the messages quantize=B holds exact, default 2), quantize=B (2, 4 or 8:
   the messages before the last recent held in B bits; with snapkv-first, the compressed state
   quantized), in_bytes=True (the budget a fraction of the bytes a memory that forgets nothing
@@ -52,18 +49,8 @@ first question is asked, held when each question comes (the question and answer 
 """
 
 
-def _task_help(option: str) -> str:
-    """What ``option`` means for each registered memory task (its registered help)."""
-    from ..evals.tasks import MEMORY_TASKS
-
-    said = [f"{name}: {t.help[option]}" for name, t in MEMORY_TASKS.items() if option in t.help]
-    return "; ".join(said) or option
-
-
 def _conversation_args(p) -> None:
     """``--conversations FILE`` and ``--speakers``."""
-    from ..evals.conversation_files import SPEAKER_MODES
-
     p.add_argument(
         "--conversations",
         metavar="FILE",
@@ -90,20 +77,25 @@ def memory_parser(sub) -> None:
         "memory",
         help=MEMORY_SUMMARY,
         epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from ..evals.tasks import MEMORY_TASKS
-
     p.add_argument(
         "--task",
         default=None,
-        choices=MEMORY_TASKS.names(),
+        choices=sorted(memory_tasks()),
         help=f"a generated task (default {DEFAULT_TASK}; not with --conversations)",
     )
     _conversation_args(p)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--methods", default="reuse,learned,kvzip,window,snapkv-first")
-    p.add_argument("--budgets", default="1.0,0.5,0.25,0.1")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument(
+        "--methods",
+        default="reuse,learned,kvzip,window,snapkv-first",
+        help="comma-separated method specs, name[:key=value...] (see below)",
+    )
+    p.add_argument(
+        "--budgets",
+        default="1.0,0.5,0.25,0.1",
+        help="comma-separated fractions in (0, 1] (see below)",
+    )
     p.add_argument(
         "--n-examples",
         type=positive("--n-examples"),
@@ -114,18 +106,21 @@ def memory_parser(sub) -> None:
         "--size",
         type=positive("--size"),
         default=None,
-        help=_task_help("size"),
+        help=memory_task_help("size"),
     )
     p.add_argument(
         "--questions",
         type=positive("--questions"),
         default=None,
-        help="questions per conversation, a multiple of 3 (" + _task_help("questions") + ")",
+        help=f"questions per conversation, a multiple of 3 ({memory_task_help('questions')})",
     )
     p.add_argument(
-        "--seed", type=int, default=None, help=f"default {DEFAULTS['seed']} (a generated task)"
+        "--seed",
+        type=int,
+        default=None,
+        help=f"a generated task's random seed (default {DEFAULTS['seed']})",
     )
-    p.add_argument("--out", default="runs/memory")
+    p.add_argument("--out", default="runs/memory", help="the results folder")
     overwrite_arg(p)
     p.add_argument(
         "--resume",
@@ -133,7 +128,12 @@ def memory_parser(sub) -> None:
         help="keep the conversations done in DIR/partial.jsonl, compute the rest (a last line "
         "cut by a kill is dropped with a warning)",
     )
-    p.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=16)
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive("--max-new-tokens"),
+        default=16,
+        help="the longest answer, in tokens",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=_run_memory)
 

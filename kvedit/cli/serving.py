@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from .arguments import byte_size, max_positions_arg, nonempty, port, positive, read_input
+from .names import servable_policies
 
 _SERVE_EPILOG = """\
 Further arguments after -- go to vLLM's server as they are, e.g.
@@ -28,7 +29,6 @@ def serve_parser(sub) -> None:
         "serve",
         help=SERVE_SUMMARY,
         epilog=_SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument(
@@ -37,8 +37,12 @@ def serve_parser(sub) -> None:
         default="published",
         help="the folder kvedit publish writes to",
     )
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: this machine)")
-    p.add_argument("--port", type=port, default=8000)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind (default: %(default)s, this machine only)",
+    )
+    p.add_argument("--port", type=port, default=8000, help="the port to serve on")
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -48,8 +52,9 @@ def serve_parser(sub) -> None:
         "--on-load-failure",
         default="fail",
         choices=["fail", "recompute"],
-        help="a published cache a worker cannot load: end the request with an error (default), "
-        "or let vLLM compute the prompt (the right answer only for unedited caches)",
+        help="a published cache a worker cannot load: fail (the default) ends the request with "
+        "an error, recompute lets vLLM compute the prompt (the right answer only for unedited "
+        "caches)",
     )
     p.add_argument(
         "--no-memories",
@@ -71,9 +76,8 @@ def serve_parser(sub) -> None:
 
 
 def _forget_help() -> str:
-    """--forget's help: the policies a served memory may use, from the registry of scorers."""
-    from ..integrations.vllm.conversations import servable_policies
-
+    """--forget's help: the policies a served memory may use (the scorers that do not run
+    the model)."""
     names = ", ".join(servable_policies())
     return (
         f"what a memory over its budget forgets: one of {names} (the registered scorers that "
@@ -131,7 +135,13 @@ def publish_parser(sub) -> None:
         "edit always stands)",
     )
     _edit_args(p)
-    p.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"])
+    p.add_argument(
+        "--prompt",
+        default="auto",
+        choices=["auto", "chat", "plain"],
+        help="prompt format: chat template or plain text with an answer cue; auto: the "
+        "model's registered format (as kvedit eval litm --prompt)",
+    )
     p.add_argument(
         "--approximate",
         action="store_true",
@@ -160,9 +170,27 @@ def publish_parser(sub) -> None:
 
 def _edit_args(p) -> None:
     """``kvedit publish``'s span edits: what to emphasize, suppress or duplicate, and how much."""
-    p.add_argument("--emphasize", action="append", default=[], metavar="TEXT")
-    p.add_argument("--suppress", action="append", default=[], metavar="TEXT")
-    p.add_argument("--duplicate", action="append", default=[], metavar="TEXT")
+    p.add_argument(
+        "--emphasize",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a span of the context the model attends to more (repeatable)",
+    )
+    p.add_argument(
+        "--suppress",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a span of the context the model does not attend to (repeatable)",
+    )
+    p.add_argument(
+        "--duplicate",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a span of the context held again, --copies more times (repeatable)",
+    )
     p.add_argument("--strength", type=float, default=2.0, help="--emphasize bias, nats")
     p.add_argument(
         "--suppress-strength",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import time
@@ -45,11 +44,11 @@ from ..errors import InvalidInputError
 from ..models import load_model
 from ..project import Projector
 from ..states.capturing import capture
+from . import project_args
 from .metrics import bootstrap_ci
+from .project_args import FIT_POOL
 from .report import check_out, hold_out
 from .tasks import load_nq
-
-FIT_POOL = 2000
 
 PROJECT_RESULTS = ("results.json", "passages.jsonl", "projector.safetensors")
 """The files of an earlier run that ``--out`` must not hold, unless ``--overwrite``."""
@@ -161,68 +160,9 @@ def summarize(losses: dict[str, np.ndarray]) -> dict:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``project`` to the ``kvedit eval`` subcommands."""
-    p = subparsers.add_parser(
-        "project", help="cross-model KV projection: B's loss with a projected cache of A"
-    )
-    p.add_argument("--a", default="smollm2-135m-instruct", help="source model A")
-    p.add_argument("--b", default="gemma3-270m", help="target model B")
-    p.add_argument("--out", default="runs/project", help="output directory")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the results of an earlier run in --out (refused without it)",
-    )
-    p.add_argument("--projector", default=None, help="load this projector instead of fitting")
-    p.add_argument(
-        "--n-passages", type=_whole(2), default=100, help="held-out evaluation passages (>= 2)"
-    )
-    p.add_argument(
-        "--n-fit",
-        type=_whole(1, FIT_POOL),
-        default=600,
-        help=f"calibration passages (<= {FIT_POOL})",
-    )
-    p.add_argument("--depth-window", type=_whole(1), default=3, help="A layers per B layer")
-    p.add_argument("--own-last", type=_whole(1), default=1, help="prefix tokens B computes itself")
-    p.add_argument("--prefix-fraction", type=_fraction, default=0.5, help="in (0, 1)")
-    p.add_argument(
-        "--min-words",
-        type=_whole(1),
-        default=16,
-        help="fewest words on each side of a passage's cut; shorter passages are skipped (default: 16)",
-    )
-    p.add_argument("--device", default=None, help="default: CUDA when available, else CPU")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(run=main)
-    return p
-
-
-def _whole(low: int, high: int | None = None):
-    """An argparse type: a whole number in ``[low, high]``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bounds = f"at least {low}" if high is None else f"in {low}..{high}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, not {value}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a number strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not (math.isfinite(value) and 0 < value < 1):
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
-    return value
+    """Add ``project`` to the ``kvedit eval`` subcommands, run by :func:`main` (its options:
+    :mod:`kvedit.evals.project_args`, which imports no torch)."""
+    return project_args.add_parser(subparsers, run=main)
 
 
 def _check_project(args) -> tuple[list[tuple[str, str]], Projector | None]:

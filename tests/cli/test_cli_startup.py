@@ -1,9 +1,10 @@
 """The ``kvedit`` command line starts light: the parser lists a command by its summary alone
 unless the command line names it, and the listing reads the same as the whole parser's; a named
 command gets its whole parser; errors keep their usage and status. ``kvedit/__init__.py``
-loads its names on first use: ``import kvedit`` and the help of
-the commands whose options need no registry import none of torch, transformers, numpy, gradio,
-vllm or safetensors (a fresh interpreter's ``sys.modules``, not a timing) (#69)."""
+loads its names on first use: ``import kvedit`` and the help of every command, nested ones
+included (their option lists come from :mod:`kvedit.cli.names`), import none of torch,
+transformers, numpy, gradio, vllm or safetensors (a fresh interpreter's ``sys.modules``, not a
+timing) (#69)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,49 @@ def test_errors_keep_their_usage_and_status(capsys):
     assert main(["eval", "litm", "--n-docs", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: kvedit eval litm") and "--n-docs" in err
+
+
+def test_every_subcommand_help_imports_nothing_heavy():
+    """Every command path, found by walking the parser (nested ones included): its ``--help``
+    prints its own usage, and neither that nor building the whole parser and formatting every
+    help imports a heavy module. What first imported one is named."""
+    code = (
+        "import argparse, contextlib, io, json, sys\n"
+        "from kvedit.cli.main import build_parser, main\n"
+        f"HEAVY = {HEAVY!r}\n"
+        "def children(path):\n"
+        "    node = build_parser(path)\n"
+        "    for word in path:\n"
+        "        sub = [a for a in node._actions if isinstance(a, argparse._SubParsersAction)]\n"
+        "        node = sub[0].choices[word]\n"
+        "    sub = [a for a in node._actions if isinstance(a, argparse._SubParsersAction)]\n"
+        "    return list(sub[0].choices) if sub else []\n"
+        "paths, todo, seen = [], [[]], {}\n"
+        "while todo:\n"
+        "    path = todo.pop(0)\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        status = main([*path, '--help'])\n"
+        "    paths.append((path, status, out.getvalue().splitlines()[0]))\n"
+        "    heavy = [n for n in HEAVY if n in sys.modules and n not in seen]\n"
+        "    seen.update({n: ' '.join(path) or '--help' for n in heavy})\n"
+        "    todo += [[*path, name] for name in children(path)]\n"
+        "parser = build_parser()\n"
+        "def walk(p):\n"
+        "    p.format_help()\n"
+        "    for a in p._actions:\n"
+        "        if isinstance(a, argparse._SubParsersAction):\n"
+        "            for child in a.choices.values():\n"
+        "                walk(child)\n"
+        "walk(parser)\n"
+        "seen.update({n: 'the whole parser' for n in HEAVY if n in sys.modules and n not in seen})\n"
+        "print(json.dumps({'paths': paths, 'heavy': seen}))\n"
+    )
+    seen = _fresh(code)
+    assert seen["heavy"] == {}  # module -> the command whose help first imported it
+    paths = {" ".join(path): (status, first) for path, status, first in seen["paths"]}
+    every = {"", "demo", "app", "publish", "serve", "chat", "eval", "memory"}
+    every |= {"eval litm", "eval memory", "eval project", "memory fit-scorer"}
+    assert every <= set(paths), every - set(paths)
+    for path, (status, first) in paths.items():
+        assert status == 0, path
+        assert first.startswith(f"usage: kvedit {path}".rstrip()), (path, first)
