@@ -9,8 +9,8 @@ CHAT_SUMMARY = "a terminal chat whose conversation is one exact cache, saved in 
 gives: a test compares the two)."""
 
 CHAT_HELP = """\
-Each line read is a question: the answer is printed ([cut at N tokens] after it when it took
---max-new-tokens), then (dimmed on a terminal) what the turn cost and what the memory holds:
+Each line read is a question: the answer is printed as it is decoded ([cut at N tokens] after
+it when it took --max-new-tokens), then (dimmed on a terminal) what the turn cost and what the memory holds:
 tokens computed for the question, the answer's tokens kept from decoding, the transcript's
 tokens, the entries each global layer holds (an entry: one token's K/V in one layer; least /
 median / most over the layers: fewer than the transcript's tokens once it forgot) and its
@@ -19,8 +19,8 @@ bytes (of a --max-bytes budget, as a percentage). An empty line is skipped. Line
             then how much of it each global layer still holds
   /save     write the memory file now; /save PATH writes a copy to PATH (the chat goes on
             with its own file); a save that fails is one error line, the chat going on
-  /undo     take back the last question and its answer (again: the one before, back to where
-            this chat started)
+  /undo     take back the last question and its answer (again: the one before, up to the
+            last 4 of this chat: kvedit.Memory.undo)
   /retry    /undo, then ask that question again (with --temperature, another answer)
   /clear    back to the memory this chat started with (a new memory: its system message)
   /quit     save and end (as Ctrl-D does)
