@@ -41,6 +41,7 @@ from .answering import (
 )
 from .budget import RECENT_TOKENS, budget_from
 from .explaining import explain_text, focus_said
+from .extending import MemoryExtendMethods
 from .forgetting import Round
 from .held import Held, Scores, arrived, bytes_per_token, check_model
 from .persisting import MemoryFileMethods
@@ -55,13 +56,14 @@ from .rendering import (
     check_readable,
     renderer_for,
 )
+from .repositioning import check_room_after, with_room
 from .smallest import check_holds, system_head
 from .undoing import UNDO_STEPS, MemoryUndoMethods
 
 __all__ = ["MAX_MESSAGES", "UNDO_STEPS", "Memory"]
 
 
-class Memory(MemoryFileMethods, MemoryUndoMethods):
+class Memory(MemoryFileMethods, MemoryUndoMethods, MemoryExtendMethods):
     """A conversation an agent keeps as one exact KV cache.
 
     ``Memory(model, tokenizer, system=..., prompt="chat")`` renders messages with the
@@ -91,7 +93,9 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
     Each round is a history step (the memory is no longer a plain capture) and a
     :class:`~kvedit.memory.forgetting.Round` in :attr:`forgetting`. ``quantize`` (2, 4 or 8)
     holds the messages before the last ``exact_messages`` (``recent=``, its older name) in that
-    many bits (:mod:`kvedit.memory.quantizing`), with or without a budget.
+    many bits (:mod:`kvedit.memory.quantizing`), with or without a budget. Under a budget the
+    memory goes on past the model's positions: ``reposition`` (``"at_limit"``, ``"always"``,
+    ``"never"``: :mod:`kvedit.memory.repositioning`) gives the kept entries compact positions.
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was;
@@ -117,6 +121,7 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
         per_layer: bool | None = None,
         keep: str | None = None,
         exact_messages: int | None = None,
+        reposition: str | None = None,
     ) -> None:
         check_model(model, tokenizer)
         if prompt is None:
@@ -140,6 +145,7 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
             quantize=self.quantize,
             per_head=per_head,
             per_layer=per_layer,
+            reposition=reposition,
         )
         """The :class:`~kvedit.memory.budget.Budget` (None: nothing is ever forgotten)."""
         self.exact_messages = exact_messages_of(exact_messages, recent)
@@ -158,6 +164,8 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
         self._files: dict[str, tuple | None] = {}  # file -> the version loaded or saved last
         self.scoring_seconds = 0.0
         """Seconds an arrival policy spent scoring the messages as they came (this process)."""
+        self.reposition_seconds = 0.0
+        """Seconds spent giving the entries compact positions (this process)."""
         if system is not None:
             self.add("system", system)
 
@@ -212,8 +220,8 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
         rendering = self._render_after([*self._messages, message], message.role)
         check_system_held(self.budget, self.prompt, self._messages, rendering)
         n = len(self._state)
-        self._state.check_room(len(rendering.ids) - n, what=f"{role} message")
-        state = extend_ids(self._state, rendering.ids[n:], rendering.offsets[n:], rendering.text)
+        base = self._room(len(rendering.ids) - n, 0, f"{role} message")
+        state = extend_ids(base, rendering.ids[n:], rendering.offsets[n:], rendering.text)
         end = len(rendering.ids)
         scores = self._arrived(state, self._held.scores, n, end)
         turn = Turn(len(self._messages), role, message.content, n, end, "computed", end - n)
@@ -258,8 +266,20 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
         if not content.strip():
             raise InvalidInputError(f"the {role} message is empty")
         check_readable(f"the {role} message", content)
-        self._state.check_room(0, what=f"{role} message", n_chars=len(content))
+        what, n_chars = f"{role} message", len(content)
+        check_room_after(self._state, self._reposition, 0, what=what, n_chars=n_chars)
         return Message(role, content)
+
+    _reposition = property(lambda self: "never" if self.budget is None else self.budget.reposition)
+
+    def _room(self, n_tokens: int, reserve: int, what: str) -> KVState:
+        """The state to add ``n_tokens`` (and ``reserve`` more) to: the memory's, given compact
+        positions where its budget says (:func:`~kvedit.memory.repositioning.with_room`)."""
+        t0 = time.perf_counter()
+        state = with_room(self._state, self._reposition, n_tokens, reserve, what=what)
+        if state is not self._state:
+            self.reposition_seconds += time.perf_counter() - t0
+        return state
 
     def _check_count(self, more: int = 1) -> None:
         if len(self._messages) + more > MAX_MESSAGES:
@@ -382,8 +402,7 @@ class Memory(MemoryFileMethods, MemoryUndoMethods):
         p = self.renderer.render(asked, generation_prompt=True, after=q)
         self._check_prefix(q, p, "generation prompt")
         n, n_q, n_p = len(self._state), len(q.ids), len(p.ids)
-        self._state.check_room(n_p - n, max_new_tokens, what="question")
-        held = self._state  # the question and the answer come on top of the budget
+        held = self._room(n_p - n, max_new_tokens, "question")  # the budget's, and more
         found = None if guard is None else focused_on(held, question, p, guard, self._rendering)
         focused = found is not None and bool(found.chosen) and found.kept
         prompt = extend_ids(found.state if focused else held, p.ids[n:], p.offsets[n:], p.text)

@@ -8,7 +8,8 @@ rounding) with fewer forward passes:
   message (its role, its text; a bad one named by its index in the batch), the message count,
   the conversation rendered through each message in turn exactly as ``add`` renders it
   (append-only, the system message held under a budget: these renderings give each message's
-  boundaries) and the model's positions for the whole batch.
+  boundaries) and, where the memory never moves its positions, the model's positions for the
+  whole batch.
 - The whole batch is rendered once more with the memory's renderer; where its ids are those
   of the renderings one by one (every registered renderer), consecutive messages are run as
   one prefill (chunks of at most :data:`PREFILL_TOKENS`), else one message at a time.
@@ -22,7 +23,9 @@ rounding) with fewer forward passes:
   on each entry's own key and value alone (:data:`GROUPED_ARRIVALS`); any other arrival
   policy (``kvzip`` re-reads each message as its own chunk) is run a message at a time.
 - ``quantize=`` memories are added a message at a time (their older messages are packed
-  after each one).
+  after each one), and so is a batch during which the adds would give the memory compact
+  positions (:mod:`kvedit.memory.repositioning`: ``reposition="always"``, or the batch past
+  the positions left): each ``add`` makes its own room, or refuses it (the memory restored).
 
 The memory is changed once, at the end (an error or Ctrl-C leaves it as it was), and
 :meth:`~kvedit.Memory.undo` takes the whole batch back as one change.
@@ -113,8 +116,9 @@ class MemoryExtendMethods:
             return []
         self._check_count(len(batch))
         planned = self._rendered_batch(batch)
-        self._check_batch_room(planned)
-        if self.quantize is not None:
+        if self._reposition == "never":
+            self._check_batch_room(planned)
+        if self.quantize is not None or self._moves_positions(planned):
             return self._added_one_by_one(planned)
         work = _Work(self._state, self._held.scores)
         grouped = planned.together and _groups_arrivals(self.budget, self._state)
@@ -198,6 +202,18 @@ class MemoryExtendMethods:
                 raise InvalidInputError(  # check_room refuses it first: this is the backstop
                     f"message {k} of the batch would run past the model's {limit} positions"
                 )
+
+    def _moves_positions(self, planned: _Batch) -> bool:
+        """Whether adds would give the memory compact positions during the batch
+        (:mod:`kvedit.memory.repositioning`: ``"always"``, or the batch past the positions
+        left): it is then added a message at a time, each :meth:`add` making its room."""
+        if self._reposition == "always":
+            return True
+        state = self._state
+        limit = checks.positions_limit(state.model, state.max_positions)
+        if limit is None or self._reposition == "never":
+            return False
+        return state.next_position + planned.ends[-1] - len(state) > limit
 
     def _group_end(self, state: KVState, planned: _Batch, j: int) -> int:
         """Where the group from message ``j`` ends (exclusive): before the first message that

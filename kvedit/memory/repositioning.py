@@ -24,16 +24,25 @@ Shapes: positions ``[n]`` long; a headwise layer's ``[kv_heads, n]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import checks
 from ..errors import InvalidInputError, ModelNotAttachedError
 from ..provenance import Step
 from ..rope import movers
-from ..states.room import chars_per_token
+from ..states.room import check_room
 from ..states.state import KVState
 
-__all__ = ["REPOSITIONS", "compact_positions", "held_positions", "is_compact", "with_room"]
+__all__ = [
+    "REPOSITIONS",
+    "check_room_after",
+    "compact_positions",
+    "held_positions",
+    "is_compact",
+    "with_room",
+]
 
 REPOSITIONS = ("at_limit", "always", "never")
 """When a memory under a budget gives its entries compact positions: ``at_limit`` (the
@@ -111,7 +120,18 @@ def compact_positions(state: KVState, reason: str = "at_limit") -> KVState:
     return out.with_step(Step("reposition", "compact_positions", params, exact=False))
 
 
-def with_room(
+@dataclass(frozen=True)
+class _Compacted:
+    """What the room check reads of a state (:class:`~kvedit.states.view.StateView`'s model,
+    tokenizer, positions), its next position as compact positions would make it."""
+
+    model: object
+    tokenizer: object
+    max_positions: int | None
+    next_position: int
+
+
+def check_room_after(
     state: KVState,
     reposition: str,
     n_tokens: int,
@@ -119,33 +139,58 @@ def with_room(
     *,
     what: str,
     n_chars: int | None = None,
+) -> None:
+    """Refuse (before any work) ``n_tokens`` and ``reserve`` more, or a text of ``n_chars``
+    characters, that do not fit in the positions ``state`` would have left once
+    :func:`with_room` gave it compact positions where ``reposition`` allows
+    (:func:`kvedit.states.room.check_room`'s error: the count, the limit).
+
+    Raises:
+        InvalidInputError: no room.
+    """
+    packed = [i for i, layer in enumerate(state.layers) if layer.packed]
+    if reposition == "never" or not packed:
+        view = state
+        if reposition != "never":
+            m = int(held_positions(state).numel())
+            view = _Compacted(state.model, state.tokenizer, state.max_positions, m)
+        check_room(view, n_tokens, reserve, what=what, n_chars=n_chars)
+        return
+    try:
+        check_room(state, n_tokens, reserve, what=what, n_chars=n_chars)
+    except InvalidInputError as e:
+        raise InvalidInputError(
+            f"{e}; positions cannot be made compact here: layer {packed[0]} is held packed "
+            "(a memory with quantize= and a byte budget), and its keys cannot be moved without "
+            "unpacking and packing them again"
+        ) from None
+
+
+def with_room(
+    state: KVState,
+    reposition: str,
+    n_tokens: int,
+    reserve: int = 0,
+    *,
+    what: str,
 ) -> KVState:
-    """``state``, given compact positions where ``reposition`` says
-    (:data:`REPOSITIONS`: ``"always"``; ``"at_limit"`` when ``n_tokens`` and ``reserve`` more
-    would pass the model's positions), checked to have room for them
-    (:meth:`KVState.check_room`). ``state`` itself is unchanged.
+    """``state``, given compact positions where ``reposition`` says (:data:`REPOSITIONS`:
+    ``"always"``; ``"at_limit"`` when ``n_tokens`` and ``reserve`` more would pass the model's
+    positions), checked to have room for them (:meth:`KVState.check_room`) before any work.
+    ``state`` itself is unchanged.
 
     Raises:
         InvalidInputError: no room even with compact positions (the room check's error), or a
             layer held packed at the limit.
     """
-    if reposition == "always" or (
-        reposition == "at_limit" and not _fits(state, n_tokens, reserve, n_chars)
-    ):
+    check_room_after(state, reposition, n_tokens, reserve, what=what)
+    if reposition == "always" or (reposition == "at_limit" and not _fits(state, n_tokens, reserve)):
         state = compact_positions(state, reason=reposition)
-    state.check_room(n_tokens, reserve, what=what, n_chars=n_chars)
+    state.check_room(n_tokens, reserve, what=what)
     return state
 
 
-def _fits(state: KVState, n_tokens: int, reserve: int, n_chars: int | None) -> bool:
-    """Whether ``n_tokens`` and ``reserve`` more (and a text of ``n_chars`` characters, by the
-    room check's bound) fit in the positions ``state`` has left."""
+def _fits(state: KVState, n_tokens: int, reserve: int) -> bool:
+    """Whether ``n_tokens`` and ``reserve`` more fit in the positions ``state`` has left."""
     limit = checks.positions_limit(state.model, state.max_positions)
-    if limit is None:
-        return True
-    room = limit - state.next_position - reserve
-    tok = state.tokenizer
-    too_long = n_chars is not None and tok is not None
-    if too_long and n_chars > max(room, 0) * chars_per_token(tok):
-        return False
-    return n_tokens <= room
+    return limit is None or state.next_position + n_tokens + reserve <= limit

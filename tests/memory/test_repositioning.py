@@ -155,3 +155,95 @@ def test_budget_reposition_is_checked_and_kept(llama):
     assert data["reposition"] == "never"
     assert Budget.from_json(data).reposition == "never"
     assert "reposition" not in budget_from(state, max_tokens=64).to_json()  # files read as before
+
+
+NOTES = [f"Note {i}: the spare key is in drawer {i}." for i in range(40)]
+
+
+def memory(model, tok, **kw) -> kvedit.Memory:
+    return kvedit.Memory(model, tok, system="You keep notes.", max_positions=160, **kw)
+
+
+def test_a_memory_under_a_budget_goes_on_past_the_models_positions(llama, tmp_path):
+    model, tok = llama
+    mem = memory(model, tok, max_tokens=48, forget="knorm")
+    for note in NOTES:
+        mem.add("user", note)
+    assert sum(t.n_tokens for t in mem.turns) > 3 * 160
+    assert mem.state.next_position <= 160
+    steps = [s for s in mem.state.history.steps if s.kind == "reposition"]
+    assert steps and all(s.params["reason"] == "at_limit" for s in steps)
+    assert mem.reposition_seconds > 0
+    mem.ask("Which drawer holds the key?", max_new_tokens=8)  # an answer past the positions too
+    # saved and loaded, it goes on as the memory it was
+    path = mem.save(tmp_path / "notes.kvmem")
+    again = kvedit.Memory.load(path, model, tok, max_positions=160)
+    assert again.budget.reposition == "at_limit" and again.state.digest == mem.state.digest
+    for m in (mem, again):
+        for note in NOTES[:12]:
+            m.add("user", note)
+    assert again.state.digest == mem.state.digest
+    assert (again.state.last_logits - mem.state.last_logits).abs().max().item() < 1e-4
+
+
+def test_before_the_limit_nothing_moves(llama):
+    model, tok = llama
+    a = memory(model, tok, max_tokens=48, forget="knorm")
+    b = memory(model, tok, max_tokens=48, forget="knorm", reposition="never")
+    for note in NOTES[:4]:
+        a.add("user", note)
+        b.add("user", note)
+    assert a.state.next_position < 160 and a.forgetting  # forgot, not yet at the limit
+    assert a.state.digest == b.state.digest
+
+
+def test_always_keeps_positions_compact(llama):
+    """Before every message the gaps are closed: the next position stays near what is held,
+    where without it the positions grow with every token read."""
+    model, tok = llama
+    mem = memory(model, tok, max_tokens=48, forget="knorm", reposition="always")
+    for note in NOTES[:10]:
+        held = int(held_positions(mem.state).numel())
+        mem.add("user", note)
+        assert mem.state.next_position == held + mem.turns[-1].n_tokens
+    assert sum(t.n_tokens for t in mem.turns) > 2 * mem.state.next_position
+    steps = [s for s in mem.state.history.steps if s.kind == "reposition"]
+    assert steps and steps[-1].params["reason"] == "always"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_tokens": 48, "forget": "knorm", "reposition": "never"},
+        {},  # no budget: nothing forgotten, no gap to close
+        {"max_bytes": 48, "forget": "knorm", "quantize": 4},  # packed keys cannot move
+    ],
+)
+def test_where_positions_cannot_be_compacted_the_memory_stops_with_the_room_error(llama, kw):
+    model, tok = llama
+    if "max_bytes" in kw:  # 72 tokens' bytes: a byte budget holds older messages packed
+        kw = {**kw, "max_bytes": 72 * kvedit.capture_tokens(model, tok, [1]).nbytes}
+    mem = memory(model, tok, **kw)
+    with pytest.raises(InvalidInputError, match="positions") as err:
+        for note in NOTES:
+            mem.add("user", note)
+    digest = mem.state.digest
+    with pytest.raises(InvalidInputError):
+        mem.add("user", NOTES[0])
+    assert mem.state.digest == digest  # refused before any work
+    if "quantize" in kw:
+        assert any(layer.packed for layer in mem.state.layers)
+        assert "quantize=" in str(err.value)
+
+
+@pytest.mark.parametrize("reposition", ["at_limit", "always"])
+def test_extend_past_the_positions_is_the_adds(llama, reposition):
+    model, tok = llama
+    a = memory(model, tok, max_tokens=48, forget="knorm", reposition=reposition)
+    b = memory(model, tok, max_tokens=48, forget="knorm", reposition=reposition)
+    for note in NOTES[:12]:
+        a.add("user", note)
+    b.extend([("user", note) for note in NOTES[:12]])
+    assert any(s.kind == "reposition" for s in b.state.history.steps)
+    assert a.state.digest == b.state.digest
+    assert (a.state.last_logits - b.state.last_logits).abs().max().item() < 1e-4
