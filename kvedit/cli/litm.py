@@ -34,6 +34,38 @@ def litm_parser(sub) -> None:
         help=LITM_SUMMARY,
         epilog=_LITM_EPILOG,
     )
+    _add_example_arguments(p)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument(
+        "--prompt",
+        default="auto",
+        choices=["auto", "chat", "plain"],
+        help="prompt format: chat template or plain text with an answer cue; auto: the "
+        "model's registered format (see below)",
+    )
+    p.add_argument("--out", default="runs/litm", help="the results folder")
+    overwrite_arg(p)
+    p.add_argument(
+        "--limit",
+        type=positive("--limit"),
+        default=None,
+        help="cap on the number of examples (default: no cap)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive("--max-new-tokens"),
+        default=32,
+        help="the longest answer, in tokens",
+    )
+    max_positions_arg(p)
+    _add_engine_arguments(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_reuse_arguments(p)
+    p.set_defaults(run=_run_litm)
+
+
+def _add_example_arguments(p: argparse.ArgumentParser) -> None:
+    """What is run: ``--task`` or ``--data``, ``--methods``, and the examples' sizes and seed."""
     p.add_argument(
         "--task", default="records", choices=litm_tasks(), help="the generated task's name"
     )
@@ -66,33 +98,6 @@ def litm_parser(sub) -> None:
         help="examples per position (default: the task's own)",
     )
     p.add_argument("--seed", type=int, default=0, help="the examples' random seed")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
-    p.add_argument(
-        "--prompt",
-        default="auto",
-        choices=["auto", "chat", "plain"],
-        help="prompt format: chat template or plain text with an answer cue; auto: the "
-        "model's registered format (see below)",
-    )
-    p.add_argument("--out", default="runs/litm", help="the results folder")
-    overwrite_arg(p)
-    p.add_argument(
-        "--limit",
-        type=positive("--limit"),
-        default=None,
-        help="cap on the number of examples (default: no cap)",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=positive("--max-new-tokens"),
-        default=32,
-        help="the longest answer, in tokens",
-    )
-    max_positions_arg(p)
-    _add_engine_arguments(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    _add_reuse_arguments(p)
-    p.set_defaults(run=_run_litm)
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:

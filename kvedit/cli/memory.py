@@ -96,6 +96,28 @@ def memory_parser(sub) -> None:
         default="1.0,0.5,0.25,0.1",
         help="comma-separated fractions in (0, 1] (see below)",
     )
+    _generated_task_args(p)
+    p.add_argument("--out", default="runs/memory", help="the results folder")
+    overwrite_arg(p)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the conversations done in DIR/partial.jsonl, compute the rest (a last line "
+        "cut by a kill is dropped with a warning)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive("--max-new-tokens"),
+        default=16,
+        help="the longest answer, in tokens",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=_run_memory)
+
+
+def _generated_task_args(p) -> None:
+    """A generated task's sizes and seed (``--n-examples``, ``--size``, ``--questions``,
+    ``--seed``; refused with ``--conversations``)."""
     p.add_argument(
         "--n-examples",
         type=positive("--n-examples"),
@@ -120,22 +142,6 @@ def memory_parser(sub) -> None:
         default=None,
         help=f"a generated task's random seed (default {DEFAULTS['seed']})",
     )
-    p.add_argument("--out", default="runs/memory", help="the results folder")
-    overwrite_arg(p)
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep the conversations done in DIR/partial.jsonl, compute the rest (a last line "
-        "cut by a kill is dropped with a warning)",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=positive("--max-new-tokens"),
-        default=16,
-        help="the longest answer, in tokens",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(run=_run_memory)
 
 
 def check_memory(args) -> None:

@@ -18,17 +18,13 @@ its parent's parent (a retried turn is still served from its memory).
 (the messages after what the memory holds and the generation prompt); vLLM computes only those
 and the answer. The connector saves the K/V it computed (:mod:`~kvedit.integrations.vllm.turns`);
 :meth:`~Conversations.commit` moves the keys from vLLM's positions to the memory's (RoPE is
-relative: by ``next_position - slots``, nothing when nothing was forgotten), appends them up to
-where the conversation re-rendered with the answer differs (the answer's last sampled token has
-no K/V yet: it is computed with the next message), scores them on arrival, fits the memory to
-its byte budget (:class:`~kvedit.memory.budget.Budget` with ``per_head=False,
-per_layer=False``: every layer and KV head keeps the same tokens, which a stock kernel, one slot
-per token for all layers, serves exactly), gives the kept entries compact positions (a server
-cannot know how long the next request is, and vLLM accepts up to its ``max_model_len`` after the
-slots: a memory whose positions held a gap could be asked past the model's positions;
-:mod:`kvedit.memory.repositioning`, so a conversation under a budget never ends at them) and
-stores the result. The history records that vLLM computed entries
-(a ``computed`` step): no served memory's digest claims a transformers capture.
+relative: by ``next_position - slots``), appends them up to where the conversation re-rendered
+with the answer differs (the answer's last sampled token has no K/V yet: it is computed with the
+next message), scores them on arrival, fits the memory to its byte budget (``keep="token"``:
+every layer and KV head keeps the same tokens, which a stock kernel serves exactly), gives the
+kept entries compact positions (:mod:`kvedit.memory.repositioning`: vLLM accepts up to
+``max_model_len`` after the slots, so a gap could be asked past the model's positions) and stores
+the result. The history records that vLLM computed entries (a ``computed`` step).
 
 Shapes: a saved turn's K/V are ``[n, kv_heads, head_dim]`` per layer; a memory's layers
 ``[1, kv_heads, entries, head_dim]``.
@@ -332,7 +328,7 @@ class Conversations:
         before = sum(len(x) for x in state.layers)
         ranges = _system_ranges(self.renderer, plan.messages, full)
         state, scores, _ = budget.fit(state, scores, ranges, len(plan.messages))
-        if budget.reposition == "always":  # a server cannot know how long the next turn is
+        if budget.reposition == "always":  # the next request's length is unknown here
             state = compact_positions(state, reason="always")
         return state, scores, before - sum(len(x) for x in state.layers)
 
