@@ -277,19 +277,22 @@ def test_focus_says_after_each_answer_what_it_did(monkeypatch, capsys, tmp_path,
     )
     assert status == 0, err
     said = [line for line in out.splitlines() if line.startswith("[focus: ")]
-    memory, expected = Memory(*tiny), []  # the same questions through the library
-    for q in questions:
-        memory.ask(q, max_new_tokens=6, focus=True)
+    memory, expected = Memory(*tiny), []  # the same lines through the library
+    for q in questions:  # a statement asks nothing: focus stays off for it
+        memory.ask(q, max_new_tokens=6, focus=q.endswith("?"))
+        if not q.endswith("?"):
+            expected.append("[focus: off, the line asks nothing]")
+            continue
         expected.append(f"[focus: {memory.focus_said() or 'no earlier message to emphasize'}]")
     assert said == expected
-    assert said[0] == "[focus: no earlier message to emphasize]" and said[1] != said[0]
+    assert said[0] == said[1] == "[focus: off, the line asks nothing]" != said[2]
     assert Memory.load(path, *tiny).messages == memory.messages
 
 
 def test_a_budget_forgets_and_the_turns_that_forgot_say_so(monkeypatch, capsys, tmp_path, tiny):
     path = tmp_path / "chat.kv"
     lines = "".join(
-        f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(6)
+        f"was line {i}: my locker code is {4821 + i}, the river is calm?\n" for i in range(6)
     )
     budget = ["--max-tokens", "150", "--forget", "knorm", "--protect", "4821"]
     status, out, err = _chat(monkeypatch, capsys, path, lines, *budget)
@@ -697,7 +700,7 @@ def test_focus_under_an_entry_budget_answers_every_round(monkeypatch, capsys, tm
     them so): every question answered past the first round, none refused (#65)."""
     path = tmp_path / "chat.kv"
     lines = "".join(
-        f"line {i}: my locker code is {4821 + i}, the river is calm\n" for i in range(6)
+        f"was line {i}: my locker code is {4821 + i}, the river is calm?\n" for i in range(6)
     )
     status, out, err = _chat(monkeypatch, capsys, path, lines, "--max-tokens", "60", "--focus")
     assert status == 0 and err == "", err
