@@ -271,15 +271,19 @@ class LayerKV:
             window=self.window,
         )
 
-    def repositioned(self, new_positions, move) -> LayerKV:
-        """This layer with every entry at ``new_positions(positions)`` (a function of a long
-        tensor of positions, same shape), its keys moved there by ``move(keys, delta)`` (keys
-        ``[batch, kv_heads, n, head_dim]``, ``delta`` ``[n]``: a
-        :class:`~kvedit.rope.KeyMover`'s ``move``). A packed layer refuses (its keys would be
-        unpacked and packed again): callers check :attr:`packed` first."""
+    def longest_head(self) -> int:
+        """The most entries one KV head holds (every head holds all of a dense layer's)."""
+        return len(self)
+
+    def repositioned(self, end: int, move) -> LayerKV:
+        """This layer with its entries at consecutive positions ending at ``end - 1``, in the
+        order of their positions (right-aligned: every layer's newest entry at ``end - 1``),
+        the keys moved there by ``move(keys, delta)`` (keys ``[batch, kv_heads, n, head_dim]``,
+        ``delta`` ``[n]``: a :class:`~kvedit.rope.KeyMover`'s ``move``). A packed layer refuses
+        (its keys would be unpacked and packed again): callers check :attr:`packed` first."""
         if self.packed:
             raise TypeError(f"a {self.kind} layer's keys cannot be moved without repacking")
-        positions = new_positions(self.positions)
+        positions = right_aligned(self.positions, end)
         keys = move(self.keys, positions - self.positions)
         return dataclasses.replace(self, keys=keys, positions=positions)
 
@@ -288,3 +292,12 @@ class LayerKV:
         if self.window is None or len(self) <= self.window:
             return self
         return self.select(slice(len(self) - self.window, None))
+
+
+def right_aligned(positions: torch.Tensor, end: int) -> torch.Tensor:
+    """``[n]`` new positions for entries at ``positions`` ``[n]``: consecutive, in the same
+    order, the last at ``end - 1``."""
+    n = positions.shape[0]
+    rank = torch.empty_like(positions)
+    rank[torch.argsort(positions, stable=True)] = torch.arange(n, device=positions.device)
+    return end - n + rank

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import CorruptCacheError, InvalidInputError
-from .dense import LayerKV
+from .dense import LayerKV, right_aligned
 from .registry import register_layer
 
 __all__ = ["PAD", "HeadwiseLayerKV", "is_headwise", "keep_per_head", "refuse_headwise"]
@@ -120,13 +120,16 @@ class HeadwiseLayerKV(LayerKV):
         plain = LayerKV.extended(self, full_keys, full_values, token_index, positions)
         return self._grown(plain, token_index, positions)
 
-    def repositioned(self, new_positions, move) -> LayerKV:
-        """As :meth:`LayerKV.repositioned`, each KV head's slots moved by their own positions
+    def longest_head(self) -> int:
+        return int(self.held().sum(dim=1).max()) if self.held().numel() else 0
+
+    def repositioned(self, end: int, move) -> LayerKV:
+        """As :meth:`LayerKV.repositioned`, each KV head's entries right-aligned on their own
         (a padding slot keeps its position and its zero key)."""
         held = self.held()
-        head_positions = torch.where(
-            held, new_positions(self.head_positions.clamp_min(0)), self.head_positions
-        )
+        head_positions = self.head_positions.clone()
+        for h in range(held.shape[0]):
+            head_positions[h, held[h]] = right_aligned(self.head_positions[h, held[h]], end)
         delta = torch.where(held, head_positions - self.head_positions, 0)
         keys = torch.cat(
             [move(self.keys[:, h : h + 1], delta[h]) for h in range(delta.shape[0])], dim=1

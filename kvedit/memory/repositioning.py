@@ -5,13 +5,14 @@ positions.
 A memory's positions grow with every token it has read, forgotten or not: after forgetting,
 its entries sit at scattered positions (the first tokens, the system message, what the policy
 kept, the recent tail) and the next token's position is one past everything ever read. When
-that position would pass the model's positions, :func:`compact_positions` closes the gaps: the
-positions held on any layer (every KV head's, the sliding windows' included), in order, become
-``0, 1, 2, ...``, each layer's keys are re-rotated by its own RoPE
-(:func:`kvedit.rope.movers`: Gemma-3's sliding and global bases each their own) and the next
-token comes right after the last kept one. This is StreamingLLM's rule ("positions within the
-cache"): the order of the entries and the distances within the recent, unforgotten tail (the
-sliding windows) are kept exactly, the distances across a forgotten stretch shrink. It changes
+that position would pass the model's positions, :func:`compact_positions` closes the gaps:
+each layer's entries (each KV head's own, in a layer that keeps them per head) are given
+consecutive positions in their order, right-aligned so that every layer's newest entry sits at
+the same position and the next token right after it; each layer's keys are re-rotated by its
+own RoPE (:func:`kvedit.rope.movers`: Gemma-3's sliding and global bases each their own). This
+is StreamingLLM's rule ("positions within the cache"), per layer and head: the order of the
+entries and the distances within the recent tail every layer holds (the last tokens, a sliding
+window) are kept exactly, the distances across a forgotten stretch shrink. It changes
 what the model computes, so the state's history records a step ``exact=False`` with the
 positions before and after; the memory file holds the moved positions as it holds any.
 
@@ -38,8 +39,8 @@ from ..states.state import KVState
 __all__ = [
     "REPOSITIONS",
     "check_room_after",
+    "compact_end",
     "compact_positions",
-    "held_positions",
     "is_compact",
     "with_room",
 ]
@@ -51,28 +52,41 @@ every message and question (the positions never hold a gap), ``never`` (the memo
 the model's positions, as one with no budget does)."""
 
 
-def held_positions(state: KVState) -> torch.Tensor:
-    """``[m]`` the sorted distinct positions some layer (some KV head) of ``state`` holds."""
-    held = []
-    for layer in state.layers:
-        _, positions = layer.held_entries()
-        held.append(positions.reshape(-1).cpu())
-    every = torch.cat(held) if held else torch.zeros(0, dtype=torch.long)
-    return torch.unique(every[every >= 0])  # unique sorts
+def compact_end(state: KVState) -> int:
+    """The next position compact positions give ``state``: the most entries one layer (one KV
+    head of a headwise layer) holds."""
+    return max((layer.longest_head() for layer in state.layers), default=0)
+
+
+def _unmoved(keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    return keys
 
 
 def is_compact(state: KVState) -> bool:
-    """Whether ``state``'s held positions are ``0 .. m-1`` and the next position is ``m``."""
-    kept = held_positions(state)
-    m = int(kept.numel())
-    return state.next_position == m and (m == 0 or int(kept[-1]) == m - 1)
+    """Whether every layer's (every KV head's) entries already sit at consecutive positions
+    ending right before the next position, which is :func:`compact_end`."""
+    end = compact_end(state)
+    if state.next_position != end:
+        return False
+    for layer in state.layers:
+        moved = layer.repositioned(end, _unmoved)
+        if not torch.equal(moved.held_entries()[1], layer.held_entries()[1]):
+            return False
+    return True
 
 
 def compact_positions(state: KVState, reason: str = "at_limit") -> KVState:
-    """``state`` with its held positions made ``0 .. m-1`` in order, keys re-rotated per layer,
-    ``position_ids`` of the text's tokens mapped the same way (a forgotten token to the
-    position of the next kept one), the last input's position moved with it and the next
-    position ``m``. ``state`` itself is unchanged; a compact state is returned as it is.
+    """``state`` with each layer's (each KV head's) entries at consecutive positions, in order,
+    the newest at ``m - 1`` where ``m`` (:func:`compact_end`) is the most entries one holds;
+    keys re-rotated by each layer's RoPE; ``position_ids`` of the text's tokens the smallest
+    new position a layer gives them (a forgotten token the next kept one's), the last input
+    moved with it and the next position ``m``. ``state`` itself is unchanged; a compact state
+    is returned as it is.
+
+    Right-aligned per layer and head, not over the union of what the layers hold: each layer
+    (each head) keeps its own entries under a budget, so together they cover nearly every
+    position read; aligned at their newest entry, the tail every layer holds (the recent
+    tokens, a sliding window) keeps one position on every layer.
 
     Raises:
         ModelNotAttachedError: the state has no model (its RoPE moves the keys).
@@ -93,31 +107,31 @@ def compact_positions(state: KVState, reason: str = "at_limit") -> KVState:
             "giving a memory's entries compact positions moves their keys by the model's "
             "RoPE: attach the model (Memory.load(path, model, tokenizer))"
         )
-    kept = held_positions(state)
-
-    def new_positions(positions: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(kept.to(positions.device), positions)
-
+    end = compact_end(state)
     layer_movers = movers(state.model)
-    layers = [
-        layer.repositioned(new_positions, layer_movers[i].move)
-        for i, layer in enumerate(state.layers)
-    ]
+    layers = [layer.repositioned(end, layer_movers[i].move) for i, layer in enumerate(state.layers)]
+    position_ids = _token_positions(layers, len(state), end)
     last = state.last_input
     if last is not None:
-        last = type(last)(last.token_index, int(new_positions(torch.tensor([last.position]))[0]))
-    params = {
-        "reason": reason,
-        "next_position": [int(state.next_position), int(kept.numel())],
-        "held_positions": int(kept.numel()),
-    }
+        last = type(last)(last.token_index, int(position_ids[last.token_index]))
+    params = {"reason": reason, "next_position": [int(state.next_position), end]}
     out = state.replace(
-        layers=layers,
-        position_ids=new_positions(state.position_ids),
-        next_position=int(kept.numel()),
-        last_input=last,
+        layers=layers, position_ids=position_ids, next_position=end, last_input=last
     )
     return out.with_step(Step("reposition", "compact_positions", params, exact=False))
+
+
+def _token_positions(layers, n_tokens: int, end: int) -> torch.Tensor:
+    """``[n_tokens]``: each token's smallest position on a layer that holds it; a token no
+    layer holds gets the next held token's (non-decreasing where the positions are)."""
+    out = torch.full((n_tokens,), end, dtype=torch.long)
+    for layer in layers:
+        index, positions = layer.held_entries()
+        index, positions = index.reshape(-1).cpu(), positions.reshape(-1).cpu()
+        ok = index >= 0
+        out.scatter_reduce_(0, index[ok], positions[ok], reduce="amin")
+    out = torch.flip(torch.cummin(torch.flip(out, [0]), 0).values, [0])
+    return out.clamp_max(end - 1)
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,7 @@ def check_room_after(
     if reposition == "never" or not packed:
         view = state
         if reposition != "never":
-            m = int(held_positions(state).numel())
+            m = compact_end(state)
             view = _Compacted(state.model, state.tokenizer, state.max_positions, m)
         check_room(view, n_tokens, reserve, what=what, n_chars=n_chars)
         return

@@ -9,7 +9,7 @@ from test_vllm_conversations import SYSTEM, emulate_vllm, memory_file
 
 import kvedit
 from kvedit.integrations.vllm.conversations import Conversations
-from kvedit.memory.repositioning import held_positions, is_compact
+from kvedit.memory.repositioning import compact_end, is_compact
 from kvedit.states.files.read import read_attached
 
 
@@ -41,7 +41,7 @@ def test_a_served_conversation_under_a_budget_passes_the_models_positions(
         messages.append({"role": "assistant", "content": answer})
         memory = read_attached(memory_file(tmp_path, said["memory_digest"]), model, tok).state
         assert is_compact(memory)
-        assert memory.next_position == len(held_positions(memory)) < limit
+        assert memory.next_position == compact_end(memory) < limit
         read = len(plan.rendering.ids)
     assert read > 2 * limit  # the conversation went far past the positions
     steps = [s for s in memory.history.steps if s.kind == "reposition"]
