@@ -42,6 +42,7 @@ def rank_keep(
     per_head: bool = False,
     held: Mapping[int, torch.Tensor] | None = None,
     floor: float = 0.0,
+    cap: int | None = None,
 ) -> dict[int, torch.Tensor]:
     """What each layer keeps: the entries of ``must``, then the best-scored others of all the
     layers together while their cost fits ``budget``.
@@ -59,6 +60,9 @@ def rank_keep(
             padding does not; never kept nor paid for). None: every slot.
         floor: the fraction of ``budget`` (0 to 1) shared equally among the layers before the
             ranking across layers (module docstring); 0: one ranking alone.
+        cap: the most entries one layer keeps (one KV head, with ``per_head``), ``must``'s
+            included: the ranking passes over an entry whose layer (head) holds ``cap``
+            already. None: no cap.
 
     Returns:
         ``{layer: [n]}`` bool (head-uniform) or ``{layer: [kv_heads, n]}`` bool (``per_head``).
@@ -107,6 +111,8 @@ def rank_keep(
     free = (~kept & ~torch.isnan(flat)).nonzero().flatten()
     if len(free):
         ranked = free[torch.argsort(flat[free], descending=True, stable=True)]
+        if cap is not None:
+            ranked = ranked[_under_cap(ranked, kept, _groups(shapes, order, per_head), cap)]
         fits = torch.cumsum(price[ranked], 0) <= budget - spent + 1e-9
         kept[ranked[fits]] = True
     out, start = {}, 0
@@ -117,6 +123,34 @@ def rank_keep(
         out[i] = part.reshape(heads, n) if per_head else part
         start += size
     return out
+
+
+def _groups(shapes: dict, order: list, per_head: bool) -> torch.Tensor:
+    """``[units]`` the group each unit counts toward under a cap: its layer, or with
+    ``per_head`` its (layer, KV head)."""
+    ids, start = [], 0
+    for i in order:
+        heads, n = shapes[i]
+        if per_head:
+            ids.append(start + torch.arange(heads)[:, None].expand(heads, n).flatten())
+            start += heads
+        else:
+            ids.append(torch.full((n,), start))
+            start += 1
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+
+
+def _under_cap(ranked: torch.Tensor, kept: torch.Tensor, group: torch.Tensor, cap: int):
+    """``[len(ranked)]`` bool: the ranked units their group can still take, in rank order,
+    after what ``kept`` holds of it (at most ``cap`` in all)."""
+    g = group[ranked]
+    counts = torch.bincount(group[kept], minlength=int(group.max()) + 1 if len(group) else 0)
+    order = torch.argsort(g, stable=True)  # rank order within each group
+    sorted_g = g[order]
+    first = torch.searchsorted(sorted_g, sorted_g)  # each group's first index
+    within = torch.empty_like(order)
+    within[order] = torch.arange(len(order)) - first
+    return within < (cap - counts[g]).clamp_min(0)
 
 
 def _floor(

@@ -40,7 +40,7 @@ from .forgetting import (
     protected_slots,
 )
 from .keeping import KEEPS, checked_keep, keep_of
-from .repositioning import REPOSITIONS
+from .repositioning import REPOSITIONS, position_cap
 
 __all__ = [
     "BYTE_STEP",
@@ -256,6 +256,7 @@ class Budget:
             at_message,
             per_head=self.per_head,
             per_layer=self.per_layer,
+            cap=position_cap(state, self.reposition),
             **bytes_kw,
         )
 

@@ -164,13 +164,15 @@ def forget(
     per_layer: bool = True,
     in_bytes: bool = False,
     packed: tuple[int, int] | None = None,
+    cap: int | None = None,
 ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round]:
     """``state`` with its global layers cut to ``room``: entries per layer on average, or
     bytes (``in_bytes``), by ``policy`` (a registered scorer's name), each KV head keeping its
     own entries with ``per_head``; without ``per_layer`` every global layer keeps the same
     tokens (:func:`kept_tokens`). ``packed``: ``(bits, first exact token)``, for a memory that
     holds its older messages packed: in bytes, an entry of a token before that is priced as it
-    will be held, packed in ``bits`` bits.
+    will be held, packed in ``bits`` bits. ``cap``: the most entries one layer (one KV head,
+    ``per_head``) keeps (:func:`~kvedit.compress.allocation.rank_keep`; None: no cap).
 
     Args:
         state: the memory's state (not modified).
@@ -193,7 +195,7 @@ def forget(
     cost = {i: entry_costs(state.layers[i], in_bytes, packed) for i in chosen}
     total = room if in_bytes else room * len(chosen)
     if per_layer:
-        kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head)
+        kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head, cap)
     else:
         kept = kept_tokens(state, ranked, must, held, cost, total)
     layers = list(state.layers)
@@ -270,18 +272,24 @@ def protected_slots(layer, protected: torch.Tensor) -> torch.Tensor:
     return (index >= 0) & protected[index.clamp_min(0)]
 
 
-def _kept(ranked, must, held, cost, total: float, shared: bool, per_head: bool) -> dict:
+def _kept(ranked, must, held, cost, total: float, shared: bool, per_head: bool, cap=None) -> dict:
     """What each layer keeps (:func:`rank_keep`: over all layers for a shared policy, each layer
     its equal share of ``total`` otherwise); ``must`` ``[kv_heads, n]`` per layer."""
     if not per_head:  # a slot holds the same token on every head
         must = {i: m.any(dim=0) for i, m in must.items()}
     if shared:
-        return rank_keep(ranked, must, total, cost, per_head=per_head, held=held)
+        return rank_keep(ranked, must, total, cost, per_head=per_head, held=held, cap=cap)
     out = {}
     share = total / len(ranked)
     for i in ranked:
         one = rank_keep(
-            {i: ranked[i]}, {i: must[i]}, share, {i: cost[i]}, per_head=per_head, held={i: held[i]}
+            {i: ranked[i]},
+            {i: must[i]},
+            share,
+            {i: cost[i]},
+            per_head=per_head,
+            held={i: held[i]},
+            cap=cap,
         )
         out.update(one)
     return out

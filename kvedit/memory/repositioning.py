@@ -37,7 +37,9 @@ from ..states.room import check_room
 from ..states.state import KVState
 
 __all__ = [
+    "POSITION_SHARE",
     "REPOSITIONS",
+    "position_cap",
     "check_room_after",
     "compact_end",
     "compact_positions",
@@ -45,11 +47,26 @@ __all__ = [
     "with_room",
 ]
 
+POSITION_SHARE = 0.75
+"""The most entries one layer (one KV head) of a memory that repositions keeps, as a share of
+the model's positions: compact positions then leave at least a quarter of them to read before
+the next compaction (one ranking over the layers can give a layer nearly everything read)."""
+
 REPOSITIONS = ("at_limit", "always", "never")
 """When a memory under a budget gives its entries compact positions: ``at_limit`` (the
 default) when the next message or answer would pass the model's positions, ``always`` before
 every message and question (the positions never hold a gap), ``never`` (the memory stops at
 the model's positions, as one with no budget does)."""
+
+
+def position_cap(state: KVState, reposition: str) -> int | None:
+    """The most entries a forgetting round lets one layer (one KV head) of ``state`` keep:
+    :data:`POSITION_SHARE` of the model's positions where positions are made compact (None:
+    ``"never"``, or a model without a limit)."""
+    limit = checks.positions_limit(state.model, state.max_positions)
+    if reposition == "never" or limit is None:
+        return None
+    return int(POSITION_SHARE * limit)
 
 
 def compact_end(state: KVState) -> int:

@@ -249,3 +249,19 @@ def test_extend_past_the_positions_is_the_adds(llama, reposition):
     assert any(s.kind == "reposition" for s in b.state.history.steps)
     assert a.state.digest == b.state.digest
     assert (a.state.last_logits - b.state.last_logits).abs().max().item() < 1e-4
+
+
+def test_no_layer_keeps_more_than_its_share_of_the_positions(llama, learned_fit):
+    """One ranking over the layers can give a layer nearly everything read; a memory that
+    repositions caps each layer (each KV head) at POSITION_SHARE of the positions, so compact
+    positions always leave room."""
+    from kvedit.memory.repositioning import POSITION_SHARE
+
+    model, tok = llama
+    learned_fit(model, tok)
+    mem = memory(model, tok, max_tokens=110, forget="learned")
+    cap = int(POSITION_SHARE * 160)
+    for note in NOTES[:20]:
+        mem.add("user", note)
+        assert max(layer.longest_head() for layer in mem.state.layers) <= cap
+    assert any(s.kind == "reposition" for s in mem.state.history.steps)
