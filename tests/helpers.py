@@ -110,3 +110,32 @@ def asgi_post(app, raw: bytes, path: str, chunk: int = 0) -> list[dict]:
     scope = {"type": "http", "method": "POST", "path": path, "headers": []}
     asyncio.run(app(scope, receive, send))
     return sent
+
+
+def set_at(*keys_and_value):
+    """A change of a JSON-like object: ``set_at("turns", 1, "end", 5)(obj)`` sets
+    ``obj["turns"][1]["end"] = 5`` in place (a memory file's attachment, say)."""
+    *keys, value = keys_and_value
+
+    def change(attachment):
+        target = attachment
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+
+    return change
+
+
+def asked_keywords(monkeypatch) -> list[dict]:
+    """Spy on ``kvedit.Memory.ask``: the list, filled as it runs, of each call's keywords."""
+    from kvedit import Memory
+
+    seen: list[dict] = []
+    ask = Memory.ask
+
+    def spy(self, question, **keywords):
+        seen.append(keywords)
+        return ask(self, question, **keywords)
+
+    monkeypatch.setattr(Memory, "ask", spy)
+    return seen

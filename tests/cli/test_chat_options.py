@@ -7,6 +7,7 @@ import io
 import sys
 
 import pytest
+from helpers import asked_keywords
 
 from kvedit.cli import main as cli_main
 from kvedit.memory.conversation import Memory
@@ -45,20 +46,8 @@ def test_without_memory_the_chat_is_held_in_ram_and_save_path_still_writes(
     assert [m.role for m in Memory.load(copy, *tiny).messages] == ["user", "assistant"]
 
 
-def _asked(monkeypatch) -> list[dict]:
-    seen: list[dict] = []
-    ask = Memory.ask
-
-    def spy(self, question, **keywords):
-        seen.append(keywords)
-        return ask(self, question, **keywords)
-
-    monkeypatch.setattr(Memory, "ask", spy)
-    return seen
-
-
 def test_sampling_options_reach_memory_ask_and_a_seed_repeats_the_answer(monkeypatch, capsys, tiny):
-    seen = _asked(monkeypatch)
+    seen = asked_keywords(monkeypatch)
     sampled = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "7"]
     first = _run(monkeypatch, capsys, "hello\n", *sampled)
     second = _run(monkeypatch, capsys, "hello\n", *sampled)

@@ -9,6 +9,7 @@ import io
 import sys
 
 import pytest
+from helpers import asked_keywords
 
 from kvedit.cli import main as cli_main
 from kvedit.cli.chat_loop import _printable
@@ -91,20 +92,8 @@ def test_an_interrupted_streamed_answer_ends_its_line(monkeypatch, tiny):
     assert real is not interrupted
 
 
-def _asked(monkeypatch) -> list[dict]:
-    seen: list[dict] = []
-    ask = Memory.ask
-
-    def spy(self, question, **keywords):
-        seen.append(keywords)
-        return ask(self, question, **keywords)
-
-    monkeypatch.setattr(Memory, "ask", spy)
-    return seen
-
-
 def test_repeat_penalty_reaches_memory_ask_greedy_or_sampled(monkeypatch, tiny):
-    seen = _asked(monkeypatch)
+    seen = asked_keywords(monkeypatch)
     assert _chat(monkeypatch, "hello\n", "--repeat-penalty", "1.3")[0] == 0
     assert seen[-1]["repetition_penalty"] == 1.3 and "do_sample" not in seen[-1]
     sampled = ["--temperature", "0.8", "--seed", "1", "--repeat-penalty", "2"]

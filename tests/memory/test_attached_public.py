@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from helpers import set_at
 
 import kvedit
 from kvedit.errors import CorruptCacheError
@@ -49,31 +50,19 @@ def test_check_fields_gives_what_parse_attachment_gives(saved):
         assert _fields(fields) == _fields(parsed)
 
 
-def _set(*keys_and_value):
-    *keys, value = keys_and_value
-
-    def change(attachment):
-        target = attachment
-        for key in keys[:-1]:
-            target = target[key]
-        target[keys[-1]] = value
-
-    return change
-
-
 BAD = {
-    "version": _set("version", 99),
-    "unknown-field": _set("extra", 1),
-    "bot-role": _set("messages", 1, "role", "bot"),
+    "version": set_at("version", 99),
+    "unknown-field": set_at("extra", 1),
+    "bot-role": set_at("messages", 1, "role", "bot"),
     "turns-short": lambda a: a["turns"].pop(),
-    "turn-gap": _set("turns", 1, "end", 10**6),
-    "turn-source": _set("turns", 1, "source", "magic"),
-    "turn-count": _set("turns", 1, "computed", -5),
-    "round-past": _set("rounds", 0, "at_message", 99),
-    "round-seconds": _set("rounds", 0, "seconds", -1.0),
-    "budget-zero": _set("budget", "max_tokens", 0),
-    "budget-span": _set("budget", "protect", [{"chars": [5, 1]}]),
-    "scores-policy": _set("scores", {"policy": "", "layers": [0]}),
+    "turn-gap": set_at("turns", 1, "end", 10**6),
+    "turn-source": set_at("turns", 1, "source", "magic"),
+    "turn-count": set_at("turns", 1, "computed", -5),
+    "round-past": set_at("rounds", 0, "at_message", 99),
+    "round-seconds": set_at("rounds", 0, "seconds", -1.0),
+    "budget-zero": set_at("budget", "max_tokens", 0),
+    "budget-span": set_at("budget", "protect", [{"chars": [5, 1]}]),
+    "scores-policy": set_at("scores", {"policy": "", "layers": [0]}),
 }
 
 

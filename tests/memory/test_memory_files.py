@@ -6,7 +6,7 @@ can claim nothing its rendering does not show)."""
 from __future__ import annotations
 
 import pytest
-from helpers import edit_file_header
+from helpers import edit_file_header, set_at
 
 import kvedit
 from kvedit.errors import CorruptCacheError, FileChangedError, StateAlteredError
@@ -79,43 +79,31 @@ def _reseal(path, change):
     edit_file_header(path, edit, reseal=True)
 
 
-def _set(*keys_and_value):
-    *keys, value = keys_and_value
-
-    def change(attachment):
-        target = attachment
-        for key in keys[:-1]:
-            target = target[key]
-        target[keys[-1]] = value
-
-    return change
-
-
 BAD = {
-    "huge-turn": (_set("turns", 1, "end", 1_000_000), r"turns\[1\]\.end is 1000000"),
-    "bot-role": (_set("messages", 1, "role", "bot"), r"messages\[1\]\.role is 'bot'"),
-    "turn-role": (_set("turns", 1, "role", "bot"), r"turns\[1\] does not hold message 1's"),
-    "turn-content": (_set("turns", 2, "content", "Hi"), r"turns\[2\] does not hold message 2's"),
-    "version": (_set("version", 99), "version 99 is not supported"),
-    "unknown-field": (_set("extra", 1), "'extra'"),
-    "turn-start-str": (_set("turns", 0, "start", "0"), r"turns\[0\]\.start is '0'"),
-    "turn-count": (_set("turns", 1, "computed", -5), r"turns\[1\]\.computed is -5"),
-    "turn-source": (_set("turns", 1, "source", "magic"), r"turns\[1\]\.source"),
+    "huge-turn": (set_at("turns", 1, "end", 1_000_000), r"turns\[1\]\.end is 1000000"),
+    "bot-role": (set_at("messages", 1, "role", "bot"), r"messages\[1\]\.role is 'bot'"),
+    "turn-role": (set_at("turns", 1, "role", "bot"), r"turns\[1\] does not hold message 1's"),
+    "turn-content": (set_at("turns", 2, "content", "Hi"), r"turns\[2\] does not hold message 2's"),
+    "version": (set_at("version", 99), "version 99 is not supported"),
+    "unknown-field": (set_at("extra", 1), "'extra'"),
+    "turn-start-str": (set_at("turns", 0, "start", "0"), r"turns\[0\]\.start is '0'"),
+    "turn-count": (set_at("turns", 1, "computed", -5), r"turns\[1\]\.computed is -5"),
+    "turn-source": (set_at("turns", 1, "source", "magic"), r"turns\[1\]\.source"),
     "turns-short": (lambda a: a["turns"].pop(), "are 8 for 9 messages"),
-    "round-at": (_set("rounds", 0, "at_message", "x"), r"rounds\[0\]\.at_message is 'x'"),
-    "round-past": (_set("rounds", 0, "at_message", 99), r"rounds\[0\]\.at_message is 99"),
-    "round-grows": (_set("rounds", 0, "after", 10**6), r"rounds\[0\]\.after"),
-    "round-seconds": (_set("rounds", 0, "seconds", -1.0), r"rounds\[0\]\.seconds is -1.0"),
-    "round-nan": (_set("rounds", 0, "seconds", float("nan")), r"rounds\[0\]\.seconds is nan"),
-    "round-policy": (_set("rounds", 0, "policy", 5), r"rounds\[0\]\.policy"),
-    "budget-zero": (_set("budget", "max_tokens", 0), r"budget\.max_tokens is 0"),
-    "budget-recent": (_set("budget", "recent", -1), r"budget\.recent is -1"),
+    "round-at": (set_at("rounds", 0, "at_message", "x"), r"rounds\[0\]\.at_message is 'x'"),
+    "round-past": (set_at("rounds", 0, "at_message", 99), r"rounds\[0\]\.at_message is 99"),
+    "round-grows": (set_at("rounds", 0, "after", 10**6), r"rounds\[0\]\.after"),
+    "round-seconds": (set_at("rounds", 0, "seconds", -1.0), r"rounds\[0\]\.seconds is -1.0"),
+    "round-nan": (set_at("rounds", 0, "seconds", float("nan")), r"rounds\[0\]\.seconds is nan"),
+    "round-policy": (set_at("rounds", 0, "policy", 5), r"rounds\[0\]\.policy"),
+    "budget-zero": (set_at("budget", "max_tokens", 0), r"budget\.max_tokens is 0"),
+    "budget-recent": (set_at("budget", "recent", -1), r"budget\.recent is -1"),
     "budget-forget": (
-        _set("budget", "forget", 5),
+        set_at("budget", "forget", 5),
         r"budget\.forget is 5 \(a int\), not a policy's name",
     ),
-    "budget-quantize": (_set("budget", "quantize", 3), r"budget\.quantize is 3"),
-    "budget-span": (_set("budget", "protect", [{"chars": [5, 1]}]), r"budget\.protect"),
+    "budget-quantize": (set_at("budget", "quantize", 3), r"budget\.quantize is 3"),
+    "budget-span": (set_at("budget", "protect", [{"chars": [5, 1]}]), r"budget\.protect"),
 }
 
 
