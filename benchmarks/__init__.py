@@ -41,6 +41,11 @@ Accuracy:
   ``reuse`` (no model).
 * ``chat_lockin``: a scripted live chat under a budget (``Memory.ask`` turn by turn): distinct
   answers, the longest run of one repeated answer, facts recalled, entries each layer holds.
+* ``memory_extend``: ``Memory.extend`` of many messages against one ``add`` each: times, passes,
+  the same digest.
+* ``memory_past_window``: a facts conversation four times the model's positions in a 2,048-entry
+  memory (compact positions at the limit): no refusal, the cost, recall of the held facts past
+  and inside the window.
 * ``forget_diagnosis``: the memory's conversations compressed once after the last message, by
   score (``reconstruct``, ``kvzip``, per-message ``arrival``, ``learned``) and by how the budget
   is shared (per layer, across layers, across layers and KV heads).

@@ -7,16 +7,19 @@ short sentences each, :func:`benchmarks.memory_speed.conversation`) is added to 
 with the same system message, no budget: one ``add`` at a time, then all at once with
 ``extend``. A forward pre-hook on the input embedding counts the passes and their tokens.
 
-SmolLM2 attends to 8,192 positions, about 140 such messages: 300 (about 17K tokens) need
-``--max-positions 32768`` (positions past its training: fine for timing, not for answers).
+SmolLM2 attends to 8,192 positions, about 140 such messages: 300 fit with ``--sentences 1``
+(each message its first sentence), or need ``--max-positions 32768`` (positions past its
+training: fine for timing, not for answers).
 
-Usage: ``python -m benchmarks.memory_extend --messages 140 --threads 1``
+Usage: ``python -m benchmarks.memory_extend --messages 300 --sentences 1 --threads 1``
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,10 +41,20 @@ def largest_kv_difference(a: Memory, b: Memory) -> float:
     return most
 
 
+def first_sentences(text: str, n: int) -> str:
+    """The first ``n`` sentences of ``text`` (ended by ``.``, ``!`` or ``?``)."""
+    parts = re.split(r"(?<=[.!?])\s+", text.strip())
+    return " ".join(parts[:n])
+
+
 def run(args) -> dict:
     model, tok = load_model(args.model)
     nxt = conversation(args.seed)
     messages = [nxt() for _ in range(args.messages)]
+    if args.sentences is not None:  # shorter messages: 300 fit in SmolLM2's positions
+        messages = [
+            replace(m, content=first_sentences(m.content, args.sentences)) for m in messages
+        ]
     counter = TokenCounter(model)
     try:
         one = Memory(model, tok, system=SYSTEM, max_positions=args.max_positions)
@@ -85,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     add_model(p)
     p.add_argument("--messages", type=int, default=300, help="messages added (300)")
+    p.add_argument(
+        "--sentences", type=int, default=None, help="each message cut to its first N sentences"
+    )
     p.add_argument("--seed", type=int, default=0, help="the conversation's seed (0)")
     p.add_argument(
         "--max-positions",
