@@ -417,15 +417,14 @@ def budget_from(
         by_head = scorer.arrival and several and quantize is None and max_bytes is None
         keep = "head" if by_head else "layer"
     protect = () if protect is None else tuple(as_span_list(protect))
+    reposition = reposition or "at_limit"
     if max_bytes is not None:
         max_bytes = checks.count("max_bytes", max_bytes, minimum=1)
-        return Budget(
-            None, max_bytes, forget, recent_tokens, protect, keep, reposition or "at_limit"
-        )
+        return Budget(None, max_bytes, forget, recent_tokens, protect, keep, reposition)
     if max_tokens is None:
         return None
     max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    return Budget(max_tokens, None, forget, recent_tokens, protect, keep, reposition or "at_limit")
+    return Budget(max_tokens, None, forget, recent_tokens, protect, keep, reposition)
 
 
 def _checked_reposition(reposition: str | None, quantize: int | None) -> str | None:

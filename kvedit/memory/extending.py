@@ -46,6 +46,7 @@ from .held import Held, Scores, bytes_per_token
 from .protection import check_system_held
 from .records import Turn
 from .rendering import Message, Rendering, check_append_only
+from .repositioning import fits
 
 __all__ = ["GROUPED_ARRIVALS", "PREFILL_TOKENS", "MemoryExtendMethods"]
 
@@ -191,29 +192,22 @@ class MemoryExtendMethods:
         """Refuse a batch past the model's positions, naming the first message past them
         (before any work): positions only grow, forgotten or not."""
         state = self._state
-        limit = checks.positions_limit(state.model, state.max_positions)
-        if limit is None:
-            return
         n = len(state)
         for k, end in enumerate(planned.ends):
-            if state.next_position + end - n > limit:
+            if not fits(state, end - n):
                 role = planned.messages[k].role
                 state.check_room(end - n, what=f"batch through its message {k} ({role})")
                 raise InvalidInputError(  # check_room refuses it first: this is the backstop
-                    f"message {k} of the batch would run past the model's {limit} positions"
+                    f"message {k} of the batch would run past the model's positions"
                 )
 
     def _moves_positions(self, planned: _Batch) -> bool:
         """Whether adds would give the memory compact positions during the batch
         (:mod:`kvedit.memory.repositioning`: ``"always"``, or the batch past the positions
         left): it is then added a message at a time, each :meth:`add` making its room."""
-        if self._reposition == "always":
-            return True
-        state = self._state
-        limit = checks.positions_limit(state.model, state.max_positions)
-        if limit is None or self._reposition == "never":
-            return False
-        return state.next_position + planned.ends[-1] - len(state) > limit
+        if self._reposition != "at_limit":
+            return self._reposition == "always"
+        return not fits(self._state, planned.ends[-1] - len(self._state))
 
     def _group_end(self, state: KVState, planned: _Batch, j: int) -> int:
         """Where the group from message ``j`` ends (exclusive): before the first message that

@@ -43,6 +43,7 @@ __all__ = [
     "check_room_after",
     "compact_end",
     "compact_positions",
+    "fits",
     "is_compact",
     "with_room",
 ]
@@ -180,21 +181,20 @@ def check_room_after(
         InvalidInputError: no room.
     """
     packed = [i for i, layer in enumerate(state.layers) if layer.packed]
-    if reposition == "never" or not packed:
-        view = state
-        if reposition != "never":
-            m = compact_end(state)
-            view = _Compacted(state.model, state.tokenizer, state.max_positions, m)
-        check_room(view, n_tokens, reserve, what=what, n_chars=n_chars)
+    if reposition != "never" and packed:
+        try:
+            check_room(state, n_tokens, reserve, what=what, n_chars=n_chars)
+        except InvalidInputError as e:
+            raise InvalidInputError(
+                f"{e}; positions cannot be made compact here: layer {packed[0]} is held packed "
+                "(a memory with quantize= and a byte budget), and its keys cannot be moved "
+                "without unpacking and packing them again"
+            ) from None
         return
-    try:
-        check_room(state, n_tokens, reserve, what=what, n_chars=n_chars)
-    except InvalidInputError as e:
-        raise InvalidInputError(
-            f"{e}; positions cannot be made compact here: layer {packed[0]} is held packed "
-            "(a memory with quantize= and a byte budget), and its keys cannot be moved without "
-            "unpacking and packing them again"
-        ) from None
+    view = state
+    if reposition != "never":
+        view = _Compacted(state.model, state.tokenizer, state.max_positions, compact_end(state))
+    check_room(view, n_tokens, reserve, what=what, n_chars=n_chars)
 
 
 def with_room(
@@ -215,13 +215,14 @@ def with_room(
             layer held packed at the limit.
     """
     check_room_after(state, reposition, n_tokens, reserve, what=what)
-    if reposition == "always" or (reposition == "at_limit" and not _fits(state, n_tokens, reserve)):
+    if reposition == "always" or (reposition == "at_limit" and not fits(state, n_tokens, reserve)):
         state = compact_positions(state, reason=reposition)
     state.check_room(n_tokens, reserve, what=what)
     return state
 
 
-def _fits(state: KVState, n_tokens: int, reserve: int) -> bool:
-    """Whether ``n_tokens`` and ``reserve`` more fit in the positions ``state`` has left."""
+def fits(state: KVState, n_tokens: int, reserve: int = 0) -> bool:
+    """Whether ``n_tokens`` and ``reserve`` more fit in the positions ``state`` has left (as
+    they are, without compacting them)."""
     limit = checks.positions_limit(state.model, state.max_positions)
     return limit is None or state.next_position + n_tokens + reserve <= limit
