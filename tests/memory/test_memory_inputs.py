@@ -73,6 +73,10 @@ def memory(llama):
         (lambda m: m.add("user", "a\ud800b"), InvalidInputError, "user message holds a lone"),
         (lambda m: m.ask("Code \udcff?"), InvalidInputError, "user message holds a lone"),
         (lambda m: m.save(m.path, overwrite="yes"), InvalidTypeError, "overwrite"),
+        (lambda m: m.ask("Code?", repetition_penalty=0), InvalidInputError, "repetition_pen"),
+        (lambda m: m.ask("Code?", on_text="print"), InvalidTypeError, "on_text must be call"),
+        (lambda m: m.extend([("bot", "hi")]), InvalidInputError, "message 0 of the batch: role"),
+        (lambda m: m.extend([("user", "ok"), ("user", " ")]), InvalidInputError, "message 1"),
     ],
     ids=[
         "remember-str",
@@ -84,6 +88,10 @@ def memory(llama):
         "surrogate-add",
         "surrogate-ask",
         "overwrite-str",
+        "repetition-penalty",
+        "on-text",
+        "extend-role",
+        "extend-empty",
     ],
 )
 def test_a_bad_argument_is_refused_and_the_memory_unchanged(memory, tmp_path, bad, error, said):
