@@ -36,9 +36,9 @@ import torch
 
 from benchmarks.common import add_model, command_line, markdown_table, parser, write_json
 from kvedit import Memory
-from kvedit.cache import is_headwise
 from kvedit.evals.metrics import best_subspan_em
 from kvedit.evals.tasks.memory_facts import CHAT, facts_examples
+from kvedit.memory.holdings import MessageHeld, held_by_message
 from kvedit.models import load_model
 
 
@@ -70,19 +70,10 @@ def stretched(seed: int, n_facts: int, filler: int) -> tuple[list[tuple[str, str
     return messages, facts
 
 
-def held_share(mem: Memory, message: int) -> float:
-    """The share of message ``message``'s tokens the median counted layer holds (per KV head
-    on average where each head holds its own)."""
-    turn = mem.turns[message]
-    state = mem.state
-    shares = []
-    for i in state.counted_layers:
-        layer = state.layers[i]
-        index, _ = layer.held_entries()
-        inside = int(((index >= turn.start) & (index < turn.end)).sum())
-        heads = layer.kv_shape[1] if is_headwise(layer) else 1
-        shares.append(inside / heads / max(turn.n_tokens, 1))
-    return statistics.median(shares)
+def held_share(row: MessageHeld) -> float:
+    """The share of a message's tokens the median counted layer holds (per KV head on average
+    where each head holds its own)."""
+    return statistics.median(x.held / max(row.n_tokens, 1) for x in row.layers)
 
 
 def read(mem: Memory, messages: Sequence[tuple[str, str]]) -> dict:
@@ -121,7 +112,10 @@ def run_seed(model, tok, seed: int, args) -> dict:
     tokens = sum(t.n_tokens for t in mem.turns)
     steps = [s for s in mem.state.history.steps if s.kind == "reposition"]
     past = ask(mem, facts, args.new_tokens)
-    shares = [held_share(mem, f["message"]) for f in facts]
+    held_rows = held_by_message(
+        mem.turns, mem.state.layers, mem.state.counted_layers, len(mem.state)
+    )
+    shares = [held_share(held_rows[f["message"]]) for f in facts]
     held = [k for k, s in enumerate(shares) if s >= 0.5]
     # the held facts inside the window: a memory of each stretch alone, same budget
     inside = [None] * len(facts)

@@ -20,21 +20,17 @@ def size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _spread(values: list[float]) -> str:
-    v = sorted(values)
-    return f"{v[0]:,.0f} / {v[len(v) // 2]:,.0f} / {v[-1]:,.0f}"
-
-
 def held_summary(memory) -> str:
     """What ``memory`` holds now: its transcript's tokens, the entries each global layer
     holds (least / median / most over those layers, per KV head on average) and its bytes,
     against a byte budget as a percentage."""
     from ..memory.forgetting import layer_entries
+    from ..memory.holdings import held_spread
 
     state = memory.state
     entries = [layer_entries(state, i) for i in state.counted_layers]
     line = (
-        f"memory {len(state):,} tok, holds {_spread(entries)} entries per global layer "
+        f"memory {len(state):,} tok, holds {held_spread(entries)} entries per global layer "
         f"(least / median / most), {size(memory.nbytes)}"
     )
     budget = memory.budget
@@ -43,37 +39,26 @@ def held_summary(memory) -> str:
     return line
 
 
-def _held_per_layer(state, start: int, end: int) -> list[float]:
-    """The entries of tokens ``start:end`` each counted layer of ``state`` holds (per KV head
-    on average where each head holds its own)."""
-    from ..cache import is_headwise
-
-    held = []
-    for i in state.counted_layers:
-        layer = state.layers[i]
-        index, _ = layer.held_entries()
-        count = int(((index >= start) & (index < end)).sum())
-        held.append(count / layer.kv_shape[1] if is_headwise(layer) else float(count))
-    return held
-
-
 def held_now(memory) -> str:
     """Per message: its tokens and the entries of them each global layer holds now (least /
     median / most over those layers): ``all held``, ``forgotten`` (no layer holds any) or
     the spread."""
+    from ..memory.holdings import held_by_message, held_spread
+
     state = memory.state
     lines = [
         "held now, per message: entries of its tokens each global layer holds "
         "(least / median / most)"
     ]
-    for t in memory.turns:
-        held = _held_per_layer(state, t.start, t.end)
+    rows = held_by_message(memory.turns, state.layers, state.counted_layers, len(state))
+    for t, row in zip(memory.turns, rows, strict=True):
+        held = [x.held for x in row.layers]
         if t.n_tokens and min(held) >= t.n_tokens:
             said = "all held"
         elif max(held, default=0) == 0:
             said = "forgotten"
         else:
-            said = f"{_spread(held)} of {t.n_tokens:,} ({100 * sum(held) / len(held) / t.n_tokens:.0f}%)"
+            said = f"{held_spread(held)} of {t.n_tokens:,} ({100 * sum(held) / len(held) / t.n_tokens:.0f}%)"
         lines.append(f"{t.index:4d} {t.role:9s} {t.n_tokens:6,d} tok  {said}")
     return "\n".join(lines)
 
