@@ -12,7 +12,8 @@ layer holds little more than the last answer).
 The budget is ``--budgets``: ``none`` (no budget), a size (``16MiB``, ``2MiB``, the sizes the
 README and ``docs/memory.md`` show) or a fraction (``0.25``: a quarter of the bytes the memory
 allocates without a budget at the last turn, measured on the ``none`` run). Greedy decoding,
-the chat's defaults (``kvedit chat``'s system prompt in the README, 128 new tokens).
+the chat's defaults (``kvedit chat``'s system prompt in the README, 128 new tokens);
+``--repeat-penalty`` as the chat's option of that name.
 
 Usage: ``python -m benchmarks.chat_lockin --policies learned,kvzip --budgets none,16MiB
 --threads 1 --out runs/chat_lockin.json``
@@ -112,14 +113,23 @@ def layer_entries(mem: Memory) -> list[int]:
     return out
 
 
-def run_chat(model, tok, turns, policy: str | None, max_bytes: int | None, new_tokens: int) -> dict:
-    """One scripted chat; the answers and the measures."""
+def run_chat(
+    model,
+    tok,
+    turns,
+    policy: str | None,
+    max_bytes: int | None,
+    new_tokens: int,
+    repetition_penalty: float = 1.0,
+) -> dict:
+    """One scripted chat; the answers and the measures (``repetition_penalty``: as
+    ``kvedit chat --repeat-penalty``, 1.0 off)."""
     kw = {} if max_bytes is None else {"max_bytes": max_bytes, "forget": policy}
     mem = Memory(model, tok, system=SYSTEM, **kw)
     answers, asked = [], []
     t0 = time.perf_counter()
     for turn, (message, gold) in enumerate(turns, 1):
-        answer = mem.ask(message, max_new_tokens=new_tokens)
+        answer = mem.ask(message, max_new_tokens=new_tokens, repetition_penalty=repetition_penalty)
         answers.append(answer)
         if gold is not None:
             asked.append({"turn": turn, "recalled": recalled(answer, gold), "answer": answer})
@@ -127,6 +137,7 @@ def run_chat(model, tok, turns, policy: str | None, max_bytes: int | None, new_t
     return {
         "policy": policy if max_bytes is not None else None,
         "max_bytes": max_bytes,
+        "repetition_penalty": repetition_penalty,
         "turns": len(turns),
         "distinct_answers": len(set(answers)),
         "longest_run": longest_run(answers),
@@ -155,6 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=50, help="user messages in the chat")
     p.add_argument("--ask-at", default="25,50", help="turns that ask the facts (1-based)")
     p.add_argument("--new-tokens", type=int, default=128, help="most tokens per answer")
+    p.add_argument(
+        "--repeat-penalty",
+        type=float,
+        default=1.0,
+        help="as kvedit chat --repeat-penalty (1.0: off, greedy decoding's default)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--out", default="runs/chat_lockin.json", help="JSON output")
     args = p.parse_args(argv)
@@ -166,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     full_bytes = None
     for budget in budgets_of(args.budgets):
         if budget == "none":
-            rows.append(run_chat(model, tok, turns, None, None, args.new_tokens))
+            rows.append(
+                run_chat(model, tok, turns, None, None, args.new_tokens, args.repeat_penalty)
+            )
             full_bytes = rows[-1]["nbytes"]
             _progress(rows[-1], "none")
             continue
@@ -177,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             max_bytes = byte_size("--budgets")(budget)
         for policy in args.policies.split(","):
-            row = run_chat(model, tok, turns, policy, max_bytes, args.new_tokens)
+            row = run_chat(
+                model, tok, turns, policy, max_bytes, args.new_tokens, args.repeat_penalty
+            )
             row["budget"] = budget
             rows.append(row)
             _progress(row, budget)
