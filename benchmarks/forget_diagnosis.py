@@ -25,6 +25,23 @@ Scores (``--scores``), each ``[kv_heads, n]`` per global layer, higher kept firs
 * ``learned``: ``kvzip``'s scores predicted from each entry's own key and value
   (:class:`kvedit.compress.Learned`, the fit ``--fit`` or the one shipped for the model): the
   same whether computed when an entry arrives or at the end.
+* ``oracle``: the upper bound no query-agnostic score can beat: the attention the
+  conversation's actual questions (each rendered after the transcript, as asked) give an entry,
+  summed over a question's tokens, the largest over the questions (each query normalized over
+  the whole cache). It reads the questions, never the gold answers.
+* ``random``: scores drawn at random (seeded by the conversation), and ``recency``: an entry's
+  score its position (the newest kept first): the two baselines.
+
+Protected structure (``--protect``, each a variant of its own, suffixed ``+name``; the sinks,
+the system message and the last token are always kept): ``template`` keeps every token outside
+the messages' contents (turn markers and roles); ``firsts`` each message's first
+:data:`FIRSTS` tokens.
+
+The budget counted two ways (``--counts``): ``global`` (above: ``round(b * n)`` entries per
+global layer) and ``own`` (suffix ``@own``): ``b`` of the entries the model's own cache holds
+for the transcript, every layer with its window (Gemma-3: 3 global layers of ``n`` and 15
+sliding layers of at most 512), the sliding layers kept whole and the global layers given what
+is left (at least the protected tokens). On a model without sliding layers the two are equal.
 
 Allocations (``--allocations``), each keeping ``round(b * n) * layers`` entries in all:
 
@@ -45,6 +62,7 @@ runs/forget-diagnosis/smollm2-s1.jsonl``; ``--summarize FILE ...`` prints the ta
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -63,7 +81,11 @@ from kvedit.states.state import KVState
 
 SINKS = 4
 """Leading tokens always kept (attention sinks, as kvpress's ``n_sink``)."""
-SCORES = ("reconstruct", "kvzip", "arrival", "learned")
+SCORES = ("reconstruct", "kvzip", "arrival", "learned", "oracle", "random", "recency")
+FIRSTS = 4
+"""Each message's leading tokens kept by ``--protect firsts``."""
+PROTECTS = ("none", "template", "firsts")
+COUNTS = ("global", "own")
 ALLOCATIONS = ("layer", "layers", "layers+words", "heads")
 
 
@@ -115,51 +137,146 @@ def cut(state: KVState, kept: dict[int, torch.Tensor]) -> KVState:
     return recompute_last(state.replace(layers=layers))
 
 
+def oracle_scores(memory, conv, state: KVState) -> dict[int, torch.Tensor]:
+    """``{layer: [kv_heads, n]}``: the attention each of the conversation's questions (rendered
+    after the transcript, as asked) gives each entry of the global layers, summed over the
+    question's tokens, the largest over the questions."""
+    from kvedit.compress.observe import to_kv_heads
+    from kvedit.memory.rendering import Message
+    from kvedit.states.observer import observed_attention
+
+    model, _ = state.require_model()
+    n = len(state)
+    out: dict[int, torch.Tensor] = {}
+    for probe in conv.probes:
+        asked = [*memory.messages, Message("user", probe.question)]
+        ids = memory.renderer.render(asked, generation_prompt=True).ids[n:]
+        positions = torch.arange(state.next_position, state.next_position + len(ids))
+        probs = observed_attention(model, state.layers, ids, positions, reduce="sum")
+        for i in state.global_layers:
+            heads = state.layers[i].kv_shape[1]
+            got = to_kv_heads(probs[i][..., : len(state.layers[i])], heads, "max")[0].float()
+            out[i] = got if i not in out else torch.maximum(out[i], got)
+    return out
+
+
+def baseline_scores(name: str, state: KVState, seed: int) -> dict[int, torch.Tensor]:
+    """``random`` (seeded) or ``recency`` (an entry's index: the newest first) scores."""
+    out = {}
+    g = torch.Generator().manual_seed(seed)
+    for i in state.global_layers:
+        heads, n = state.layers[i].kv_shape[1], len(state.layers[i])
+        if name == "random":
+            out[i] = torch.rand(heads, n, generator=g)
+        else:
+            out[i] = torch.arange(n, dtype=torch.float32)[None].expand(heads, n).clone()
+    return out
+
+
+def structure(memory, how: str, n: int) -> torch.Tensor:
+    """``[n]`` bool: the tokens ``--protect how`` keeps (module docstring)."""
+    keep = torch.zeros(n, dtype=torch.bool)
+    if how == "firsts":
+        for t in memory.turns:
+            keep[t.start : min(t.end, t.start + FIRSTS)] = True
+    elif how == "template":
+        r = memory.renderer.render(list(memory.messages))
+        inside = torch.zeros(n, dtype=torch.bool)
+        starts, ends = r.offsets[:n, 0], r.offsets[:n, 1]
+        for c in r.contents:
+            if c is not None:
+                inside |= (starts >= c[0]) & (ends <= c[1]) & (ends > starts)
+        keep = ~inside
+    return keep
+
+
+def own_per_layer(state: KVState, budget: float, floor: int) -> int:
+    """Entries per global layer when ``budget`` counts the model's own windowed cache, the
+    sliding layers kept whole (at least ``floor``)."""
+    n = len(state)
+    windows = [getattr(layer, "window", None) for layer in state.layers]
+    own = sum(min(n, w) if w else n for w in windows)
+    sliding = sum(min(n, w) for w in windows if w)
+    return max(round((budget * own - sliding) / len(state.global_layers)), floor)
+
+
+def make_scores(memory, conv, state, names, arrival, fit) -> tuple[dict, dict]:
+    """Each score of ``names`` per global layer, and the seconds each took."""
+    made: dict[str, dict[int, torch.Tensor]] = {}
+    seconds: dict[str, float] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        if name == "arrival":
+            made[name] = arrival
+        elif name == "oracle":
+            made[name] = oracle_scores(memory, conv, state)
+        elif name in ("random", "recency"):
+            made[name] = baseline_scores(name, state, sum(map(ord, conv.id)))
+        else:
+            scorer = Learned(path=fit) if name == "learned" else make_scorer(name)
+            got = scorer.score(state, list(state.global_layers))
+            made[name] = {i: s[0].float() for i, s in got.items()}
+        seconds[name] = time.perf_counter() - t0
+    return made, seconds
+
+
+def arrival_scores(memory, conv) -> tuple[dict[int, torch.Tensor], float]:
+    """The memory of ``conv`` (messages added one by one) and KVzip's scores of each message
+    made when it arrives; the seconds those took."""
+    arrival: dict[int, torch.Tensor] = {}
+    t_arrival = 0.0
+    for role, content in conv.messages:
+        turn = memory.add(role, content)
+        t0 = time.perf_counter()
+        state = memory.state
+        got = KVzip().score_tokens(state, turn.start, turn.end, list(state.global_layers))
+        for i, s in got.items():
+            full = torch.zeros(s.shape[1], len(state))
+            old = arrival.get(i)
+            if old is not None:
+                full[:, : old.shape[1]] = old
+            full[:, turn.start : turn.end] = s[0].float().cpu()
+            arrival[i] = full
+        t_arrival += time.perf_counter() - t0
+    return arrival, t_arrival
+
+
 def run_conversation(
-    model, tok, conv, budgets, scores, allocations, max_new_tokens, fit=None
+    model,
+    tok,
+    conv,
+    budgets,
+    scores,
+    allocations,
+    max_new_tokens,
+    fit=None,
+    protects=("none",),
+    counts=("global",),
 ) -> list[dict]:
-    """Records (one per question, score, allocation and budget) of one conversation."""
+    """Records (one per question, score, allocation, protection, count and budget) of one
+    conversation."""
     from kvedit.memory.answering import decode
     from kvedit.memory.conversation import Memory
     from kvedit.memory.rendering import Message
     from kvedit.states.capturing import extend_ids
 
     memory = Memory(model, tok)
-    arrival: dict[int, torch.Tensor] = {}
-    t_arrival = 0.0
-    for role, content in conv.messages:
-        turn = memory.add(role, content)
-        if "arrival" in scores:
-            t0 = time.perf_counter()
-            state = memory.state
-            got = KVzip().score_tokens(state, turn.start, turn.end, list(state.global_layers))
-            for i, s in got.items():
-                full = torch.zeros(s.shape[1], len(state))
-                old = arrival.get(i)
-                if old is not None:
-                    full[:, : old.shape[1]] = old
-                full[:, turn.start : turn.end] = s[0].float().cpu()
-                arrival[i] = full
-            t_arrival += time.perf_counter() - t0
+    if "arrival" in scores:
+        arrival, t_arrival = arrival_scores(memory, conv)
+    else:
+        for role, content in conv.messages:
+            memory.add(role, content)
+        arrival, t_arrival = {}, 0.0
     state = memory.state
     n = len(state)
-    made: dict[str, dict[int, torch.Tensor]] = {}
-    seconds: dict[str, float] = {"arrival": t_arrival}
-    for name in scores:
-        t0 = time.perf_counter()
-        if name == "arrival":
-            made[name] = arrival
-        else:
-            scorer = Learned(path=fit) if name == "learned" else make_scorer(name)
-            got = scorer.score(state, list(state.global_layers))
-            made[name] = {i: s[0].float() for i, s in got.items()}
-        seconds.setdefault(name, time.perf_counter() - t0)
-    protected = torch.zeros(n, dtype=torch.bool)
-    protected[:SINKS] = True
-    protected[-1] = True
-    system = [t for t in memory.turns if t.role == "system"]
-    for t in system:
-        protected[t.start : t.end] = True
+    made, seconds = make_scores(memory, conv, state, scores, arrival, fit)
+    seconds["arrival"] = t_arrival
+    base = torch.zeros(n, dtype=torch.bool)
+    base[:SINKS] = True
+    base[-1] = True
+    for t in memory.turns:
+        if t.role == "system":
+            base[t.start : t.end] = True
 
     def answers(cut_state: KVState) -> list[tuple[str, bool]]:
         out = []
@@ -193,8 +310,16 @@ def run_conversation(
             )
 
     add("reuse", 1.0, answers(state), n)
-    for budget in budgets:
-        per_layer = max(round(budget * n), int(protected.sum()))
+    for budget, protect, count in itertools.product(budgets, protects, counts):
+        protected = base | structure(memory, protect, n)
+        floor = int(protected.sum())
+        if count == "own":
+            per_layer = own_per_layer(state, budget, floor)
+        else:
+            per_layer = max(round(budget * n), floor)
+        suffix = ("" if protect == "none" else f"+{protect}") + (
+            "" if count == "global" else "@own"
+        )
         for name in scores:
             for how in allocations:
                 s = made[name]
@@ -203,7 +328,7 @@ def run_conversation(
                 else:
                     how_ = how
                 kept = allocate(s, protected, per_layer, how_)
-                add(f"{name}/{how}", budget, answers(cut(state, kept)), per_layer)
+                add(f"{name}/{how}{suffix}", budget, answers(cut(state, kept)), per_layer)
     return records
 
 
@@ -237,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.25,0.1")
     p.add_argument("--scores", default=",".join(SCORES))
     p.add_argument("--allocations", default=",".join(ALLOCATIONS))
+    p.add_argument("--protect", default="none", help=f"comma list of {PROTECTS}")
+    p.add_argument("--counts", default="global", help=f"comma list of {COUNTS}")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--fit", default=None, help="the learned scorer's fit (default: shipped)")
@@ -252,9 +379,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     scores = [s for s in args.scores.split(",") if s]
     allocations = [a for a in args.allocations.split(",") if a]
+    protects = [x for x in args.protect.split(",") if x]
+    counts = [x for x in args.counts.split(",") if x]
     bad = [s for s in scores if s not in SCORES] + [a for a in allocations if a not in ALLOCATIONS]
+    bad += [x for x in protects if x not in PROTECTS] + [x for x in counts if x not in COUNTS]
     if bad:
-        p.error(f"unknown --scores/--allocations {bad}: choose from {SCORES} and {ALLOCATIONS}")
+        p.error(
+            f"unknown --scores/--allocations/--protect/--counts {bad}: choose from {SCORES}, "
+            f"{ALLOCATIONS}, {PROTECTS} and {COUNTS}"
+        )
     budgets = [float(b) for b in args.budgets.split(",") if b]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -269,7 +402,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         records = run_conversation(
-            model, tok, conv, budgets, scores, allocations, args.max_new_tokens, args.fit
+            model,
+            tok,
+            conv,
+            budgets,
+            scores,
+            allocations,
+            args.max_new_tokens,
+            args.fit,
+            protects,
+            counts,
         )
         for r in records:
             r["model"] = args.model
