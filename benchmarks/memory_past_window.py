@@ -107,7 +107,10 @@ def stretches(mem_turns, limit: int) -> list[tuple[int, int]]:
 
 def run_seed(model, tok, seed: int, args) -> dict:
     messages, facts = stretched(seed, args.facts, args.filler)
-    mem = Memory(model, tok, system=messages[0][1], max_tokens=args.max_tokens, forget=args.forget)
+    kw = {"max_tokens": args.max_tokens, "forget": args.forget}
+    if args.recent_tokens is not None:
+        kw["recent_tokens"] = args.recent_tokens
+    mem = Memory(model, tok, system=messages[0][1], **kw)
     read_seconds = read(mem, messages[1:])["seconds"]
     tokens = sum(t.n_tokens for t in mem.turns)
     steps = [s for s in mem.state.history.steps if s.kind == "reposition"]
@@ -123,9 +126,7 @@ def run_seed(model, tok, seed: int, args) -> dict:
         mine = [k for k in held if first <= facts[k]["message"] < end]
         if not mine:
             continue
-        ref = Memory(
-            model, tok, system=messages[0][1], max_tokens=args.max_tokens, forget=args.forget
-        )
+        ref = Memory(model, tok, system=messages[0][1], **kw)
         read(ref, messages[first:end])
         for k, score in zip(mine, ask(ref, [facts[k] for k in mine], args.new_tokens), strict=True):
             inside[k] = score
@@ -143,6 +144,7 @@ def run_seed(model, tok, seed: int, args) -> dict:
     return {
         "seed": seed,
         "forget": mem.budget.policy,
+        "recent_tokens": args.recent_tokens,
         "messages": len(messages),
         "tokens_read": tokens,
         "positions": mem.state.max_positions or model.config.max_position_embeddings,
@@ -192,6 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--filler", type=int, default=15, help="chat pairs after each early pair (15)")
     p.add_argument("--max-tokens", type=int, default=2048, help="the memory's budget (2048)")
     p.add_argument("--forget", default=None, help="the policy (default: the memory's default)")
+    p.add_argument(
+        "--recent-tokens",
+        type=int,
+        default=None,
+        help="the memory's recent_tokens, the last tokens never forgotten (default: Memory's)",
+    )
     p.add_argument("--window-tokens", type=int, default=6000, help="stretch asked inside (6000)")
     p.add_argument("--tail-tokens", type=int, default=2048, help="the last tokens (2048)")
     p.add_argument("--new-tokens", type=int, default=16, help="most tokens per answer (16)")
