@@ -42,10 +42,11 @@ from .answering import (
 from .budget import RECENT_TOKENS, budget_from
 from .explaining import explain_text, focus_said
 from .extending import MemoryExtendMethods
+from .folding import fold_turn
 from .forgetting import Round
-from .held import Held, Scores, arrived, bytes_per_token, check_model
+from .held import Held, Scores, bytes_per_token, check_model
 from .persisting import MemoryFileMethods
-from .protection import check_system_held, protected_ranges
+from .protection import check_system_held
 from .quantizing import Packing, check_bits, exact_messages_of, hold_older_quantized
 from .records import MAX_MESSAGES, Turn
 from .rendering import (
@@ -223,41 +224,32 @@ class Memory(MemoryFileMethods, MemoryUndoMethods, MemoryExtendMethods):
         base = self._room(len(rendering.ids) - n, 0, f"{role} message")
         state = extend_ids(base, rendering.ids[n:], rendering.offsets[n:], rendering.text)
         end = len(rendering.ids)
-        scores = self._arrived(state, self._held.scores, n, end)
         turn = Turn(len(self._messages), role, message.content, n, end, "computed", end - n)
-        state, scores, rounds = self._fit(state, scores, [message], rendering, [turn])
+        state, scores, rounds = self._fit(state, self._held.scores, n, [message], rendering, [turn])
         self._keep(state, [message], rendering, [turn], rounds, scores)
         return turn
-
-    def _arrived(self, state: KVState, scores: Scores | None, start: int, end: int):
-        """:func:`~kvedit.memory.held.arrived`, timed into :attr:`scoring_seconds`."""
-        t0 = time.perf_counter()
-        out = arrived(self.budget, state, scores, start, end)
-        if out is not None:
-            self.scoring_seconds += time.perf_counter() - t0
-        return out
 
     def _fit(
         self,
         state: KVState,
         scores: Scores | None,
+        start: int,
         messages: list[Message],
         rendering: Rendering,
         turns: list[Turn],
     ) -> tuple[KVState, Scores | None, list[Round]]:
-        """``(state, scores, rounds)``: ``state`` (the memory with ``messages`` just added, as
-        ``rendering`` renders them all) fitted to the budget, forgetting if need be; the memory
-        itself is changed only when the message is kept."""
-        if self.budget is None:
-            return state, None, []
-        ranges = protected_ranges([*self._turns, *turns], [*self._messages, *messages], rendering)
-        at = turns[-1].index
+        """``(state, scores, rounds)``: ``state`` (the memory with ``messages`` just added from
+        token ``start``, as ``rendering`` renders them all) folded in
+        (:func:`~kvedit.memory.folding.fold_turn`: scored on arrival after ``scores``, the kept
+        scores, and fitted to the budget); the memory itself is changed only when the message is
+        kept."""
+        every, said = [*self._turns, *turns], [*self._messages, *messages]
         packing = None
-        if self.quantize is not None:
-            starts = [t.start for t in (*self._turns, *turns)]
-            packing = Packing(self.quantize, starts, self.exact_messages)
-        state, scores, done = self.budget.fit(state, scores, ranges, at, packing)
-        return state, scores, [] if done is None else [done]
+        if self.budget is not None and self.quantize is not None:
+            packing = Packing(self.quantize, [t.start for t in every], self.exact_messages)
+        done = fold_turn(self.budget, state, scores, start, every, said, rendering, packing=packing)
+        self.scoring_seconds += done.scoring_seconds
+        return done.state, done.scores, list(done.rounds)
 
     def _message(self, role: str, content: str) -> Message:
         if not isinstance(role, str) or role not in ROLES:
@@ -421,8 +413,9 @@ class Memory(MemoryFileMethods, MemoryUndoMethods, MemoryExtendMethods):
         self._check_prefix(p, full, "answer")
         done = commit(held, prompt, decoded, full, focused=focused)
         turns = answer_turns(message, answer, len(self._messages), (n, n_q, n_p), full, done)
-        scores = self._arrived(done.state, self._held.scores, n, len(full.ids))
-        state, scores, rounds = self._fit(done.state, scores, [message, answer], full, turns)
+        state, scores, rounds = self._fit(
+            done.state, self._held.scores, n, [message, answer], full, turns
+        )
         self._keep(state, [message, answer], full, turns, rounds, scores)
         self.last_focus, self.last_answer = last_focus, answered
         return answer.content.strip()

@@ -91,7 +91,7 @@ class _Work:
 class MemoryExtendMethods:
     """What :class:`kvedit.Memory` does to add many messages at once (it holds ``_held``,
     ``budget``, ``quantize``, ``renderer``, ``prompt`` and ``tokenizer``, and has ``add``,
-    ``_message``, ``_check_count``, ``_arrived``, ``_fit`` and ``_replace_held``)."""
+    ``_message``, ``_check_count``, ``_fit`` and ``_replace_held``)."""
 
     def extend(self, messages: Iterable[tuple[str, str] | Message]) -> list[Turn]:
         """Add ``messages`` (``(role, content)`` pairs or
@@ -232,7 +232,6 @@ class MemoryExtendMethods:
             for m in range(j, k):  # the counts misjudged: exactness first
                 work = self._run_group(work, planned, m, m + 1)
             return work
-        scores = self._arrived(state, work.scores, n, len(rendering.ids))
         first = len(self._messages) + len(work.messages)
         starts = [n, *planned.ends[j : k - 1]]
         turns = tuple(
@@ -243,7 +242,9 @@ class MemoryExtendMethods:
         )
         messages = (*work.messages, *planned.messages[j:k])
         all_turns = (*work.turns, *turns)
-        state, scores, rounds = self._fit(state, scores, list(messages), rendering, list(all_turns))
+        state, scores, rounds = self._fit(
+            state, work.scores, n, list(messages), rendering, list(all_turns)
+        )
         per_token = bytes_per_token(state)  # as add's _keep measures its turn: after its round
         turns = tuple(t.with_nbytes(round(per_token * t.n_tokens)) for t in turns)
         return _Work(state, scores, messages, (*work.turns, *turns), (*work.rounds, *rounds))
