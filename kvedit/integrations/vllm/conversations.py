@@ -1,8 +1,9 @@
 """Chat conversations served from their memories: which memory serves a request
 (:meth:`Conversations.plan`), and how a served turn becomes the next memory
 (:meth:`Conversations.commit`). Used by ``kvedit serve``'s chat middleware
-(:mod:`~kvedit.integrations.vllm.chat`) in the server process; needs the model's weights only for
-its config, tokenizer, RoPE movers and the ``learned`` scorer's fit: nothing here runs the model.
+(:mod:`~kvedit.integrations.vllm.chat`) in the server process; the model's weights serve its
+config, tokenizer, RoPE movers, the ``learned`` scorer's fit and, at a commit, the few tokens
+that close an answer (:func:`~kvedit.integrations.vllm.committing.closed`).
 
 **Memories.** A memory is a sealed state file under ``ROOT/memories``, named like a published
 file by its token ids and its digest (``<n>-<ids key>-<digest>.safetensors``), so a request finds
@@ -17,17 +18,16 @@ its parent's parent (a retried turn is still served from its memory).
 **A turn.** The engine's prompt is the memory's slots followed by the rest of the rendering
 (the messages after what the memory holds and the generation prompt); vLLM computes only those
 and the answer. The connector saves the K/V it computed (:mod:`~kvedit.integrations.vllm.turns`);
-:meth:`~Conversations.commit` moves the keys from vLLM's positions to the memory's (RoPE is
-relative: by ``next_position - slots``), appends them up to where the conversation re-rendered
-with the answer differs (the answer's last sampled token has no K/V yet: it is computed with the
-next message), scores them on arrival, fits the memory to its byte budget (``keep="token"``:
-every layer and KV head keeps the same tokens, which a stock kernel serves exactly), gives the
-kept entries compact positions (:mod:`kvedit.memory.repositioning`: vLLM accepts up to
-``max_model_len`` after the slots, so a gap could be asked past the model's positions) and stores
-the result. The history records that vLLM computed entries (a ``computed`` step).
-
-Shapes: a saved turn's K/V are ``[n, kv_heads, head_dim]`` per layer; a memory's layers
-``[1, kv_heads, entries, head_dim]``.
+:meth:`~Conversations.commit` appends them to the memory, keys moved to its positions, and runs
+the rest of the conversation re-rendered with the answer (the answer's last sampled token and
+the closing markup, which vLLM has no K/V for yet) through the model
+(:mod:`~kvedit.integrations.vllm.committing`), so the memory holds what :meth:`kvedit.Memory.ask`
+commits. Then the one fold both follow (:func:`~kvedit.memory.folding.fold_turn`): scored on
+arrival, fitted to the byte budget (``keep="token"``: every layer and KV head keeps the same
+tokens, which a stock kernel serves exactly), the kept entries given compact positions
+(:mod:`kvedit.memory.repositioning`: vLLM accepts up to ``max_model_len`` after the slots, so a
+gap could be asked past the model's positions). The history records that vLLM computed entries
+(a ``computed`` step, ``exact=False``).
 """
 
 from __future__ import annotations
@@ -40,23 +40,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ... import rope
 from ...compress import SCORERS
 from ...errors import InvalidInputError, KVEditError
 from ...memory.budget import RECENT_TOKENS, Budget, budget_from
-from ...memory.held import Scores, arrived
-from ...memory.protection import system_text_ranges
-from ...memory.records import MAX_MESSAGES
-from ...memory.rendering import Message, Rendering, check_readable, common_prefix, renderer_for
-from ...memory.repositioning import compact_positions
+from ...memory.folding import fold_turn, system_turns
+from ...memory.held import Scores
+from ...memory.records import MAX_MESSAGES, Turn
+from ...memory.rendering import Message, Rendering, check_readable, renderer_for
 from ...memory.smallest import NEVER_HOLDS, smallest_budget, system_head
-from ...provenance import Step
 from ...states.capturing import empty_state
 from ...states.state import KVState
-from ...states.view import LastInput
 from . import files
+from .committing import appended, closed
 from .memories import MEMORIES, Memory, MemoryFiles
 from .turns import SavedTurn, remove_turn, sweep_turns, wait_turn
 
@@ -277,11 +272,12 @@ class Conversations:
     def _next(
         self, plan: Plan, saved: SavedTurn, answer: str, parent: Memory | None
     ) -> tuple[KVState, Scores | None, int]:
+        """``(state, scores, forgot)``: the memory after the turn, folded as
+        :class:`kvedit.Memory` folds an answer (:func:`~kvedit.memory.folding.fold_turn`)."""
         base = parent.state if parent is not None else empty_state(self.model, self.tokenizer)
-        n_held = len(base)
-        if n_held != plan.held:
+        if len(base) != plan.held:
             raise KVEditError(
-                f"turn {plan.turn}: the memory {plan.memory} holds {n_held} tokens, the plan "
+                f"turn {plan.turn}: the memory {plan.memory} holds {len(base)} tokens, the plan "
                 f"{plan.held}"
             )
         if saved.start != len(plan.slots):
@@ -291,46 +287,19 @@ class Conversations:
             )
         # as kvedit.Memory keeps an answer: stripped (a cut answer's trailing space is not
         # part of what a client sends back), so the memory starts the next turn either way
-        text = answer.strip() or answer or " "
-        full = self.renderer.render([*plan.messages, Message("assistant", text)])
-        tail = plan.rendering.ids[plan.held :]
-        computed = [*base.token_ids.tolist(), *saved.token_ids]
-        if saved.token_ids[: len(tail)] != tail:
-            raise KVEditError(f"turn {plan.turn}: vLLM saved other tokens than the prompt's")
-        m = common_prefix(computed, full.ids)
-        keep = max(m - n_held, 0)
-        shift = int(base.next_position) - saved.start  # vLLM's positions -> the memory's
-        movers = rope.movers(self.model) if shift and keep else None
-        index = torch.arange(n_held, n_held + keep)
-        positions = torch.arange(base.next_position, base.next_position + keep)
-        layers = []
-        for i, layer in enumerate(base.layers):
-            k = saved.keys[i][:keep].transpose(0, 1)[None]
-            v = saved.values[i][:keep].transpose(0, 1)[None]
-            if movers is not None:
-                k = movers[i].move(k, torch.full((keep,), shift, dtype=torch.long))
-            layers.append(layer.append(k, v, index, positions))
-        n = n_held + keep
-        state = base.replace(
-            layers=layers,
-            token_ids=torch.tensor(full.ids[:n], dtype=torch.long),
-            offsets=full.offsets[:n].to(torch.long),
-            text=full.text,
-            position_ids=torch.cat([base.position_ids, positions]),
-            next_position=int(base.next_position) + keep,
-            last_logits=torch.zeros_like(base.last_logits),
-            last_input=LastInput(n - 1, int(base.next_position) + keep - 1),
-        ).with_step(Step("computed", "vllm", {"tokens": keep}, exact=False))
-        budget = plan.budget
-        scores = arrived(budget, state, parent.scores if parent else None, n_held, n)
-        if budget is None:
-            return state, None, 0
-        before = sum(len(x) for x in state.layers)
-        ranges = _system_ranges(self.renderer, plan.messages, full)
-        state, scores, _ = budget.fit(state, scores, ranges, len(plan.messages))
-        if budget.reposition == "always":  # the next request's length is unknown here
-            state = compact_positions(state, reason="always")
-        return state, scores, before - sum(len(x) for x in state.layers)
+        said = Message("assistant", answer.strip() or answer or " ")
+        messages = [*plan.messages, said]
+        full = self.renderer.render(messages)
+        vllm = appended(base, saved, plan.rendering.ids[plan.held :], full, plan.turn)
+        state = closed(vllm, full)
+        end = len(full.ids)
+        turns = system_turns(self.renderer, plan.messages)
+        turns += (
+            Turn(len(plan.messages), "assistant", said.content, plan.held, end, "computed", 0),
+        )
+        scores = parent.scores if parent is not None else None
+        done = fold_turn(plan.budget, state, scores, plan.held, turns, messages, full, settle=True)
+        return done.state, done.scores, done.forgot
 
 
 def servable_policies() -> tuple[str, ...]:
@@ -440,11 +409,3 @@ def message_of(m: object) -> Message:
             f"kvedit serves system, user and assistant messages of text, not {role!r}"
         )
     return Message(role, content)
-
-
-def _system_ranges(renderer, messages: Sequence[Message], full: Rendering) -> list[tuple[int, int]]:
-    """The token ranges of the system messages (their turn and their text), kept by forgetting."""
-    ranges = system_text_ranges(list(messages), full)
-    if messages and messages[0].role == "system":
-        ranges.append((0, len(renderer.render(list(messages[:1])).ids)))
-    return ranges
