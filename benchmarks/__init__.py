@@ -28,6 +28,7 @@ Speed and memory:
   in-process ``kvedit.Memory``: answers and entries turn by turn (vLLM venv).
 * ``memory_serve_recall``: facts conversations through ``kvedit serve`` under a byte budget
   against an in-process ``kvedit.Memory`` with the same budget: questions answered (vLLM venv).
+* ``memory_serve_pads``: those questions in process over padded caches (null, calibrated, masked).
 
 Accuracy:
 
