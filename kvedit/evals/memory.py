@@ -55,7 +55,10 @@ without one), ``entries`` (the global-layer entries the memory held when the que
 asked; for ``snapkv-first`` the union of the entries any head keeps,
 :mod:`kvedit.compress.selection`, so above ``max_entries`` when heads disagree),
 ``entries_per_layer`` (each global layer's, per KV head on average), ``nbytes`` (the bytes
-the memory held), ``full_entries``, ``rounds`` and ``forget_seconds`` (the forgetting rounds the
+the memory held), ``own_entries_fraction`` and ``own_bytes_fraction`` (what the memory held
+as a fraction of the entries and bytes of the model's own cache for its tokens, sliding windows
+as the model holds them: :mod:`kvedit.memory.footprint`; comparable across families and with
+kvpress where the budget's fraction of the global entries is not), ``full_entries``, ``rounds`` and ``forget_seconds`` (the forgetting rounds the
 memory kept so far, and their seconds) and ``build_seconds`` (adding the messages, rounds
 included); and ``em``, ``f1`` (exact match and token F1, normalised as SQuAD does),
 ``category``, ``evidence``, ``age_turns`` and ``age_tokens`` (the turns, and the rendering's

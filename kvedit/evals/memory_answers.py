@@ -55,16 +55,34 @@ def _held(state) -> list[float]:
     return [round(layer_entries(state, i), 2) for i in state.counted_layers]
 
 
+def _holding(model, state) -> dict:
+    """What ``state`` holds, as a record says it: ``entries`` (global layers, on average),
+    ``entries_per_layer``, ``nbytes``, and the fractions of the model's own windowed cache for
+    its tokens it keeps (:mod:`kvedit.memory.footprint`): ``own_entries_fraction`` (entries,
+    every layer, sliding windows as the model holds them) and ``own_bytes_fraction``."""
+    from kvedit.memory.footprint import held_entries, own_bytes, own_entries
+    from kvedit.memory.forgetting import global_entries
+
+    n = len(state)
+    whole, whole_bytes = own_entries(model, n), own_bytes(model, n)
+    return {
+        "entries": global_entries(state),
+        "entries_per_layer": _held(state),
+        "nbytes": state.nbytes,
+        "own_entries_fraction": round(held_entries(state) / whole, 4) if whole else None,
+        "own_bytes_fraction": round(state.nbytes / whole_bytes, 4) if whole_bytes else None,
+    }
+
+
 def _snapkv_first_answers(
     memory, conversation: Conversation, budget: float, max_new_tokens: int, bits: int | None
 ):
-    """Yield ``(answer, seconds, entries, nbytes)`` per question: the memory's state compressed
-    once by SnapKV with the first question as query (then quantized to ``bits`` when given),
-    then reused (questions and answers appended to that state when the conversation keeps
-    them)."""
+    """Yield ``(answer, seconds, held)`` per question (``held``: :func:`_holding`): the memory's
+    state compressed once by SnapKV with the first question as query (then quantized to
+    ``bits`` when given), then reused (questions and answers appended to that state when the
+    conversation keeps them)."""
     from kvedit.compress import SnapKV, quantize, select
     from kvedit.memory.answering import decode
-    from kvedit.memory.forgetting import global_entries
     from kvedit.memory.rendering import Message
     from kvedit.states.capturing import extend_ids
 
@@ -77,7 +95,7 @@ def _snapkv_first_answers(
             state = select(state, SnapKV(query=probe.question), budget)
         if k == 0 and bits is not None:
             state = quantize(state, bits, residual=0)
-        entries, nbytes, per = global_entries(state), state.nbytes, _held(state)
+        held = _holding(memory.model, state)
         asked = [*messages, Message("user", probe.question)]
         p = renderer.render(asked, generation_prompt=True)
         n = len(state)
@@ -87,7 +105,7 @@ def _snapkv_first_answers(
             messages = [*asked, Message("assistant", text or " ")]
             full = renderer.render(messages)
             state = extend_ids(state, full.ids[n:], full.offsets[n:], full.text)
-        yield text, time.perf_counter() - t0, entries, nbytes, per
+        yield text, time.perf_counter() - t0, held
 
 
 def _reread(memory, question: str, max_new_tokens: int) -> tuple[str, float]:
@@ -174,8 +192,6 @@ def run_conversation(
     docstring). With ``reread`` (a list), the first :data:`REREAD_TURNS` questions are also
     answered by re-reading the transcript, timed, each appended to it as
     ``{"seconds", "reuse_seconds", "same_answer"}``."""
-    from kvedit.memory.forgetting import global_entries
-
     renderer = default_renderer(tokenizer)
     full = full_entries(renderer, conversation)
     max_tokens = budget_entries(budget, full)
@@ -193,24 +209,23 @@ def run_conversation(
         "build_seconds": round(build, 4),
     }
 
-    def record(k: int, prediction: str, seconds: float, entries: int, nbytes: int, per) -> dict:
-        held = {"entries": entries, "entries_per_layer": per, "nbytes": nbytes}
+    def record(k: int, prediction: str, seconds: float, held: dict) -> dict:
         return _record(conversation, k, method, budget, memory, prediction, seconds, held, context)
 
     records = []
     if method.name == "snapkv-first":
         bits = method.params.quantize
         answers = _snapkv_first_answers(memory, conversation, budget, max_new_tokens, bits)
-        for k, (text, seconds, entries, nbytes, per) in enumerate(answers):
-            records.append(record(k, text, seconds, entries, nbytes, per))
+        for k, (text, seconds, held) in enumerate(answers):
+            records.append(record(k, text, seconds, held))
         return records
     for k, probe in enumerate(conversation.probes):
         timed = reread is not None and k < REREAD_TURNS
         again = _reread(memory, probe.question, max_new_tokens) if timed else None
-        entries, nbytes, per = global_entries(memory.state), memory.nbytes, _held(memory.state)
+        held = _holding(model, memory.state)
         t = time.perf_counter()
         text = memory.ask(probe.question, max_new_tokens, remember=conversation.remember)
-        records.append(record(k, text, time.perf_counter() - t, entries, nbytes, per))
+        records.append(record(k, text, time.perf_counter() - t, held))
         if again is not None:
             reread.append(
                 {
