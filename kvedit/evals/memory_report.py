@@ -66,10 +66,13 @@ def check_memory_record(record: dict, where: str) -> dict:
 
 def summarize_memory(records: Sequence[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """``{method: {budget: {"mean", "ci95", "n", "by_bucket", "seconds", "rounds",
-    "forget_seconds", "max_entries"}}}``: accuracy over the questions, and by bucket (the
-    buckets measured); ``seconds`` the mean per answer, ``rounds`` and ``forget_seconds`` the
-    mean per conversation (kept rounds), ``max_entries`` the mean budget in entries (None at
-    1.0). Budgets are keys as text (``"0.5"``), in descending order.
+    "forget_seconds", "max_entries", "own_entries_fraction", "own_bytes_fraction"}}}``:
+    accuracy over the questions, and by bucket (the buckets measured); ``seconds`` the mean per
+    answer, ``rounds`` and ``forget_seconds`` the mean per conversation (kept rounds),
+    ``max_entries`` the mean budget in entries (None at 1.0); the two fractions the mean over
+    the questions of what the memory held of the model's own windowed cache
+    (:mod:`kvedit.memory.footprint`; None where no record says, as in files written before
+    them). Budgets are keys as text (``"0.5"``), in descending order.
 
     Raises:
         InvalidInputError: a ``(method, budget, id)`` given twice.
@@ -108,15 +111,40 @@ def summarize_memory(records: Sequence[dict]) -> dict[str, dict[str, dict[str, A
                 "forget_seconds": math.fsum(r["forget_seconds"] for r in per_conv.values())
                 / len(per_conv),
                 "max_entries": math.fsum(entries) / len(entries) if entries else None,
+                "own_entries_fraction": _mean_of(rs, "own_entries_fraction"),
+                "own_bytes_fraction": _mean_of(rs, "own_bytes_fraction"),
             }
     return out
 
 
+def _mean_of(records: Sequence[dict], key: str) -> float | None:
+    """The mean of ``key`` over the records that hold a number there (None where none does)."""
+    values = [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return math.fsum(values) / len(values) if values else None
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def format_memory_table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The summary as a plain-text table: a row per method and budget, the accuracy by bucket,
-    the mean with its 95% CI, ``n``, seconds per answer and forgetting rounds per
-    conversation."""
-    header = ["method", "budget", *BUCKETS, "mean", "95% CI", "n", "s/answer", "rounds"]
+    the mean with its 95% CI, ``n``, seconds per answer, forgetting rounds per conversation,
+    and the fractions of the model's own entries and bytes the memory held (``own entries``,
+    ``own bytes``: ``-`` where the records do not say; last, so that the columns before keep
+    their places)."""
+    header = [
+        "method",
+        "budget",
+        *BUCKETS,
+        "mean",
+        "95% CI",
+        "n",
+        "s/answer",
+        "rounds",
+        "own entries",
+        "own bytes",
+    ]
     rows = [header]
     for method, by_budget in summary.items():
         for budget, s in by_budget.items():
@@ -131,6 +159,8 @@ def format_memory_table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
                     str(s["n"]),
                     f"{s['seconds']:.3f}",
                     f"{s['rounds']:.1f}",
+                    _fraction(s.get("own_entries_fraction")),
+                    _fraction(s.get("own_bytes_fraction")),
                 ]
             )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

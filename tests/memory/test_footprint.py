@@ -154,3 +154,34 @@ def test_the_memory_eval_reports_budgets_in_the_models_own_units():
         assert r["own_entries_fraction"] > r["entries"] / whole["entries"]
     first, whole = kept[0], reuse[0]  # the same tokens: no answer is kept yet
     assert first["own_bytes_fraction"] == pytest.approx(first["nbytes"] / whole["nbytes"], abs=1e-4)
+
+
+def test_the_memory_summary_and_table_give_the_own_fractions_and_read_older_records():
+    from kvedit.evals.memory_report import format_memory_table, summarize_memory
+
+    def row(example, method, budget, own=None):
+        held = {} if own is None else {"own_entries_fraction": own, "own_bytes_fraction": own / 2}
+        return {
+            "id": f"{example}-q0",
+            "example": example,
+            "method": method,
+            "budget": budget,
+            "bucket": "early",
+            "correct": True,
+            "seconds": 1.0,
+            "rounds": 1,
+            "forget_seconds": 0.1,
+            "max_entries": 10,
+            **held,
+        }
+
+    rows = [row("a", "window", 0.25, 0.5), row("b", "window", 0.25, 0.7), row("a", "old", 0.5)]
+    summary = summarize_memory(rows)
+    kept = summary["window"]["0.25"]
+    assert kept["own_entries_fraction"] == pytest.approx(0.6)
+    assert kept["own_bytes_fraction"] == pytest.approx(0.3)
+    assert summary["old"]["0.5"]["own_entries_fraction"] is None  # a record written before them
+    lines = format_memory_table(summary).splitlines()
+    assert lines[0].endswith("rounds  own entries  own bytes")
+    assert next(x for x in lines if x.startswith("window")).split()[-2:] == ["0.600", "0.300"]
+    assert next(x for x in lines if x.startswith("old")).split()[-2:] == ["-", "-"]
