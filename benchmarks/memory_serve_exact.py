@@ -3,12 +3,16 @@
 
 The user messages are a facts conversation's (``kvedit eval memory --task facts``); the client
 (the ``openai`` package) sends the whole message list each turn, every other turn streamed, and
-appends the answer it got, stripped as ``Memory.ask`` returns and keeps it. Then a ``kvedit.Memory`` with the same budget asks the same user
-messages. Per turn: whether the answers are equal, and between the served memory (its file,
-found by the response's ``memory_digest``) and the in-process one: the share of entries that
-are the same tokens (per layer, over the tokens both hold: the served memory computes an
-answer's closing markup with the next message), and the largest difference of their keys and
-values (vLLM computes them with its own kernels).
+appends the answer it got, stripped as ``Memory.ask`` returns and keeps it. Then a
+``kvedit.Memory`` with the same budget as the server's memories (``keep="token"``,
+``reposition="always"``) asks the same user messages. Per turn: whether the answers are equal,
+and between the served memory (its file, found by the response's ``memory_digest``) and the
+in-process one: whether they hold the same tokens (the served memory computes an answer's
+closing markup at the commit, as ``Memory.ask`` does, so both hold the whole conversation and
+forget at the same point), the share of entries that are the same tokens (per layer), and the
+largest difference of the same entries' keys (the in-process ones given the compact positions
+the served memory has at once and the in-process one before its next question) and values (vLLM
+computes them with its own kernels).
 
 Run in the vLLM venv (``make vllm-setup``)::
 
@@ -31,6 +35,7 @@ from benchmarks.common import DEFAULT_MODEL, RUNS, parser, write_json
 from benchmarks.memory_serve import free_port, running_server
 
 START_TIMEOUT_S = 600
+MEMORY_WAIT_S = 60.0
 
 
 def conversation(turns: int, seed: int) -> tuple[str | None, list[str]]:
@@ -77,8 +82,8 @@ def chat(url: str, model: str, system, users, tokens: int, max_bytes, keep: Path
         wall = time.perf_counter() - t0
         kvedit = (said or {}).get("kvedit") or {}
         digest = kvedit.get("memory_digest")
-        for path in (keep.parent / MEMORIES).glob(f"*-{digest}.safetensors") if digest else ():
-            shutil.copy(path, keep / path.name)
+        if digest:
+            kept_memory(keep.parent / MEMORIES, digest, keep)
         rows.append(
             {
                 "turn": t,
@@ -92,6 +97,20 @@ def chat(url: str, model: str, system, users, tokens: int, max_bytes, keep: Path
         # what the client sends back: the answer as a kvedit.Memory keeps it (stripped)
         messages.append({"role": "assistant", "content": answer.strip()})
     return rows
+
+
+def kept_memory(folder: Path, digest: str, keep: Path, timeout: float = MEMORY_WAIT_S) -> bool:
+    """Copy memory ``digest`` from ``folder`` to ``keep`` once it is there (the server writes a
+    turn's memory after its response has ended; the file appears whole: written atomically).
+    False when it did not appear within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for path in folder.glob(f"*-{digest}.safetensors"):
+            shutil.copy(path, keep / path.name)
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def plain_request(url: str, model: str, system, users, rows) -> dict:
@@ -121,7 +140,12 @@ def plain_request(url: str, model: str, system, users, rows) -> dict:
 
 def compare(served, held) -> dict:
     """Entries of two memories' states, layer by layer, over the tokens the served one holds:
-    the share that are the same tokens, and the largest |difference| of the same entries."""
+    the share that are the same tokens, and the largest |difference| of the same entries (the
+    in-process ``held`` given compact positions first, as the served memory has them)."""
+    from kvedit.memory.repositioning import compact_positions, is_compact
+
+    if is_compact(served) and not is_compact(held):
+        held = compact_positions(held, reason="always")
     n = len(served)
     same = total = 0
     diff = 0.0
@@ -174,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = chat(url, args.model, system, users, args.answer_tokens, max_bytes, keep)
         whole = plain_request(url, args.model, system, users, rows)
     model, tok = kvedit.load_model(args.model)
-    budget = {"max_bytes": max_bytes, "forget": args.forget, "per_head": False, "per_layer": False}
+    # the server's memories: the same tokens on every layer and head, compact positions
+    budget = {"max_bytes": max_bytes, "forget": args.forget, "keep": "token"}
+    budget["reposition"] = "always"
     mem = kvedit.Memory(model, tok, system=system, **(budget if max_bytes else {}))
     for row, text in zip(rows, users, strict=True):
         row["in_process"] = mem.ask(text, max_new_tokens=args.answer_tokens)
@@ -184,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row["conversation_tokens"] = len(mem.state)
         if found:
             served = read_attached(found[0], model, tok).state
+            row["same_ids"] = served.token_ids.tolist() == mem.state.token_ids.tolist()
             row.update(compare(served, mem.state))
             row["in_process_bytes"] = mem.nbytes
     summary = {
@@ -191,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "turns": len(rows),
         "max_bytes": max_bytes,
         "same_answers": sum(r["same_answer"] for r in rows),
+        "same_ids_turns": sum(bool(r.get("same_ids")) for r in rows),
         "min_same_tokens": min((r.get("same_tokens", 0.0) for r in rows), default=0.0),
         "mean_same_tokens": sum(r.get("same_tokens", 0.0) for r in rows) / max(len(rows), 1),
         "max_abs_diff": max((r.get("max_abs_diff", 0.0) for r in rows), default=0.0),
