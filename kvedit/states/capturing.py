@@ -23,6 +23,7 @@ from ..errors import InvalidInputError
 from ..fingerprint import model_fingerprint, tokenizer_fingerprint
 from ..provenance import History, Step
 from ..runtime import forward, layer_windows
+from ..runtime import spec as model_spec
 from ..spans import token_offsets
 from .passes import appended_layers
 from .state import KVState, LastInput
@@ -142,25 +143,27 @@ def encode(tokenizer, text: str, special_tokens: bool = True) -> tuple[list[int]
 
 
 def empty_state(model: PreTrainedModel, tokenizer, *, max_positions: int | None = None) -> KVState:
-    """A state of no tokens: every layer holds ``[1, kv_heads, 0, head_dim]`` K/V.
+    """A state of no tokens: every layer holds ``[1, kv_heads, 0, key_dim]`` keys and
+    ``[1, kv_heads, 0, value_dim]`` values, shaped as the cache the model really makes (the
+    gate's probe: GPT-NeoX without GQA, Falcon's one KV head, MLA's latent keys), not as the
+    config's fields say.
 
     Extending it (:func:`extend_ids`) prefills from scratch through the same path as
     ``KVState.extend``, checked against ``max_positions`` (:attr:`KVState.max_positions`).
     """
     cfg = text_config(model)
     param = next(model.parameters())
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     none = torch.empty(0, dtype=torch.long)
+    kw = {"dtype": param.dtype, "device": param.device}
     layers = [
         LayerKV(
-            keys=torch.empty(1, kv_heads, 0, head_dim, dtype=param.dtype, device=param.device),
-            values=torch.empty(1, kv_heads, 0, head_dim, dtype=param.dtype, device=param.device),
+            keys=torch.empty(1, layer.kv_heads, 0, layer.key_dim, **kw),
+            values=torch.empty(1, layer.kv_heads, 0, layer.value_dim, **kw),
             token_index=none,
             positions=none,
-            window=window,
+            window=layer.window,
         )
-        for window in layer_windows(model)
+        for layer in model_spec(model).layers
     ]
     return KVState(
         layers=layers,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import kvedit
-from kvedit.errors import CacheMismatchError, UnsupportedModelError
+from kvedit.errors import UnsupportedModelError
 from kvedit.memory.forgetting import global_entries, policies
 from kvedit.memory.smallest import smallest_budget, system_head
 from kvedit.runtime.gate import layer_windows
@@ -38,29 +38,11 @@ MESSAGES = (
 QUESTION = "What is my locker code?"
 ANSWER_TOKENS = 2
 
-# Families whose Memory does not run at all, budget or none: kvedit.states.capturing.empty_state
-# sizes the empty cache from the config's num_key_value_heads and head_dim, not from the cache
-# the model really makes (GPT-NeoX has no GQA, Falcon's multi-query keeps one KV head, MLA keys
-# are the rope part of the latent), so the first message's cache does not fit the model. Not
-# forgetting's defect; strict, so that the fix shows here.
-EMPTY_STATE_MISFITS = {"gpt_neox", "falcon", "deepseek_v3", "minicpm3"}
-
 # The families with sliding-window layers (h2o re-reads the text over the cache: refused there).
 SLIDING = {"mistral", "gemma2", "gemma3-6l", "olmo3", "cohere2", "gpt_oss"}
 
 
-def _marked(archs):
-    for arch in archs:
-        if arch in EMPTY_STATE_MISFITS:
-            why = "empty_state sizes the cache from the config, not the model's cache"
-            yield pytest.param(
-                arch, marks=pytest.mark.xfail(strict=True, raises=CacheMismatchError, reason=why)
-            )
-        else:
-            yield arch
-
-
-pytestmark = pytest.mark.parametrize("arch", list(_marked(MATRIX_ARCHS)))
+pytestmark = pytest.mark.parametrize("arch", MATRIX_ARCHS)
 
 
 @functools.cache
