@@ -13,6 +13,11 @@ from .status import UsageError
 __all__ = ["sampling_args", "sampling_of", "with_generator"]
 
 
+DEFAULT_REPEAT_PENALTY = 1.1
+"""``--repeat-penalty``'s default: without it a scripted 50-turn chat locked into one answer on
+both bundled models, with it neither did (reports/memory/chat_lockin.md)."""
+
+
 def sampling_args(p) -> None:
     """Add the sampling options to the chat's parser ``p``."""
     group = p.add_argument_group("sampling (default: greedy, the most likely token each step)")
@@ -42,12 +47,13 @@ def sampling_args(p) -> None:
     group.add_argument(
         "--repeat-penalty",
         type=finite("--repeat-penalty"),
-        default=1.0,
+        default=DEFAULT_REPEAT_PENALTY,
         metavar="F",
         help="make tokens already said less likely, greedy or sampled: the logit of each token "
         "of the answer so far and of the last 64 tokens before it (the question's end) is "
         "divided by F where positive, multiplied where negative (as llama.cpp's and Hugging "
-        "Face's); F in (0, 10], 1.1-1.3 is usual; 1 is off (default 1)",
+        "Face's); F in (0, 10], 1.1-1.3 is usual; 1 is off (default 1.1, as ollama's: greedy "
+        "small models otherwise repeat one answer turn after turn)",
     )
 
 

@@ -21,6 +21,7 @@ import pytest
 from kvedit import capture
 from kvedit.atomic import TEMP_MARKER, host_tag
 from kvedit.cli import main as cli_main
+from kvedit.cli.chat_sampling import DEFAULT_REPEAT_PENALTY as PENALTY
 from kvedit.errors import StorageError
 from kvedit.memory import conversation
 from kvedit.memory.conversation import Memory
@@ -279,7 +280,7 @@ def test_focus_says_after_each_answer_what_it_did(monkeypatch, capsys, tmp_path,
     said = [line for line in out.splitlines() if line.startswith("[focus: ")]
     memory, expected = Memory(*tiny), []  # the same lines through the library
     for q in questions:  # a statement asks nothing: focus stays off for it
-        memory.ask(q, max_new_tokens=6, focus=q.endswith("?"))
+        memory.ask(q, max_new_tokens=6, focus=q.endswith("?"), repetition_penalty=PENALTY)
         if not q.endswith("?"):
             expected.append("[focus: off, the line asks nothing]")
             continue

@@ -13,6 +13,7 @@ from helpers import asked_keywords
 
 from kvedit.cli import main as cli_main
 from kvedit.cli.chat_loop import _printable
+from kvedit.cli.chat_sampling import DEFAULT_REPEAT_PENALTY as PENALTY
 from kvedit.memory import conversation
 from kvedit.memory.conversation import Memory
 from kvedit.models import load_model
@@ -52,7 +53,8 @@ def test_the_answer_is_printed_as_it_is_decoded(monkeypatch, tiny):
     stdout = _Flushes()
     status, out, err = _chat(monkeypatch, "hello\n", "--max-new-tokens", "16", stdout=stdout)
     assert status == 0, err
-    answer = _printable(Memory(*tiny, system="Terse.").ask("hello", max_new_tokens=16))
+    memory = Memory(*tiny, system="Terse.")
+    answer = _printable(memory.ask("hello", max_new_tokens=16, repetition_penalty=PENALTY))
     lines = out.splitlines()
     assert lines[1] == answer  # printed whole, as before streaming
     start = len(lines[0]) + 1
@@ -100,9 +102,11 @@ def test_repeat_penalty_reaches_memory_ask_greedy_or_sampled(monkeypatch, tiny):
     assert _chat(monkeypatch, "hello\n", *sampled)[0] == 0
     assert seen[-1]["repetition_penalty"] == 2.0 and seen[-1]["do_sample"] is True
     assert _chat(monkeypatch, "hello\n")[0] == 0
-    assert "repetition_penalty" not in seen[-1]  # 1, the default: off
+    assert seen[-1]["repetition_penalty"] == 1.1  # the default, as ollama's
+    assert _chat(monkeypatch, "hello\n", "--repeat-penalty", "1")[0] == 0
+    assert "repetition_penalty" not in seen[-1]  # 1: off, greedy decoding exactly
     status, out, err = _chat(monkeypatch, "/help\n", "--help")
-    assert status == 0 and "--repeat-penalty F" in out and "(default 1)" in out
+    assert status == 0 and "--repeat-penalty F" in out and "(default 1.1" in out
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvedit.cli import main as cli_main
+from kvedit.cli.chat_sampling import DEFAULT_REPEAT_PENALTY as PENALTY
 from kvedit.memory.conversation import Memory
 from kvedit.models import load_model
 
@@ -50,8 +51,8 @@ def test_undo_takes_back_the_last_question_and_retry_asks_it_again(
     assert len(memory) == 5 and memory.turns[-1].end == len(memory.state)
     again = Memory.load(path, *tiny)
     fresh = Memory(*tiny, system="S.")
-    fresh.ask("one", max_new_tokens=5)
-    fresh.ask("two", max_new_tokens=5)
+    fresh.ask("one", max_new_tokens=5, repetition_penalty=PENALTY)
+    fresh.ask("two", max_new_tokens=5, repetition_penalty=PENALTY)
     assert again.state.token_ids.tolist() == fresh.state.token_ids.tolist()
 
 
