@@ -28,6 +28,8 @@ Speed and memory:
   in-process ``kvedit.Memory``: answers and entries turn by turn (vLLM venv).
 * ``memory_serve_recall``: facts conversations through ``kvedit serve`` under a byte budget
   against an in-process ``kvedit.Memory`` with the same budget: questions answered (vLLM venv).
+* ``memory_serve_past_window``: ``memory_past_window``'s conversation through ``kvedit serve``
+  under 2,048 entries a layer against an in-process ``kvedit.Memory`` (vLLM venv).
 * ``memory_serve_pads``: those questions in process over padded caches (null, calibrated, masked).
 
 Accuracy:
