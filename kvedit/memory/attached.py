@@ -46,9 +46,10 @@ from collections.abc import Sequence
 
 from .. import checks
 from ..cache.packed import BITS
-from ..errors import CorruptCacheError, KVEditError
+from ..errors import CorruptCacheError, InvalidInputError, KVEditError
 from ..spans import as_span_list
 from .budget import span_from_json
+from .budget_checks import checked_layer_floor
 from .forgetting import Round
 from .keeping import KEEPS
 from .records import MAX_MESSAGES, SOURCES, Turn
@@ -84,6 +85,7 @@ BUDGET_KEYWORDS = (
     "protect",
     "quantize",
     "reposition",
+    "layer_floor",
 )
 """The ``Memory`` keywords a memory file keeps (``recent``, ``per_head`` and ``per_layer``: the
 older names of ``exact_messages`` and ``keep``, read in files written before)."""
@@ -253,6 +255,12 @@ def _budget(value) -> dict:
             _int(f"budget.{key}", kw[key])
     if "reposition" in kw and kw["reposition"] not in REPOSITIONS:
         raise _Bad("budget.reposition", f"is {kw['reposition']!r}, not one of {list(REPOSITIONS)}")
+    if "layer_floor" in kw:
+        try:
+            checked_layer_floor(kw["layer_floor"], "budget.layer_floor")
+        except InvalidInputError:
+            said = checks.describe(kw["layer_floor"])
+            raise _Bad("budget.layer_floor", f"is {said}, not a number in [0, 1)") from None
     if "keep" in kw and kw["keep"] not in KEEPS:
         raise _Bad("budget.keep", f"is {kw['keep']!r}, not one of {list(KEEPS)}")
     for key in ("per_head", "per_layer"):

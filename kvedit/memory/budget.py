@@ -26,6 +26,7 @@ from ..compress.scorers import Scorer, make_scorer
 from ..errors import InvalidInputError, SpanNotFoundError
 from ..spans import as_span_list
 from ..states.state import KVState
+from .budget_checks import checked_layer_floor, checked_reposition
 from .forgetting import (
     DEFAULT_POLICY,
     FALLBACK_POLICY,
@@ -40,7 +41,7 @@ from .forgetting import (
     protected_slots,
 )
 from .keeping import KEEPS, checked_keep, keep_of
-from .repositioning import REPOSITIONS, position_cap
+from .repositioning import position_cap
 
 __all__ = [
     "BYTE_STEP",
@@ -125,6 +126,8 @@ class Budget:
         keep: ``"head"``, ``"layer"`` or ``"token"`` (:data:`KEEPS`; never ``"auto"``).
         reposition: when the kept entries get compact positions
             (:data:`~kvedit.memory.repositioning.REPOSITIONS`).
+        layer_floor: the fraction of a round's room shared equally among the global layers
+            before the one ranking across them (:func:`~kvedit.memory.forgetting.forget`).
     """
 
     max_tokens: int | None
@@ -134,6 +137,7 @@ class Budget:
     protect: tuple = ()
     keep: str = "layer"
     reposition: str = "at_limit"
+    layer_floor: float = 0.0
 
     @property
     def per_head(self) -> bool:
@@ -167,6 +171,8 @@ class Budget:
             out["per_layer"] = False
         if self.reposition != "at_limit":  # written only when set: files without it read so
             out["reposition"] = self.reposition
+        if self.layer_floor:  # likewise: 0 (one ranking alone) is what a file without it reads
+            out["layer_floor"] = self.layer_floor
         return out
 
     @classmethod
@@ -174,7 +180,7 @@ class Budget:
         """The budget :meth:`to_json` wrote (``keep`` read from ``per_head`` and ``per_layer``,
         or from a ``keep`` field; not checked: a file's budget is checked first,
         :mod:`kvedit.memory.attached`, and a memory makes its budget from the checked keywords
-        with :func:`budget_from`)."""
+        with :func:`budget_from`; a bad ``layer_floor`` is refused by name)."""
         keep = data.get("keep") or keep_of(None, data.get("per_head"), data.get("per_layer"))
         return cls(
             data["max_tokens"],
@@ -184,6 +190,7 @@ class Budget:
             tuple(span_from_json(item) for item in data["protect"]),
             "layer" if keep == "auto" else keep,
             data.get("reposition") or "at_limit",
+            checked_layer_floor(data.get("layer_floor", 0.0), "budget.layer_floor"),
         )
 
     def describe(self) -> str:
@@ -257,6 +264,7 @@ class Budget:
             per_head=self.per_head,
             per_layer=self.per_layer,
             cap=position_cap(state, self.reposition),
+            floor=self.layer_floor,
             **bytes_kw,
         )
 
@@ -382,6 +390,7 @@ def budget_from(
     per_head: bool | None = None,
     per_layer: bool | None = None,
     reposition: str | None = None,
+    layer_floor: float = 0.0,
 ) -> Budget | None:
     """The :class:`Budget` of ``Memory``'s keywords (None without ``max_tokens`` or
     ``max_bytes``), checked before any work; ``state`` is the memory's (empty) state.
@@ -389,15 +398,23 @@ def budget_from(
     :func:`keep_of`) ``"auto"``/None: ``"head"`` where the policy scores arrivals, the model's
     global layers have more than one KV head, ``quantize`` is off (it holds the same entries on
     every head) and the budget counts entries (a byte budget would pay for the padding of heads
-    holding unequal counts), else ``"layer"``; ``forget`` None: :func:`default_policy`.
+    holding unequal counts), else ``"layer"``; ``forget`` None: :func:`default_policy`;
+    ``layer_floor`` (:func:`~kvedit.memory.budget_checks.checked_layer_floor`), above 0 only
+    with a budget.
 
     Raises:
         InvalidInputError: a bad keyword, or ``forget=``/``protect=`` without a budget
             (nothing is forgotten without one).
     """
     budgeted = max_tokens is not None or max_bytes is not None
-    reposition = _checked_reposition(reposition, quantize)
-    for name, value in (("forget", forget), ("protect", protect), ("reposition", reposition)):
+    reposition = checked_reposition(reposition, quantize)
+    floor = checked_layer_floor(layer_floor) or None
+    for name, value in (
+        ("forget", forget),
+        ("protect", protect),
+        ("reposition", reposition),
+        ("layer_floor", floor),
+    ):
         if value is not None and not budgeted:
             raise InvalidInputError(
                 f"{name}= without a budget: give max_tokens= or max_bytes= (nothing is "
@@ -417,29 +434,9 @@ def budget_from(
         by_head = scorer.arrival and several and quantize is None and max_bytes is None
         keep = "head" if by_head else "layer"
     protect = () if protect is None else tuple(as_span_list(protect))
-    reposition = reposition or "at_limit"
+    how = (forget, recent_tokens, protect, keep, reposition or "at_limit", floor or 0.0)
     if max_bytes is not None:
-        max_bytes = checks.count("max_bytes", max_bytes, minimum=1)
-        return Budget(None, max_bytes, forget, recent_tokens, protect, keep, reposition)
+        return Budget(None, checks.count("max_bytes", max_bytes, minimum=1), *how)
     if max_tokens is None:
         return None
-    max_tokens = checks.count("max_tokens", max_tokens, minimum=1)
-    return Budget(max_tokens, None, forget, recent_tokens, protect, keep, reposition)
-
-
-def _checked_reposition(reposition: str | None, quantize: int | None) -> str | None:
-    """``reposition`` checked: one of :data:`REPOSITIONS` (None: the default), and not
-    ``"always"`` with ``quantize`` (packed keys cannot be moved without repacking)."""
-    if reposition is None:
-        return None
-    if not isinstance(reposition, str) or reposition not in REPOSITIONS:
-        raise InvalidInputError(
-            f"reposition must be one of {list(REPOSITIONS)}, not {checks.describe(reposition)}"
-        )
-    if reposition == "always" and quantize is not None:
-        raise InvalidInputError(
-            "reposition='always' with quantize=: the packed older messages' keys cannot be "
-            "moved without unpacking and packing them again; use reposition='at_limit' (the "
-            "memory then stops at the model's positions) or no quantize="
-        )
-    return reposition
+    return Budget(checks.count("max_tokens", max_tokens, minimum=1), None, *how)

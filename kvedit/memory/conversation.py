@@ -97,6 +97,8 @@ class Memory(MemoryFileMethods, MemoryUndoMethods, MemoryExtendMethods):
     many bits (:mod:`kvedit.memory.quantizing`), with or without a budget. Under a budget the
     memory goes on past the model's positions: ``reposition`` (``"at_limit"``, ``"always"``,
     ``"never"``: :mod:`kvedit.memory.repositioning`) gives the kept entries compact positions.
+    ``layer_floor`` (in [0, 1), default 0): the fraction of a round's room shared equally among
+    the global layers before one ranking spends the rest (:func:`~kvedit.memory.forgetting.forget`).
 
     Every message is computed once: :meth:`add` runs only its own tokens, :meth:`ask` runs the
     question and keeps the answer's decoded K/V. A failed call leaves the memory as it was;
@@ -123,6 +125,7 @@ class Memory(MemoryFileMethods, MemoryUndoMethods, MemoryExtendMethods):
         keep: str | None = None,
         exact_messages: int | None = None,
         reposition: str | None = None,
+        layer_floor: float = 0.0,
     ) -> None:
         check_model(model, tokenizer)
         if prompt is None:
@@ -147,6 +150,7 @@ class Memory(MemoryFileMethods, MemoryUndoMethods, MemoryExtendMethods):
             per_head=per_head,
             per_layer=per_layer,
             reposition=reposition,
+            layer_floor=layer_floor,
         )
         """The :class:`~kvedit.memory.budget.Budget` (None: nothing is ever forgotten)."""
         self.exact_messages = exact_messages_of(exact_messages, recent)

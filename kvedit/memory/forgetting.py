@@ -15,7 +15,9 @@ registered scorer is a policy); what a round does with one follows from what it 
   ranks them, nothing is re-read; any other scorer scores everything the memory holds at each
   round (``reconstruct`` re-reads it);
 * a ``shared`` scorer's scores compare across layers: one ranking of every global layer's
-  entries shares the budget (a layer that reads the text broadly keeps more, KVzip's rule);
+  entries shares the budget (a layer that reads the text broadly keeps more, KVzip's rule;
+  ``Memory(layer_floor=f)`` shares a fraction ``f`` of it equally first, so that no layer
+  starves);
   any other keeps the same count on every global layer;
 * ``whole_words``: an entry's score is the best of its word's (:func:`kvedit.spans.word_index`);
 * ``per_head`` (arrival scorers; the default under an entry budget where the model has more
@@ -165,6 +167,7 @@ def forget(
     in_bytes: bool = False,
     packed: tuple[int, int] | None = None,
     cap: int | None = None,
+    floor: float = 0.0,
 ) -> tuple[KVState, dict[int, torch.Tensor] | None, Round]:
     """``state`` with its global layers cut to ``room``: entries per layer on average, or
     bytes (``in_bytes``), by ``policy`` (a registered scorer's name), each KV head keeping its
@@ -173,6 +176,13 @@ def forget(
     holds its older messages packed: in bytes, an entry of a token before that is priced as it
     will be held, packed in ``bits`` bits. ``cap``: the most entries one layer (one KV head,
     ``per_head``) keeps (:func:`~kvedit.compress.allocation.rank_keep`; None: no cap).
+    ``floor`` (``Memory(layer_floor=)``, in [0, 1)): for a ``shared`` policy, the fraction of
+    the room shared out first, each global layer keeping its own best entries up to an equal
+    part of it (its protected entries count towards it; with ``per_head`` a layer's heads
+    share its part by their scores), the one ranking across layers spending the rest: no
+    layer starves. It changes nothing where no ranking crosses layers: a policy that is not
+    ``shared`` (each layer keeps its equal share already) and ``per_layer=False`` (every
+    global layer keeps the same tokens). The floor's parts are not held to ``cap``.
 
     Args:
         state: the memory's state (not modified).
@@ -195,7 +205,7 @@ def forget(
     cost = {i: entry_costs(state.layers[i], in_bytes, packed) for i in chosen}
     total = room if in_bytes else room * len(chosen)
     if per_layer:
-        kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head, cap)
+        kept = _kept(ranked, must, held, cost, total, scorer.shared, per_head, cap, floor)
     else:
         kept = kept_tokens(state, ranked, must, held, cost, total)
     layers = list(state.layers)
@@ -207,6 +217,8 @@ def forget(
     params = {"policy": policy, "room": float(room), "before": int(before), "per_head": per_head}
     if not per_layer:
         params["per_layer"] = False
+    if floor:
+        params["floor"] = float(floor)
     out = state.replace(layers=layers).with_step(Step("compression", "forget", params, exact=False))
     done = Round(at_message, policy, before, global_entries(out), time.perf_counter() - t0)
     return out, new_scores, done
@@ -272,13 +284,16 @@ def protected_slots(layer, protected: torch.Tensor) -> torch.Tensor:
     return (index >= 0) & protected[index.clamp_min(0)]
 
 
-def _kept(ranked, must, held, cost, total: float, shared: bool, per_head: bool, cap=None) -> dict:
-    """What each layer keeps (:func:`rank_keep`: over all layers for a shared policy, each layer
-    its equal share of ``total`` otherwise); ``must`` ``[kv_heads, n]`` per layer."""
+def _kept(ranked, must, held, cost, total: float, shared, per_head, cap=None, floor=0.0) -> dict:
+    """What each layer keeps (:func:`rank_keep`: over all layers for a shared policy, with
+    ``floor``, each layer its equal share of ``total`` otherwise); ``must`` ``[kv_heads, n]``
+    per layer."""
     if not per_head:  # a slot holds the same token on every head
         must = {i: m.any(dim=0) for i, m in must.items()}
     if shared:
-        return rank_keep(ranked, must, total, cost, per_head=per_head, held=held, cap=cap)
+        return rank_keep(
+            ranked, must, total, cost, per_head=per_head, held=held, cap=cap, floor=floor
+        )
     out = {}
     share = total / len(ranked)
     for i in ranked:

@@ -72,7 +72,8 @@ class MemoryFileMethods:
         other field is checked against them (:mod:`kvedit.memory.attached`). The file keeps
         what was forgotten (its state), the rounds, and the budget and quantizing it was saved
         with, which hold from here on; a keyword given here (``max_tokens=``, ``max_bytes=``,
-        ``forget=``, ``keep=``, ``exact_messages=``, ``protect=``, ``quantize=``, as for
+        ``forget=``, ``keep=``, ``exact_messages=``, ``protect=``, ``quantize=``,
+        ``layer_floor=``, as for
         :class:`Memory`; their older names too)
         replaces the file's (``max_tokens=None``: no budget). ``prompt=`` and ``system=`` may
         be given only as the file's (a loaded memory keeps its messages and format).
