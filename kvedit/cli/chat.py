@@ -125,6 +125,7 @@ def _budget_args(p) -> None:
         metavar="TEXT",
         help="a text never forgotten where the memory holds it (repeatable)",
     )
+    _layer_floor_arg(budget)
     _quantize_args(budget)
 
 
@@ -136,6 +137,32 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], not {text!r}") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return value
+
+
+def _layer_floor_arg(budget) -> None:
+    """``--layer-floor``: ``kvedit.Memory``'s ``layer_floor`` (checked by :func:`_layer_floor`)."""
+    budget.add_argument(
+        "--layer-floor",
+        default=None,
+        metavar="F",
+        help="a fraction in [0, 1) of each forgetting round's budget shared equally among the "
+        "global layers before one ranking across them spends the rest, so that no layer "
+        "starves (kvedit.Memory(layer_floor=); it changes what policies that rank every "
+        "layer's entries together keep, such as kvzip and learned; default 0: one ranking "
+        "alone, or a --memory file's own)",
+    )
+
+
+def _layer_floor(text: str) -> float:
+    """``--layer-floor``'s value, a number in [0, 1); a one-line :class:`UsageError` (exit
+    status 2, before the model loads) for anything else."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:  # NaN fails too
+        raise UsageError(f"--layer-floor must be a number in [0, 1), not {text!r}")
     return value
 
 
@@ -192,7 +219,8 @@ def _budget(args) -> dict:
     before the model loads, where an option needs a budget that is not given."""
     budgeted = any(v is not None for v in (args.max_tokens, args.max_bytes, args.keep))
     needs = [("--forget", args.forget), ("--recent-tokens", args.recent_tokens)]
-    needs.append(("--protect", args.protect))
+    floor = None if args.layer_floor is None else _layer_floor(args.layer_floor)
+    needs += [("--protect", args.protect), ("--layer-floor", floor)]
     given = [name for name, value in needs if value is not None]
     if given and not budgeted:
         raise UsageError(
@@ -219,5 +247,6 @@ def _budget(args) -> dict:
         "recent_tokens": args.recent_tokens,
         "protect": None if args.protect is None else list(args.protect),
         "quantize": args.quantize,
+        "layer_floor": floor,
     }
     return {k: v for k, v in keywords.items() if v is not None}  # Memory's defaults for the rest

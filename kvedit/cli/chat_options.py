@@ -43,8 +43,8 @@ would hold more (kvedit.Memory's budget: the first tokens, the system message, t
 after its cost. --quantize holds the messages before the last --exact-messages in fewer bits,
 with or without a budget. With --focus under a budget each global layer keeps one choice of
 tokens for all its KV heads (what focus reads). The file keeps both: a later run goes on under
-them, and an option given again replaces the file's (--forget, --recent-tokens and --protect
-with --max-tokens or --max-bytes). A budget the memory can never hold (under its sliding
+them, and an option given again replaces the file's (--forget, --recent-tokens, --protect and
+--layer-floor with --max-tokens or --max-bytes). A budget the memory can never hold (under its sliding
 windows, its protected part and one token more) is refused at start.
 """
 """The epilog of ``kvedit chat --help`` (:mod:`kvedit.cli.chat_loop`'s commands)."""

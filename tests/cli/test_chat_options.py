@@ -103,3 +103,28 @@ def test_keep_without_an_existing_memory_file_is_refused_before_the_model_loads(
         assert status == 2 and "--keep 0.25: a fraction of the entries the memory holds" in err
     status, out, err = _run(monkeypatch, capsys, "hello\n", "--keep", "1.5")
     assert status == 2 and "--keep: must be in (0, 1], not 1.5" in err, err
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.0", "nan", "half"])
+def test_a_bad_layer_floor_is_refused_in_one_line_before_the_model_loads(
+    monkeypatch, capsys, value
+):
+    monkeypatch.setattr("kvedit.models.load_model", lambda *a, **k: pytest.fail("loaded"))
+    status, out, err = _run(
+        monkeypatch, capsys, "hello\n", "--max-tokens", "200", "--layer-floor", value
+    )
+    assert status == 2 and err.strip().splitlines() == [
+        f"kvedit chat: error: --layer-floor must be a number in [0, 1), not {value!r}"
+    ], err
+    status, out, err = _run(monkeypatch, capsys, "hello\n", "--layer-floor", "0.5")
+    assert status == 2 and "--layer-floor without a budget" in err, err
+
+
+def test_layer_floor_reaches_the_memory_and_its_file(monkeypatch, capsys, tmp_path, tiny):
+    monkeypatch.setattr("kvedit.models.load_model", lambda *a, **k: tiny)
+    path = tmp_path / "mem.kv"
+    floored = ["--memory", str(path), "--max-tokens", "400", "--layer-floor", "0.5"]
+    assert _run(monkeypatch, capsys, "hello\n", *floored)[0] == 0
+    assert Memory.load(path, *tiny).budget.layer_floor == 0.5
+    assert _run(monkeypatch, capsys, "again\n", "--memory", str(path))[0] == 0  # the file's
+    assert Memory.load(path, *tiny).budget.layer_floor == 0.5
