@@ -13,7 +13,8 @@ The budget is ``--budgets``: ``none`` (no budget), a size (``16MiB``, ``2MiB``, 
 README and ``docs/memory.md`` show) or a fraction (``0.25``: a quarter of the bytes the memory
 allocates without a budget at the last turn, measured on the ``none`` run). Greedy decoding,
 the chat's defaults (``kvedit chat``'s system prompt in the README, 128 new tokens);
-``--repeat-penalty`` as the chat's option of that name.
+``--repeat-penalty`` as the chat's option of that name; ``--layer-floor`` as ``kvedit chat
+--layer-floor`` (``kvedit.Memory(layer_floor=)``, recorded per row and shown as ``floor``).
 
 Usage: ``python -m benchmarks.chat_lockin --policies learned,kvzip --budgets none,16MiB
 --threads 1 --out runs/chat_lockin.json``
@@ -31,6 +32,8 @@ import torch
 from benchmarks.common import add_model, command_line, markdown_table, parser, write_json
 from kvedit import Memory
 from kvedit.cli.arguments import byte_size
+from kvedit.errors import InvalidInputError
+from kvedit.memory.budget_checks import checked_layer_floor
 from kvedit.models import load_model
 
 SYSTEM = "You are a helpful assistant. Remember what the user tells you."
@@ -121,10 +124,13 @@ def run_chat(
     max_bytes: int | None,
     new_tokens: int,
     repetition_penalty: float = 1.0,
+    layer_floor: float = 0.0,
 ) -> dict:
     """One scripted chat; the answers and the measures (``repetition_penalty``: as
-    ``kvedit chat --repeat-penalty``, 1.0 off)."""
+    ``kvedit chat --repeat-penalty``, 1.0 off; ``layer_floor``: ``Memory``'s, under a budget)."""
     kw = {} if max_bytes is None else {"max_bytes": max_bytes, "forget": policy}
+    if max_bytes is not None:
+        kw["layer_floor"] = layer_floor
     mem = Memory(model, tok, system=SYSTEM, **kw)
     answers, asked = [], []
     t0 = time.perf_counter()
@@ -138,6 +144,7 @@ def run_chat(
         "policy": policy if max_bytes is not None else None,
         "max_bytes": max_bytes,
         "repetition_penalty": repetition_penalty,
+        "layer_floor": layer_floor if max_bytes is not None else None,
         "turns": len(turns),
         "distinct_answers": len(set(answers)),
         "longest_run": longest_run(answers),
@@ -158,7 +165,7 @@ def budgets_of(text: str) -> list[str]:
     return [b.strip() for b in text.split(",") if b.strip()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser():
     p = parser(__doc__)
     add_model(p)
     p.add_argument("--policies", default="learned,kvzip,knorm,window", help="forgetting policies")
@@ -172,9 +179,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1.0,
         help="as kvedit chat --repeat-penalty (1.0: off, greedy decoding's default)",
     )
+    p.add_argument(
+        "--layer-floor",
+        type=float,
+        default=0.0,
+        help="as kvedit chat --layer-floor: the fraction of each round's budget shared equally "
+        "among the global layers first (0: one ranking alone)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--out", default="runs/chat_lockin.json", help="JSON output")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:  # refused before the model loads
+        floor = checked_layer_floor(args.layer_floor, "--layer-floor")
+    except InvalidInputError as e:
+        raise SystemExit(str(e)) from None
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
@@ -196,16 +218,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             max_bytes = byte_size("--budgets")(budget)
         for policy in args.policies.split(","):
-            row = run_chat(
-                model, tok, turns, policy, max_bytes, args.new_tokens, args.repeat_penalty
-            )
+            how = (args.new_tokens, args.repeat_penalty, floor)
+            row = run_chat(model, tok, turns, policy, max_bytes, *how)
             row["budget"] = budget
             rows.append(row)
             _progress(row, budget)
-    table = markdown_table(
+    print("\n".join(_table(rows)))
+    write_json(
+        args.out, {"command": command_line(__file__, argv), "model": args.model, "rows": rows}
+    )
+    return 0
+
+
+def _table(rows: list[dict]) -> list[str]:
+    """The rows as a markdown table (``floor``: ``layer_floor``, ``-`` without a budget)."""
+    return markdown_table(
         [
             "budget",
             "policy",
+            "floor",
             "distinct answers",
             "longest run",
             "facts recalled",
@@ -215,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             [
                 r.get("budget", "none"),
                 r["policy"] or "-",
+                "-" if r["layer_floor"] is None else f"{r['layer_floor']:g}",
                 f"{r['distinct_answers']}/{r['turns']}",
                 r["longest_run"],
                 f"{r['recalled']}/{r['facts_asked']}",
@@ -223,11 +255,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in rows
         ],
     )
-    print("\n".join(table))
-    write_json(
-        args.out, {"command": command_line(__file__, argv), "model": args.model, "rows": rows}
-    )
-    return 0
 
 
 def _progress(row: dict, budget: str) -> None:
