@@ -158,14 +158,30 @@ def _recall(rows: Sequence[dict], key: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("all", *BUCKETS):
         mine = [r[key] for r in rows if name in ("all", r["bucket"])]
-        out[name] = [sum(mine), len(mine)]
+        out[name] = [int(sum(mine)), len(mine)]
     return out
+
+
+def scored(facts, where, served: Sequence[dict], local: Sequence[str]) -> list[dict]:
+    """Each fact with the group it was stated in, both answers and whether each is right."""
+    from kvedit.evals.metrics import best_subspan_em
+
+    return [
+        {
+            **f,
+            "group": where[f["message"] - 1],
+            "served": q.get("answer", ""),
+            "served_correct": int(best_subspan_em(q.get("answer", ""), f["answers"])),
+            "in_process": a,
+            "in_process_correct": int(best_subspan_em(a, f["answers"])),
+            "refused": q.get("refused"),
+        }
+        for f, q, a in zip(facts, served, local, strict=True)
+    ]
 
 
 def run_seed(model, tok, seed: int, args, budget: int) -> dict:
     """One seed: the conversation served, then in process."""
-    from kvedit.evals.metrics import best_subspan_em
-
     messages, facts = stretched(seed, args.facts, args.filler)
     system = messages[0][1]
 
@@ -185,18 +201,7 @@ def run_seed(model, tok, seed: int, args, budget: int) -> dict:
     serve_s = time.perf_counter() - t1
     local = in_process(model, tok, system, groups, questions, args, budget)
     turns = served["turns"]
-    rows = [
-        {
-            **f,
-            "group": where[f["message"] - 1],
-            "served": q.get("answer", ""),
-            "served_correct": best_subspan_em(q.get("answer", ""), f["answers"]),
-            "in_process": a,
-            "in_process_correct": best_subspan_em(a, f["answers"]),
-            "refused": q.get("refused"),
-        }
-        for f, q, a in zip(facts, served["questions"], local["answers"], strict=True)
-    ]
+    rows = scored(facts, where, served["questions"], local["answers"])
     engine = [(r.get("served") or 0) + (r.get("computed") or 0) for r in turns]
     requests = turns + served["questions"]
     return {
