@@ -107,7 +107,7 @@ def rank_keep(
     kept = need.clone()
     sizes = [heads * n if per_head else n for heads, n in (shapes[i] for i in order)]
     if floor > 0 and order:
-        spent += _floor(flat, price, kept, sizes, floor * budget / len(order))
+        spent += _floor(flat, price, kept, sizes, floor * budget / len(order), budget - spent)
     free = (~kept & ~torch.isnan(flat)).nonzero().flatten()
     if len(free):
         ranked = free[torch.argsort(flat[free], descending=True, stable=True)]
@@ -154,16 +154,23 @@ def _under_cap(ranked: torch.Tensor, kept: torch.Tensor, group: torch.Tensor, ca
 
 
 def _floor(
-    flat: torch.Tensor, price: torch.Tensor, kept: torch.Tensor, sizes: list[int], part: float
+    flat: torch.Tensor,
+    price: torch.Tensor,
+    kept: torch.Tensor,
+    sizes: list[int],
+    part: float,
+    left: float,
 ) -> float:
     """Keep (in ``kept``, in place) each layer's best free units while the layer's kept units
-    cost at most ``part`` (``sizes``: each layer's units in ``flat``, in order); returns what
-    the units it added cost."""
+    cost at most ``part`` and all it adds at most ``left`` (what the budget has left after the
+    protected units: one layer's protected units may already exceed its part, so the parts
+    alone do not bound the sum); ``sizes``: each layer's units in ``flat``, in order. Returns
+    what the units it added cost."""
     added, start = 0.0, 0
     for size in sizes:
         sl = slice(start, start + size)
         start += size
-        room = part - float(price[sl][kept[sl]].sum())
+        room = min(part - float(price[sl][kept[sl]].sum()), left - added)
         free = (~kept[sl] & ~torch.isnan(flat[sl])).nonzero().flatten()
         if room <= 0 or not len(free):
             continue

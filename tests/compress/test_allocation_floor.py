@@ -55,3 +55,11 @@ def test_a_floor_out_of_range_is_refused(floor):
     scores, must, cost = _two_layers()
     with pytest.raises(InvalidInputError, match="floor"):
         rank_keep(scores, must, 4, cost, floor=floor)
+
+
+def test_a_floor_never_spends_past_the_budget_when_one_layer_must_keep_more_than_its_part():
+    scores, must, cost = _two_layers()
+    must[0] = torch.tensor([True, True, True, True, True, False])  # 5 of a budget of 6
+    kept = rank_keep(scores, must, 6, cost, floor=0.9)  # each layer's part: 2.7
+    assert int(kept[0].sum() + kept[1].sum()) <= 6
+    assert kept[0][:5].all() and int(kept[1].sum()) == 1  # the one entry left goes to layer 1
