@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import InvalidInputError
 from ..states.state import KVState
 from .budget import Budget
 from .forgetting import Round
@@ -89,9 +90,14 @@ def fold_turn(
             ``"always"`` (module docstring).
 
     Raises:
-        InvalidInputError: the protected part alone exceeds the budget.
+        InvalidInputError: the protected part alone exceeds the budget, ``start`` is not in
+            the state, or no turns are given under a budget.
         StateAlteredError: the state's layers do not hold the kept scores' slots.
     """
+    if not 0 <= start <= len(state):
+        raise InvalidInputError(f"start={start} is not in the {len(state)}-token state")
+    if budget is not None and not turns:
+        raise InvalidInputError("a fold under a budget needs the turns (at least the last one)")
     t0 = time.perf_counter()
     scores = arrived(budget, state, scores, start, len(state))
     scoring = time.perf_counter() - t0 if scores is not None else 0.0

@@ -11,9 +11,11 @@ server's memories both follow.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kvedit
+from kvedit.errors import InvalidInputError
 from kvedit.memory.folding import fold_turn, system_turns
 from kvedit.memory.repositioning import is_compact
 from kvedit.states.capturing import extend_ids
@@ -83,3 +85,13 @@ def test_settle_compacts_only_a_budget_that_repositions_always(llama):
             settle=True,
         )  # fmt: skip
         assert is_compact(done.state) is compact
+
+
+def test_a_fold_of_tokens_not_in_the_state_or_without_turns_is_refused(llama):
+    model, tok = llama
+    mem = _budgeted(model, tok)
+    state, rendering = mem.state, mem._rendering
+    with pytest.raises(InvalidInputError, match="start=99"):
+        fold_turn(mem.budget, state, None, 99, mem.turns, mem.messages, rendering)
+    with pytest.raises(InvalidInputError, match="needs the turns"):
+        fold_turn(mem.budget, state, None, 0, [], mem.messages, rendering)

@@ -58,8 +58,9 @@ def appended(
     positions = torch.arange(base.next_position, base.next_position + keep)
     layers = []
     for i, layer in enumerate(base.layers):
-        k = saved.keys[i][:keep].transpose(0, 1)[None]
-        v = saved.values[i][:keep].transpose(0, 1)[None]
+        # vLLM's K/V are read back to the CPU; the memory lives on the served model's device
+        k = saved.keys[i][:keep].transpose(0, 1)[None].to(layer.keys.device)
+        v = saved.values[i][:keep].transpose(0, 1)[None].to(layer.values.device)
         if movers is not None:
             k = movers[i].move(k, torch.full((keep,), shift, dtype=torch.long))
         layers.append(layer.append(k, v, index, positions))
@@ -80,8 +81,17 @@ def closed(state: KVState, full: Rendering) -> KVState:
     served model at the memory's next positions: the answer's last sampled token and the
     template's closing tokens, which vLLM has no K/V for until the next turn. So a memory
     holds after a turn exactly the tokens :meth:`kvedit.Memory.ask` commits (the whole
-    conversation), and forgets at the same point."""
+    conversation), and forgets at the same point.
+
+    Raises:
+        KVEditError: ``state``'s tokens are not a prefix of ``full``'s.
+    """
     n = len(state)
+    if state.token_ids.tolist() != full.ids[:n]:
+        raise KVEditError(
+            f"the memory's {n} tokens are not a prefix of the conversation rendered with the "
+            "answer: nothing is appended after the wrong tokens"
+        )
     if n == len(full.ids):
         return state
     return extend_ids(state, full.ids[n:], full.offsets[n:], full.text)

@@ -12,11 +12,13 @@ the engine's positions) and written as the worker writes them.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kvedit
 from kvedit import rope
-from kvedit.integrations.vllm import turns
+from kvedit.errors import KVEditError
+from kvedit.integrations.vllm import committing, turns
 from kvedit.integrations.vllm.conversations import MEMORIES, Conversations
 from kvedit.memory.rendering import Message
 from kvedit.states.capturing import empty_state, extend_ids
@@ -112,3 +114,18 @@ def test_a_later_system_message_keeps_its_whole_turn(llama, tmp_path):
     for layer in served.layers:
         held = set(layer.token_index.tolist())
         assert set(range(start, end)) <= held, "the later system message's markup was forgotten"
+
+
+def test_closing_a_turn_refuses_a_rendering_the_memory_is_not_a_prefix_of(llama):
+    """Nothing is appended after the wrong tokens: a memory whose tokens are not where the
+    conversation rendered with the answer starts is refused, not extended."""
+    model, tok = llama
+    mem = kvedit.Memory(model, tok, system=SYSTEM)
+    mem.add("user", USERS[0])
+    other = kvedit.Memory(model, tok, system=SYSTEM)
+    other.add("user", USERS[1])
+    full = other.renderer.render([*other.messages, Message("assistant", "Yes.")])
+    with pytest.raises(KVEditError, match="not a prefix"):
+        committing.closed(mem.state, full)
+    same = mem.renderer.render([*mem.messages, Message("assistant", "Yes.")])
+    assert len(committing.closed(mem.state, same)) == len(same.ids)
