@@ -319,7 +319,7 @@ SAVING_SUFFIX = ".kvedit-saving"
 """What a memory file's saving lock adds to its name (after a leading dot)."""
 
 
-_BUDGET_ONLY = ("forget", "recent_tokens", "protect", "keep", "layer_floor")
+_BUDGET_ONLY = ("forget", "recent_tokens", "protect", "keep", "layer_floor", "reposition")
 """A file's keywords that mean nothing without its budget (dropped with ``max_tokens=None``)."""
 
 

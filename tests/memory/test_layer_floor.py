@@ -119,3 +119,12 @@ def test_a_bad_floor_in_a_file_is_refused_by_name(flat, tmp_path, value):
         check_fields(attachment, path, len(found.tensors["token_ids"]))
     with pytest.raises(InvalidInputError, match=r"budget\.layer_floor must be a number in \[0"):
         Budget.from_json(attachment["budget"])
+
+
+def test_loading_without_a_budget_drops_the_files_reposition_too(flat, tmp_path):
+    """Found beside the floor: a file's ``reposition`` was kept with ``max_tokens=None`` and
+    refused as ``reposition=`` without a budget."""
+    model, tok = flat
+    mem = kvedit.Memory(model, tok, system=SYSTEM, max_tokens=MAX_TOKENS, reposition="always")
+    path = mem.save(tmp_path / "mem.kv")
+    assert kvedit.Memory.load(path, model, tok, max_tokens=None).budget is None
