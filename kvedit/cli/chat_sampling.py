@@ -20,7 +20,9 @@ both bundled models, with it neither did (reports/memory/chat_lockin.md)."""
 
 def sampling_args(p) -> None:
     """Add the sampling options to the chat's parser ``p``."""
-    group = p.add_argument_group("sampling (default: greedy, the most likely token each step)")
+    group = p.add_argument_group(
+        "sampling (default: greedy, the most likely token each step after the repeat penalty)"
+    )
     group.add_argument(
         "--temperature",
         type=finite("--temperature"),
@@ -74,7 +76,7 @@ def sampling_of(args) -> dict:
         raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed must be in [0, 2**63), not {args.seed}")
-    penalty = getattr(args, "repeat_penalty", 1.0)
+    penalty = args.repeat_penalty
     if not 0 < penalty <= 10:
         raise UsageError(f"--repeat-penalty must be in (0, 10] (1: off), not {penalty}")
     out = {"do_sample": True, "temperature": t, "top_p": args.top_p, "seed": args.seed} if t else {}
