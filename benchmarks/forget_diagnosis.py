@@ -52,6 +52,8 @@ Allocations (``--allocations``), each keeping ``round(b * n) * layers`` entries 
   the largest of its word's, as today);
 * ``heads``: one ranking of (layer, KV head, token): a head keeps what it needs (KVzip's and
   kvpress's ``KVzipPress`` default). Realized here as a per-head mask (accuracy only).
+* ``tokens``: the same tokens on every layer and head (an entry's score its largest over
+  them), as a served memory keeps (``keep="token"``).
 
 The memory's rounds as they are (the fourth row of the diagnosis) are ``kvedit eval memory
 --methods reconstruct`` on the same conversations.
@@ -86,7 +88,7 @@ FIRSTS = 4
 """Each message's leading tokens kept by ``--protect firsts``."""
 PROTECTS = ("none", "template", "firsts")
 COUNTS = ("global", "own")
-ALLOCATIONS = ("layer", "layers", "layers+words", "heads")
+ALLOCATIONS = ("layer", "layers", "layers+words", "heads", "tokens")
 
 
 def allocate(
@@ -105,6 +107,9 @@ def allocate(
             for j, i in enumerate(layers)
         }
     rows = {i: scores[i].amax(dim=0).masked_fill(protected, inf) for i in layers}
+    if how == "tokens":  # one choice of tokens for every layer and head (served memories')
+        best = torch.stack([rows[i] for i in layers]).amax(dim=0)
+        return {i: _top(best, per_layer)[None].expand(heads, n) for i in layers}
     if how == "layer":
         return {i: _top(rows[i], per_layer)[None].expand(heads, n) for i in layers}
     kept = _top(torch.cat([rows[i] for i in layers]), per_layer * len(layers))

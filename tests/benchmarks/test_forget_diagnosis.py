@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.forget_diagnosis import baseline_scores, own_per_layer, structure
+from benchmarks.forget_diagnosis import allocate, baseline_scores, own_per_layer, structure
 
 
 class _S(SimpleNamespace):
@@ -49,3 +49,14 @@ def test_structure_firsts_and_template():
     template = structure(memory, "template", 10)
     assert template.tolist() == [True, True, False, True, True, True, False, False, True, True]
     assert not structure(memory, "none", 10).any()
+
+
+def test_the_tokens_allocation_keeps_one_choice_on_every_layer_and_head():
+    scores = {
+        0: torch.tensor([[5.0, 0.5, 0, 1], [0, 0, 0, 0]]),
+        1: torch.tensor([[0.0, 0, 4, 0], [0, 0, 4, 0]]),
+    }
+    protected = torch.tensor([False, False, False, True])
+    kept = allocate(scores, protected, 3, "tokens")
+    want = [True, False, True, True]  # the protected one, then the best over layers and heads
+    assert all(k[h].tolist() == want for k in kept.values() for h in range(2))
