@@ -106,13 +106,15 @@ def rank_keep(
         )
     kept = need.clone()
     sizes = [heads * n if per_head else n for heads, n in (shapes[i] for i in order)]
+    capped = None if cap is None else (_groups(shapes, order, per_head), cap)
     if floor > 0 and order:
-        spent += _floor(flat, price, kept, sizes, floor * budget / len(order), budget - spent)
+        part = floor * budget / len(order)
+        spent += _floor(flat, price, kept, sizes, part, budget - spent, capped)
     free = (~kept & ~torch.isnan(flat)).nonzero().flatten()
     if len(free):
         ranked = free[torch.argsort(flat[free], descending=True, stable=True)]
-        if cap is not None:
-            ranked = ranked[_under_cap(ranked, kept, _groups(shapes, order, per_head), cap)]
+        if capped is not None:
+            ranked = ranked[_under_cap(ranked, kept, *capped)]
         fits = torch.cumsum(price[ranked], 0) <= budget - spent + 1e-9
         kept[ranked[fits]] = True
     out, start = {}, 0
@@ -160,12 +162,14 @@ def _floor(
     sizes: list[int],
     part: float,
     left: float,
+    capped: tuple[torch.Tensor, int] | None = None,
 ) -> float:
     """Keep (in ``kept``, in place) each layer's best free units while the layer's kept units
     cost at most ``part`` and all it adds at most ``left`` (what the budget has left after the
     protected units: one layer's protected units may already exceed its part, so the parts
-    alone do not bound the sum); ``sizes``: each layer's units in ``flat``, in order. Returns
-    what the units it added cost."""
+    alone do not bound the sum), and with ``capped`` (each unit's group, the cap) no group past
+    the cap; ``sizes``: each layer's units in ``flat``, in order. Returns what the units it
+    added cost."""
     added, start = 0.0, 0
     for size in sizes:
         sl = slice(start, start + size)
@@ -175,6 +179,8 @@ def _floor(
         if room <= 0 or not len(free):
             continue
         ranked = free[torch.argsort(flat[sl][free], descending=True, stable=True)]
+        if capped is not None:
+            ranked = ranked[_under_cap(ranked + sl.start, kept, *capped)]
         fits = torch.cumsum(price[sl][ranked], 0) <= room + 1e-9
         kept[sl][ranked[fits]] = True
         added += float(price[sl][ranked[fits]].sum())

@@ -63,3 +63,9 @@ def test_a_floor_never_spends_past_the_budget_when_one_layer_must_keep_more_than
     kept = rank_keep(scores, must, 6, cost, floor=0.9)  # each layer's part: 2.7
     assert int(kept[0].sum() + kept[1].sum()) <= 6
     assert kept[0][:5].all() and int(kept[1].sum()) == 1  # the one entry left goes to layer 1
+
+
+def test_a_floor_keeps_no_layer_past_the_position_cap():
+    scores, must, cost = _two_layers()
+    kept = rank_keep(scores, must, 8, cost, floor=1.0, cap=3)  # each layer's part: 4
+    assert int(kept[0].sum()) == 3 and int(kept[1].sum()) == 3
