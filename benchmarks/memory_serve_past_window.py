@@ -29,7 +29,7 @@ asked the same grouped messages with ``max_new_tokens=1``.
 
 Run in the vLLM venv (``make vllm-setup``)::
 
-    .venv-vllm/bin/python -m benchmarks.memory_serve_past_window --seeds 1 --threads 2 \\
+    .venv-vllm/bin/python -m benchmarks.memory_serve_past_window --seeds 1 --threads 1 \\
         --out runs/memory_serve_past_window.json
 """
 
