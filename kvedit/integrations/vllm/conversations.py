@@ -44,7 +44,7 @@ from ...compress import SCORERS
 from ...errors import InvalidInputError, KVEditError
 from ...memory.budget import RECENT_TOKENS, Budget, budget_from
 from ...memory.folding import fold_turn, system_turns
-from ...memory.held import Scores
+from ...memory.held import Scores, scored_from_scratch
 from ...memory.records import MAX_MESSAGES, Turn
 from ...memory.rendering import Message, Rendering, check_readable, renderer_for
 from ...memory.smallest import NEVER_HOLDS, smallest_budget, system_head
@@ -298,6 +298,9 @@ class Conversations:
             Turn(len(plan.messages), "assistant", said.content, plan.held, end, "computed", 0),
         )
         scores = parent.scores if parent is not None else None
+        if scores is None and len(base):  # a memory kept without this policy's scores (made
+            # without a budget, or by another policy), as Memory.load scores a file's
+            scores = scored_from_scratch(plan.budget, base)
         done = fold_turn(plan.budget, state, scores, plan.held, turns, messages, full, settle=True)
         return done.state, done.scores, done.forgot
 
