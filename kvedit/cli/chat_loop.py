@@ -327,6 +327,8 @@ class ChatLoop:
                 else f"{budget.max_tokens:,} entries a global layer on average"
             )
             heads = ", each KV head its own" if budget.per_head else ""
+            if budget.layer_floor:
+                heads += f", {budget.layer_floor:g} of each round's room shared among the layers"
             head += (
                 f", holds at most {most} (forgets by {budget.policy}{heads}, the last "
                 f"{budget.recent_tokens} tokens kept)"

@@ -124,7 +124,8 @@ def test_layer_floor_reaches_the_memory_and_its_file(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr("kvedit.models.load_model", lambda *a, **k: tiny)
     path = tmp_path / "mem.kv"
     floored = ["--memory", str(path), "--max-tokens", "400", "--layer-floor", "0.5"]
-    assert _run(monkeypatch, capsys, "hello\n", *floored)[0] == 0
+    status, out, _ = _run(monkeypatch, capsys, "hello\n", *floored)
+    assert status == 0 and "0.5 of each round's room shared among the layers" in out
     assert Memory.load(path, *tiny).budget.layer_floor == 0.5
     assert _run(monkeypatch, capsys, "again\n", "--memory", str(path))[0] == 0  # the file's
     assert Memory.load(path, *tiny).budget.layer_floor == 0.5
