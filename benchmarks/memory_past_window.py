@@ -186,12 +186,17 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = parser(__doc__)
-    add_model(p)
+def add_conversation_args(p) -> None:
+    """The stretched facts conversation's options (:func:`stretched`): seeds, facts, filler."""
     p.add_argument("--seeds", default="1,2", help="facts conversations' seeds (1,2)")
     p.add_argument("--facts", type=int, default=15, help="facts stated (15)")
     p.add_argument("--filler", type=int, default=15, help="chat pairs after each early pair (15)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    add_model(p)
+    add_conversation_args(p)
     p.add_argument("--max-tokens", type=int, default=2048, help="the memory's budget (2048)")
     p.add_argument("--forget", default=None, help="the policy (default: the memory's default)")
     p.add_argument(

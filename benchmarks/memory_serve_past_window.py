@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RUNS, add_model, command_line, markdown_table, parser, write_json
-from benchmarks.memory_past_window import stretched
+from benchmarks.memory_past_window import add_conversation_args, stretched
 from benchmarks.memory_serve import bytes_per_token, free_port, running_server
 
 START_TIMEOUT_S = 600
@@ -264,9 +264,7 @@ def table(rows: Sequence[dict], budget: int, per_token: int) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     add_model(p)
-    p.add_argument("--seeds", default="1,2", help="facts conversations' seeds (1,2)")
-    p.add_argument("--facts", type=int, default=15, help="facts stated (15)")
-    p.add_argument("--filler", type=int, default=15, help="chat pairs after each early pair (15)")
+    add_conversation_args(p)
     p.add_argument("--entries", type=int, default=2048, help="budget in entries per layer (2048)")
     p.add_argument("--forget", default="learned", help="the policy (the server's: learned)")
     p.add_argument("--group-tokens", type=int, default=400, help="tokens per sent message (400)")
